@@ -1,0 +1,418 @@
+#!/usr/bin/env python3
+"""Baseline: hivemind's DHT, measured the way p2ptrain's DHT benchmark measures its own.
+
+Usage (from the repository root, with a Python that has hivemind installed):
+
+    python benchmarks/_hivemind_dht.py --nodes 16 [--gets 500] [--kill-frac 0.3] --json
+
+What it does:
+  1. start N ``hivemind.DHT`` peers on 127.0.0.1 (each is its own process, plus its own
+     ``p2pd`` Go daemon), every peer bootstrapped from the first one; ``start_s`` is the wall
+     time of the whole start (sequential by default, as ``DHT(start=True, ...)`` does);
+  2. store ``--keys`` keys, each from a random peer, expiring in 600 s;
+  3. split the peers at random into ``ceil(kill_frac * N)`` victims and the survivors; the
+     bootstrap peer is always a victim unless ``--spare-bootstrap``;
+  4. do ``--gets`` sequential ``dht.get(key, latest=True)`` calls, each from a random survivor
+     for a random stored key, timing each one; success = value found and equal to what was stored;
+  5. SIGKILL the victims (their p2pd daemon and the DHT process), wait ``--settle`` seconds,
+     repeat step 4 from the same survivors;
+  6. shut every peer down (and SIGKILL what does not stop), leaving no process behind.
+
+With ``--json`` one JSON line goes to stdout:
+  {"impl": "hivemind", "nodes": N, "start_s": ..., "get_p50_ms": ..., "get_p99_ms": ...,
+   "get_success": ..., "after_kill": {"killed": n, "get_p50_ms": ..., "get_p99_ms": ...,
+   "get_success": ...}, ...extra fields...}
+If the start does not finish within ``--timeout`` seconds, the line has ``"error": "start timed out"``,
+``start_s`` null and ``started`` (how many peers were up); the exit code is still 0.
+Everything else (hivemind's logs, progress) goes to stderr.
+Exit codes: 0 measured (or start timed out), 3 hivemind not importable, 1 anything else.
+
+Latency percentiles are over every get attempted (misses included; a get that hit
+``--get-timeout`` counts with that time). hivemind's own logs are set to WARNING unless
+HIVEMIND_LOGLEVEL is set in the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+MAIN_PID = os.getpid()
+
+
+def _log(msg: str) -> None:
+    print(f"[hivemind-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _percentile(sorted_vals, q):
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    if not sorted_vals:
+        return None
+    if len(sorted_vals) == 1:
+        return sorted_vals[0]
+    pos = (len(sorted_vals) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+def _children_of(pid: int):
+    """PIDs whose parent is ``pid`` (read from /proc; empty where /proc is missing)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        # the command name is in parentheses and may contain spaces: split after the last ')'
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 1 and fields[1] == str(pid):
+            out.append(int(name))
+    return out
+
+
+def _pid_gone(pid: int, zombie_ok: bool = True) -> bool:
+    """True when ``pid`` no longer exists (or, with zombie_ok, is only a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return True
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return zombie_ok and bool(fields) and fields[0] in ("Z", "X")
+
+
+class Swarm:
+    """The N peers, and everything needed to make sure none of them outlives the run."""
+
+    def __init__(self, hivemind, dht_kwargs):
+        self.hivemind = hivemind
+        self.dht_kwargs = dht_kwargs
+        self.peers = []  # hivemind.DHT objects, index = peer number
+        self.dead = set()
+        self.daemon_pids = {}  # peer index -> p2pd pids seen under it
+        self._lock = threading.Lock()
+
+    def _record_daemons(self, i):
+        d = self.peers[i]
+        if d.pid is not None:
+            kids = _children_of(d.pid)
+            if kids:
+                self.daemon_pids[i] = kids
+
+    def start(self, n, timeout, parallel):
+        """Start n peers; returns (seconds, number_started, timed_out)."""
+        t0 = time.perf_counter()
+        deadline = t0 + timeout
+        first = self.hivemind.DHT(start=False, **self.dht_kwargs)
+        self.peers.append(first)
+        try:
+            first.run_in_background(await_ready=True, timeout=max(0.1, deadline - time.perf_counter()))
+        except Exception as e:  # TimeoutError, or the daemon failing to start
+            if time.perf_counter() >= deadline:
+                return time.perf_counter() - t0, 0, True
+            raise RuntimeError(f"first peer failed to start: {e!r}") from e
+        initial_peers = [str(m) for m in first.get_visible_maddrs()]
+        started = 1
+        if parallel:
+            for _ in range(n - 1):
+                if time.perf_counter() >= deadline:
+                    return time.perf_counter() - t0, started, True
+                d = self.hivemind.DHT(initial_peers=initial_peers, start=False, **self.dht_kwargs)
+                self.peers.append(d)
+                d.run_in_background(await_ready=False)
+            for d in self.peers[1:]:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return time.perf_counter() - t0, started, True
+                try:
+                    d.wait_until_ready(timeout=remaining)
+                except Exception as e:
+                    if time.perf_counter() >= deadline:
+                        return time.perf_counter() - t0, started, True
+                    raise RuntimeError(f"peer {started} failed to start: {e!r}") from e
+                started += 1
+        else:
+            for _ in range(n - 1):
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return time.perf_counter() - t0, started, True
+                d = self.hivemind.DHT(initial_peers=initial_peers, start=False, **self.dht_kwargs)
+                self.peers.append(d)
+                try:
+                    d.run_in_background(await_ready=True, timeout=remaining)
+                except Exception as e:
+                    if time.perf_counter() >= deadline:
+                        return time.perf_counter() - t0, started, True
+                    raise RuntimeError(f"peer {started} failed to start: {e!r}") from e
+                started += 1
+                if started % 16 == 0:
+                    _log(f"started {started}/{n} peers ({time.perf_counter() - t0:.1f} s)")
+        elapsed = time.perf_counter() - t0
+        for i in range(len(self.peers)):
+            self._record_daemons(i)
+        return elapsed, started, False
+
+    def kill(self, i):
+        """Crash peer i: SIGKILL its p2pd daemon(s), then its DHT process."""
+        d = self.peers[i]
+        if d.pid is None:
+            return
+        kids = _children_of(d.pid) or self.daemon_pids.get(i, [])
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        # let the DHT process reap its daemon (so no zombie is handed to init), at most 1 s
+        t_end = time.perf_counter() + 1.0
+        while kids and time.perf_counter() < t_end and not all(_pid_gone(p, zombie_ok=False) for p in kids):
+            time.sleep(0.005)
+        try:
+            d.kill()
+        except Exception:
+            pass
+        d.join(5)
+        self.dead.add(i)
+
+    def shutdown_all(self):
+        """Graceful shutdown of every live peer, in parallel; SIGKILL whatever is left."""
+        with self._lock:
+            alive = [i for i, d in enumerate(self.peers) if i not in self.dead and d.pid is not None]
+
+            def _stop(i):
+                d = self.peers[i]
+                try:
+                    if d.is_alive():
+                        d.shutdown()
+                except Exception:
+                    pass
+
+            if alive:
+                with ThreadPoolExecutor(max_workers=min(32, len(alive))) as ex:
+                    list(ex.map(_stop, alive))
+            for i in alive:
+                d = self.peers[i]
+                if d.is_alive():
+                    self.kill(i)
+                else:
+                    d.join(1)
+                    self.dead.add(i)
+            # daemons whose DHT process died without stopping them (should not happen)
+            for i, pids in self.daemon_pids.items():
+                for pid in pids:
+                    if not _pid_gone(pid):
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+
+
+def _get_phase(swarm, keys, values, getter_ids, n_gets, get_timeout, budget_s, rng):
+    """n_gets sequential gets; returns dict with latencies in ms and success fraction."""
+    lat_ms = []
+    ok = 0
+    timeouts = 0
+    errors = 0
+    t_phase = time.perf_counter()
+    for _ in range(n_gets):
+        if time.perf_counter() - t_phase > budget_s:
+            break
+        i = rng.choice(getter_ids)
+        k = rng.randrange(len(keys))
+        d = swarm.peers[i]
+        t0 = time.perf_counter()
+        try:
+            fut = d.get(keys[k], latest=True, return_future=True)
+            res = fut.result(timeout=get_timeout)
+            dt = time.perf_counter() - t0
+            if res is not None and res.value == values[k]:
+                ok += 1
+        except Exception as e:  # concurrent.futures.TimeoutError or an error from the peer
+            dt = time.perf_counter() - t0
+            if "Timeout" in type(e).__name__:
+                timeouts += 1
+                dt = max(dt, get_timeout)
+            else:
+                errors += 1
+        lat_ms.append(dt * 1000.0)
+    done = len(lat_ms)
+    s = sorted(lat_ms)
+    return {
+        "get_p50_ms": round(_percentile(s, 50), 3) if s else None,
+        "get_p99_ms": round(_percentile(s, 99), 3) if s else None,
+        "get_success": round(ok / done, 4) if done else 0.0,
+        "gets_done": done,
+        "get_timeouts": timeouts,
+        "get_errors": errors,
+        "phase_s": round(time.perf_counter() - t_phase, 3),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="hivemind DHT baseline for p2ptrain's DHT benchmark")
+    ap.add_argument("--nodes", type=int, required=True, help="number of DHT peers (>= 2)")
+    ap.add_argument("--gets", type=int, default=500, help="gets per phase (default 500)")
+    ap.add_argument("--keys", type=int, default=100, help="keys stored (default 100)")
+    ap.add_argument("--kill-frac", type=float, default=0.3, help="fraction of peers to SIGKILL (default 0.3)")
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds to wait after the kill (default 5)")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="give up starting the peers after this many seconds (default 300)")
+    ap.add_argument("--get-timeout", type=float, default=30.0, help="limit for one get, seconds (default 30)")
+    ap.add_argument("--phase-budget", type=float, default=120.0,
+                    help="stop a get phase early after this many seconds (default 120)")
+    ap.add_argument("--parallel-start", action="store_true",
+                    help="start peers 2..N without waiting for each (as hivemind's own tests do)")
+    ap.add_argument("--spare-bootstrap", action="store_true", help="never kill the first (bootstrap) peer")
+    ap.add_argument("--seed", type=int, default=None, help="random seed (peer choice, keys)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line on stdout")
+    args = ap.parse_args(argv)
+    if args.nodes < 2:
+        ap.error("--nodes must be >= 2")
+    if not 0.0 <= args.kill_frac < 1.0:
+        ap.error("--kill-frac must be in [0, 1)")
+
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    try:
+        import hivemind  # noqa: F401
+        from hivemind.utils import get_dht_time  # hivemind.get_dht_time does not exist in 1.1.x
+    except ImportError as e:
+        print(f"hivemind is not importable by {sys.executable}: {e}", file=sys.stderr)
+        return 3
+
+    # one process and a few pipes per peer: make sure the fd limit is not the bottleneck
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    except (ValueError, OSError):
+        pass
+
+    rng = random.Random(args.seed)
+    n = args.nodes
+    n_kill = min(n - 1, math.ceil(args.kill_frac * n)) if args.kill_frac > 0 else 0
+
+    # loopback only; NAT port mapping off (it would probe the LAN gateway with UPnP / NAT-PMP)
+    dht_kwargs = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+    swarm = Swarm(hivemind, dht_kwargs)
+
+    def _on_signal(signum, frame):
+        if os.getpid() != MAIN_PID:  # inherited by a forked peer: behave as if no handler were set
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, _on_signal)
+
+    result = {"impl": "hivemind", "nodes": n, "hivemind_version": getattr(hivemind, "__version__", None)}
+    try:
+        _log(f"starting {n} peers ({'parallel' if args.parallel_start else 'sequential'} start, "
+             f"timeout {args.timeout:.0f} s)")
+        start_s, started, timed_out = swarm.start(n, args.timeout, args.parallel_start)
+        result["start_mode"] = "parallel" if args.parallel_start else "sequential"
+        if timed_out:
+            _log(f"start timed out after {start_s:.1f} s with {started}/{n} peers up")
+            result.update({"start_s": None, "error": "start timed out", "started": started,
+                           "start_timeout_s": args.timeout})
+            return _emit(result, args.json, 0)
+        result["start_s"] = round(start_s, 3)
+        _log(f"{n} peers up in {start_s:.2f} s")
+
+        # store keys from random peers
+        tag = "%08x" % rng.getrandbits(32)
+        keys = [f"hmbench-{tag}-key-{k}" for k in range(args.keys)]
+        values = [f"value-{k}-{rng.getrandbits(64):016x}" for k in range(args.keys)]
+        t0 = time.perf_counter()
+        stores_ok = 0
+        storers = set()
+        for k in range(args.keys):
+            i = rng.randrange(n)
+            storers.add(i)
+            try:
+                ok = swarm.peers[i].store(keys[k], values[k],
+                                          expiration_time=get_dht_time() + 600)
+            except Exception as e:
+                _log(f"store {k} from peer {i} failed: {e!r}")
+                ok = False
+            stores_ok += bool(ok)
+        result["stores_ok"] = stores_ok
+        result["keys"] = args.keys
+        result["store_s"] = round(time.perf_counter() - t0, 3)
+        _log(f"stored {stores_ok}/{args.keys} keys in {result['store_s']:.2f} s")
+        if stores_ok == 0:
+            raise RuntimeError("no store succeeded: nothing to measure")
+
+        # victims (a mix: the bootstrap peer unless spared, key-storing peers and others) / survivors
+        pool = list(range(1, n)) if args.spare_bootstrap else list(range(n))
+        if not args.spare_bootstrap and n_kill > 0:
+            victims = [0] + rng.sample(range(1, n), n_kill - 1)
+        else:
+            victims = rng.sample(pool, n_kill)
+        victim_set = set(victims)
+        survivors = [i for i in range(n) if i not in victim_set]
+
+        before = _get_phase(swarm, keys, values, survivors, args.gets, args.get_timeout, args.phase_budget, rng)
+        result.update(before)
+        _log(f"gets: p50 {before['get_p50_ms']} ms, p99 {before['get_p99_ms']} ms, "
+             f"success {before['get_success']} ({before['gets_done']} gets)")
+
+        t0 = time.perf_counter()
+        for i in victims:
+            swarm.kill(i)
+        kill_s = time.perf_counter() - t0
+        _log(f"killed {len(victims)} peers (SIGKILL) in {kill_s:.2f} s; settling {args.settle:.0f} s")
+        time.sleep(args.settle)
+        after = _get_phase(swarm, keys, values, survivors, args.gets, args.get_timeout, args.phase_budget, rng)
+        after = {"killed": len(victims), **after, "kill_method": "SIGKILL p2pd + DHT process",
+                 "killed_bootstrap": 0 in victim_set,
+                 "killed_storers": len(victim_set & storers), "settle_s": args.settle}
+        result["after_kill"] = after
+        _log(f"after kill: p50 {after['get_p50_ms']} ms, p99 {after['get_p99_ms']} ms, "
+             f"success {after['get_success']} ({after['gets_done']} gets)")
+        return _emit(result, args.json, 0)
+    except KeyboardInterrupt as e:
+        _log(f"interrupted ({e}); shutting peers down")
+        return 130
+    finally:
+        t0 = time.perf_counter()
+        swarm.shutdown_all()
+        _log(f"all peers shut down in {time.perf_counter() - t0:.1f} s")
+
+
+def _emit(result, as_json, code):
+    if as_json:
+        print(json.dumps(result), flush=True)
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - one line, then a non-zero exit
+        print(f"hivemind DHT benchmark failed: {e!r}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,45 @@
+"""A standalone Kademlia DHT over authenticated, encrypted asyncio connections.
+
+Knows nothing of torch or training. Layers, each depending only on the ones before it:
+identity/multiaddr -> wire/noise -> transport/stream -> routing/storage -> node.
+"""
+
+from .errors import (
+    BootstrapError,
+    ConfigError,
+    DHTError,
+    HandshakeError,
+    InvalidRecord,
+    MultiaddrError,
+    PeerUnreachable,
+    ProtocolError,
+    RPCError,
+    RPCTimeout,
+)
+from .identity import Identity, PeerID
+from .multiaddr import Multiaddr
+from .node import DHTConfig, DHTNode, LookupResult, ValueWithExpiration
+from .transport import Connection, Host, Limits
+
+__all__ = [
+    "BootstrapError",
+    "ConfigError",
+    "Connection",
+    "DHTConfig",
+    "DHTError",
+    "DHTNode",
+    "HandshakeError",
+    "Host",
+    "Identity",
+    "InvalidRecord",
+    "Limits",
+    "LookupResult",
+    "Multiaddr",
+    "MultiaddrError",
+    "PeerID",
+    "PeerUnreachable",
+    "ProtocolError",
+    "RPCError",
+    "RPCTimeout",
+    "ValueWithExpiration",
+]

@@ -1,0 +1,463 @@
+"""DHTNode: a Kademlia peer — bootstrap, iterative lookups, store/get, replication, liveness.
+
+This is the asyncio shell around the sans-IO pieces: ``routing.RoutingTable`` and ``routing.Lookup``
+decide whom to ask, ``storage.RecordStore`` decides what to keep, ``transport.Host`` moves bytes.
+Every background task (maintenance, liveness pings, republish) is owned by the node and cancelled by
+``close()``.
+
+Values are any msgpack-able object. A key holds either one value or a dictionary of sub-keys, each
+with its own expiration (used for group matchmaking and progress reports). Keys and sub-keys that
+contain ``[owner:<PeerID>]`` (see ``DHTNode.owned``) can only be written by that peer: every node
+checks the signature before storing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple
+
+from .errors import BootstrapError, DHTError, InvalidRecord, PeerUnreachable, ProtocolError
+from .identity import Identity, PeerID
+from .multiaddr import Multiaddr
+from .routing import Contact, Lookup, RoutingTable, key_id, node_id_of
+from .storage import Record, RecordStore, merge_records, owned_name, owner_of, sign_record, validate_record
+from .transport import Connection, Host, Limits
+from .wire import pack, unpack
+
+log = logging.getLogger("dht.node")
+
+
+class ValueWithExpiration(NamedTuple):
+    value: Any
+    expiration: float
+
+
+@dataclass
+class LookupResult:
+    """What a value lookup found, and how: ``hops`` is the depth of the first peer that had it."""
+
+    records: list[Record]
+    hops: int = 0
+    queried: int = 0
+    closest: list[Contact] = field(default_factory=list)
+
+
+@dataclass
+class DHTConfig:
+    k: int = 20
+    alpha: int = 3
+    rpc_timeout: float = 2.0
+    bootstrap_timeout: float = 10.0
+    refresh_interval: float = 600.0  # buckets not looked up for this long get a random lookup
+    republish_interval: float = 600.0  # stored records are re-replicated to the k closest this often
+    maintenance_period: float = 5.0
+    max_value_size: int = 64 * 1024
+    max_records: int = 100_000
+    max_records_per_source: int = 2_000
+    max_ttl: float = 86_400.0
+
+
+def _key_bytes(key: str | bytes) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+def _encode_contacts(contacts: Iterable[Contact]) -> list:
+    return [[c.peer_id.to_bytes(), c.addr[0], c.addr[1]] for c in contacts if c.addr is not None]
+
+
+def _decode_contacts(obj: Any, limit: int) -> list[Contact]:
+    if not isinstance(obj, list):
+        raise ProtocolError("malformed peer list")
+    out = []
+    for item in obj[:limit]:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], str) and isinstance(item[2], int)):
+            raise ProtocolError("malformed peer entry")
+        if not (0 < item[2] < 65536) or len(item[1]) > 255:
+            raise ProtocolError("malformed peer address")
+        try:
+            peer = PeerID(item[0])
+        except (ValueError, TypeError):
+            raise ProtocolError("malformed peer id") from None
+        out.append(Contact(peer, (item[1], item[2])))
+    return out
+
+
+class DHTNode:
+    """One Kademlia peer. ``listen=None`` runs it in client mode (no inbound connections)."""
+
+    def __init__(
+        self,
+        identity: Identity | None = None,
+        listen: tuple[str, int] | None = ("127.0.0.1", 0),
+        *,
+        config: DHTConfig | None = None,
+        limits: Limits | None = None,
+        announce_host: str | None = None,
+        prologue: bytes | None = None,
+    ):
+        self.identity = identity or Identity()
+        self.peer_id = self.identity.peer_id
+        self.config = config or DHTConfig()
+        kw = {"prologue": prologue} if prologue is not None else {}
+        self.host = Host(self.identity, listen, limits=limits, announce_host=announce_host, **kw)
+        self.node_id = node_id_of(self.peer_id)
+        self.routing = RoutingTable(self.node_id, k=self.config.k)
+        self.storage = RecordStore(
+            max_value_size=self.config.max_value_size,
+            max_records=self.config.max_records,
+            max_records_per_source=self.config.max_records_per_source,
+            max_ttl=self.config.max_ttl,
+        )
+        self._originated: dict[tuple[bytes, bytes | None], Record] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._maintenance: asyncio.Task | None = None
+        self._rng = random.Random()
+        self._last_republish = time.monotonic()
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def multiaddrs(self) -> list[Multiaddr]:
+        return self.host.listen_addrs
+
+    @property
+    def client_mode(self) -> bool:
+        return self.host.client_mode
+
+    async def start(self, bootstrap: Iterable[Multiaddr | str] = ()) -> None:
+        """Listen, then join through ``bootstrap``; with no bootstrap this is the first peer.
+
+        Raises BootstrapError (and cleans up) when none of the bootstrap peers answers within
+        ``config.bootstrap_timeout``.
+        """
+        h = self.host
+        h.on_request("ping", self._rpc_ping)
+        h.on_request("find_node", self._rpc_find_node)
+        h.on_request("find_value", self._rpc_find_value)
+        h.on_request("store", self._rpc_store)
+        h.on_connect.append(self._on_connect)
+        await h.start()
+        self._started = True
+        addrs = [Multiaddr.parse(a) if isinstance(a, str) else a for a in bootstrap]
+        try:
+            if addrs:
+                await self._bootstrap(addrs)
+        except BaseException:
+            await self.close()
+            raise
+        self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+
+    async def _bootstrap(self, addrs: list[Multiaddr]) -> None:
+        errors: list[str] = []
+
+        async def reach(addr: Multiaddr) -> bool:
+            try:
+                conn = await self.host.connect_addr(addr, timeout=self.config.bootstrap_timeout)
+                await conn.call("ping", None, timeout=self.config.rpc_timeout)
+                self._learn(conn)
+                return True
+            except (DHTError, OSError) as e:
+                errors.append(f"{addr}: {e}")
+                return False
+
+        try:
+            async with asyncio.timeout(self.config.bootstrap_timeout + 1):
+                results = await asyncio.gather(*(reach(a) for a in addrs))
+        except TimeoutError:
+            results = []
+        if not any(results):
+            detail = "; ".join(errors) or "timed out"
+            raise BootstrapError(
+                f"could not reach any bootstrap peer within {self.config.bootstrap_timeout:.0f} s ({detail}); "
+                "check the address and that the peer is running"
+            )
+        # Kademlia join: look ourselves up to fill the near buckets; the far ones are refreshed
+        # in the background (``_maintain``) so that start() returns as soon as we are routable.
+        await self._lookup_nodes(self.node_id)
+
+    async def close(self) -> None:
+        """Cancel every task this node owns and close all connections."""
+        tasks = list(self._tasks)
+        if self._maintenance is not None:
+            tasks.append(self._maintenance)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._started:
+            await self.host.close()
+
+    async def __aenter__(self) -> DHTNode:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ routing table upkeep
+
+    def _on_connect(self, conn: Connection) -> None:
+        self._learn(conn)
+
+    def _learn(self, conn: Connection) -> None:
+        """Add the peer behind ``conn`` to the routing table if it accepts inbound connections."""
+        if conn.remote_peer is None or conn.remote_listen_port is None or conn.remote_host is None:
+            return
+        self._add_contact(Contact(conn.remote_peer, (conn.remote_host, conn.remote_listen_port)))
+
+    def _add_contact(self, contact: Contact) -> None:
+        if contact.peer_id == self.peer_id:
+            return
+        stale = self.routing.update(contact, time.monotonic())
+        if stale is not None:
+            self._spawn(self._check_liveness(stale))
+
+    async def _check_liveness(self, contact: Contact) -> None:
+        """A full bucket met a new peer: keep the old one if it still answers (Kademlia favours
+        long-lived peers), else evict it and let the newcomer in from the replacement cache."""
+        try:
+            await self.host.call(contact.peer_id, contact.addr, "ping", None, self.config.rpc_timeout)
+            self.routing.update(contact, time.monotonic())
+        except DHTError:
+            self.routing.remove(contact.peer_id)
+
+    async def _call(self, contact: Contact, method: str, args: Any) -> Any:
+        try:
+            result = await self.host.call(contact.peer_id, contact.addr, method, args, self.config.rpc_timeout)
+        except DHTError:
+            self.routing.mark_failed(contact.peer_id)
+            raise
+        self._add_contact(Contact(contact.peer_id, contact.addr))
+        return result
+
+    # ------------------------------------------------------------------ RPC handlers (untrusted input)
+
+    async def _rpc_ping(self, conn: Connection, args: Any) -> Any:
+        self._learn(conn)
+        return None
+
+    def _target(self, args: Any) -> int:
+        if not (isinstance(args, bytes) and len(args) == 32):
+            raise ProtocolError("target must be 32 bytes")
+        return int.from_bytes(args, "big")
+
+    async def _rpc_find_node(self, conn: Connection, args: Any) -> Any:
+        self._learn(conn)
+        target = self._target(args)
+        return _encode_contacts(self.routing.closest(target, self.config.k, exclude={conn.remote_peer}))
+
+    async def _rpc_find_value(self, conn: Connection, args: Any) -> Any:
+        self._learn(conn)
+        if not (isinstance(args, bytes) and len(args) <= 1024):
+            raise ProtocolError("key must be bytes of at most 1024")
+        records = self.storage.get(args, time.time())
+        closest = self.routing.closest(key_id(args), self.config.k, exclude={conn.remote_peer})
+        return [[r.to_wire() for r in records], _encode_contacts(closest)]
+
+    async def _rpc_store(self, conn: Connection, args: Any) -> Any:
+        self._learn(conn)
+        if not (isinstance(args, list) and len(args) <= 256):
+            raise ProtocolError("store takes a list of at most 256 records")
+        now = time.time()
+        results = []
+        for item in args:
+            try:
+                results.append(self.storage.store(Record.from_wire(item), now, source=conn.remote_peer))
+            except InvalidRecord as e:
+                results.append(str(e)[:200])
+        return results
+
+    # ------------------------------------------------------------------ lookups
+
+    async def _run_lookup(self, target: int, method: str, arg: bytes, want_records: bool,
+                          latest: bool) -> LookupResult:
+        lookup = Lookup(target, self.routing.closest(target, self.config.k), self.config.k,
+                        self.config.alpha, own_peer=self.peer_id)
+        result = LookupResult(records=[])
+        if want_records:
+            local = self.storage.get(arg, time.time())
+            if local:
+                result.records.extend(local)
+                if not latest:
+                    return result
+        pending: dict[asyncio.Task, Contact] = {}
+        found_from = 0
+        try:
+            while True:
+                for contact in lookup.next_queries():
+                    pending[self._spawn(self._call(contact, method, arg))] = contact
+                if not pending or lookup.finished:
+                    break
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    contact = pending.pop(task)
+                    try:
+                        reply = task.result()
+                        if want_records:
+                            if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
+                                raise ProtocolError("malformed find_value reply")
+                            records = [Record.from_wire(r) for r in reply[0][:1000]]
+                            found = _decode_contacts(reply[1], self.config.k)
+                            if records:
+                                result.records.extend(records)
+                                found_from += 1
+                                result.hops = result.hops or lookup.depth(contact)
+                        else:
+                            found = _decode_contacts(reply, self.config.k)
+                        lookup.on_response(contact, found)
+                    except (DHTError, InvalidRecord) as e:
+                        if isinstance(e, (ProtocolError, InvalidRecord)):
+                            log.debug("bad reply from %s: %s", contact.peer_id, e)
+                        lookup.on_failure(contact)
+                if want_records and found_from and not latest:
+                    lookup.stop()
+        finally:
+            for task in pending:
+                task.cancel()
+        result.closest = lookup.result()
+        result.queried = lookup.queried
+        self.routing.touch(target, time.monotonic())
+        return result
+
+    async def _lookup_nodes(self, target: int) -> list[Contact]:
+        return (await self._run_lookup(target, "find_node", target.to_bytes(32, "big"), False, False)).closest
+
+    async def find_peers(self, target: int) -> list[Contact]:
+        """The k contacts closest to ``target`` (a 256-bit id) that answered."""
+        return await self._lookup_nodes(target)
+
+    # ------------------------------------------------------------------ public API
+
+    def owned(self, name: str) -> str:
+        """``name`` with this peer's owner marker: only this peer may write that key or sub-key."""
+        return owned_name(name.encode(), self.peer_id).decode()
+
+    async def store(self, key: str | bytes, value: Any, expiration: float,
+                    subkey: str | None = None) -> int:
+        """Store ``value`` under ``key`` (or ``key[subkey]``) until the unix time ``expiration``.
+
+        Replicates to the k closest peers and republishes until expiry. Returns how many peers
+        (this one included) accepted the record; raises InvalidRecord for a record no peer would
+        accept (too large, expired, owned by another peer).
+        """
+        kb = _key_bytes(key)
+        sb = subkey.encode() if subkey is not None else None
+        record = Record(kb, sb, pack(value), float(expiration))
+        owner = owner_of(kb) or owner_of(sb)
+        if owner is not None:
+            if owner != self.peer_id:
+                raise InvalidRecord(f"cannot write {key!r}: it is owned by another peer ({owner})")
+            record = sign_record(record, self.identity)
+        validate_record(record, time.time(), self.storage.max_value_size, self.storage.max_key_size,
+                        self.storage.max_ttl)
+        self._originated[(kb, sb)] = record
+        return await self._replicate([record])
+
+    async def _replicate(self, records: list[Record]) -> int:
+        """Send records (all under one key) to the k closest peers and keep a local copy."""
+        key = records[0].key
+        accepted = 0
+        try:
+            if all(self.storage.store(r, time.time()) for r in records):
+                accepted += 1
+        except InvalidRecord:
+            pass
+        closest = await self._lookup_nodes(key_id(key))
+        wire = [r.to_wire() for r in records]
+
+        async def send(contact: Contact) -> bool:
+            try:
+                reply = await self._call(contact, "store", wire)
+                return isinstance(reply, list) and any(x is True for x in reply)
+            except DHTError:
+                return False
+
+        results = await asyncio.gather(*(send(c) for c in closest))
+        return accepted + sum(results)
+
+    async def lookup_value(self, key: str | bytes, latest: bool = False) -> LookupResult:
+        """Find records under ``key``. ``latest=False`` stops at the first peer that has some;
+        ``latest=True`` asks all k closest peers and merges (freshest value per sub-key)."""
+        kb = _key_bytes(key)
+        result = await self._run_lookup(key_id(kb), "find_value", kb, True, latest)
+        now = time.time()
+        result.records = [r for r in merge_records(result.records) if r.expiration > now]
+        return result
+
+    async def get(self, key: str | bytes, latest: bool = False) -> ValueWithExpiration | dict[str, ValueWithExpiration] | None:
+        """The value under ``key``: a ValueWithExpiration, a dict sub-key -> ValueWithExpiration,
+        or None when nothing unexpired is found. Values that fail to decode are skipped."""
+        result = await self.lookup_value(key, latest)
+        return self.decode(result.records)
+
+    @staticmethod
+    def decode(records: list[Record]) -> ValueWithExpiration | dict[str, ValueWithExpiration] | None:
+        if not records:
+            return None
+        if len(records) == 1 and records[0].subkey is None:
+            r = records[0]
+            try:
+                return ValueWithExpiration(unpack(r.value), r.expiration)
+            except ProtocolError:
+                return None
+        out: dict[str, ValueWithExpiration] = {}
+        for r in records:
+            if r.subkey is None:
+                continue
+            try:
+                out[r.subkey.decode(errors="replace")] = ValueWithExpiration(unpack(r.value), r.expiration)
+            except ProtocolError:
+                continue
+        return out
+
+    # ------------------------------------------------------------------ maintenance
+
+    async def _maintain(self) -> None:
+        # The first tick refreshes every bucket (they start untouched), filling the far ones.
+        while True:
+            await asyncio.sleep(self.config.maintenance_period)
+            try:
+                self.storage.remove_expired(time.time())
+                await self._refresh()
+                if time.monotonic() - self._last_republish >= self.config.republish_interval:
+                    self._last_republish = time.monotonic()
+                    await self.republish()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # maintenance must survive anything a peer did to us
+                log.exception("DHT maintenance failed; retrying next period")
+
+    async def _refresh(self) -> None:
+        targets = self.routing.buckets_to_refresh(time.monotonic(), self.config.refresh_interval, self._rng)
+        await asyncio.gather(*(self._lookup_nodes(t) for t in targets), return_exceptions=True)
+
+    async def republish(self) -> None:
+        """Re-replicate what we hold, so records survive the death of the peers that stored them."""
+        now = time.time()
+        for name, rec in list(self._originated.items()):
+            if rec.expiration <= now:
+                del self._originated[name]
+        by_key: dict[bytes, list[Record]] = {}
+        for rec in self.storage.records():
+            if rec.expiration > now:
+                by_key.setdefault(rec.key, []).append(rec)
+        sem = asyncio.Semaphore(8)
+
+        async def one(records: list[Record]) -> None:
+            async with sem:
+                try:
+                    await self._replicate(records)
+                except DHTError:
+                    pass
+
+        await asyncio.gather(*(one(rs[i : i + 256]) for rs in by_key.values() for i in range(0, len(rs), 256)))

@@ -1,0 +1,291 @@
+"""Kademlia routing table and iterative lookup state, with no I/O.
+
+Nothing here sends a packet or reads a clock: callers pass ``now`` and feed in responses. That keeps
+the protocol logic deterministic, so it is tested by simulating hundreds of nodes in memory (the
+h11 approach), and the networking layer stays a thin driver around it.
+
+Node ids are SHA-256 of the PeerID bytes rather than the PeerID itself: Ed25519 PeerIDs share a long
+constant prefix, so hashing spreads them uniformly over the 256-bit id space, as Kademlia assumes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import heapq
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from .identity import PeerID
+
+ID_BITS = 256
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def node_id_of(peer_id: PeerID) -> int:
+    """The position of a peer in the 256-bit id space (cached: every contact we decode needs it)."""
+    return int.from_bytes(hashlib.sha256(peer_id.to_bytes()).digest(), "big")
+
+
+def key_id(key: bytes) -> int:
+    """The position of a record key in the id space (same hash as peers, so they are comparable)."""
+    return int.from_bytes(hashlib.sha256(key).digest(), "big")
+
+
+def distance(a: int, b: int) -> int:
+    """Kademlia's XOR metric."""
+    return a ^ b
+
+
+@dataclass(eq=False)
+class Contact:
+    """A peer we know of. ``addr`` None means a client-mode peer: it can call us, but not be called."""
+
+    peer_id: PeerID
+    addr: tuple[str, int] | None
+    node_id: int = field(init=False)
+    last_seen: float = 0.0
+    failures: int = 0
+
+    def __post_init__(self) -> None:
+        self.node_id = node_id_of(self.peer_id)
+
+    def __repr__(self) -> str:
+        return f"Contact({self.peer_id.short()}, {self.addr})"
+
+
+class KBucket:
+    """Up to k contacts, least-recently-seen first, plus a cache of replacements.
+
+    Kademlia prefers old contacts (long-lived peers tend to stay up), so a newcomer to a full bucket
+    waits in the replacement cache and only gets a slot when a resident fails.
+    """
+
+    def __init__(self, k: int):
+        self.k = k
+        self.contacts: OrderedDict[PeerID, Contact] = OrderedDict()
+        self.replacements: OrderedDict[PeerID, Contact] = OrderedDict()
+        self.last_touched = 0.0  # 0.0 = never: a fresh table refreshes everything once
+
+    def is_full(self) -> bool:
+        return len(self.contacts) >= self.k
+
+    def add_replacement(self, contact: Contact) -> None:
+        self.replacements.pop(contact.peer_id, None)
+        self.replacements[contact.peer_id] = contact  # newest last
+        while len(self.replacements) > self.k:
+            self.replacements.popitem(last=False)
+
+    def remove(self, peer_id: PeerID) -> None:
+        """Drop a contact and promote the most recently seen replacement into its slot."""
+        self.replacements.pop(peer_id, None)
+        if self.contacts.pop(peer_id, None) is not None and self.replacements:
+            _, promoted = self.replacements.popitem(last=True)
+            promoted.failures = 0
+            self.contacts[promoted.peer_id] = promoted
+
+
+class RoutingTable:
+    """Contacts grouped by the length of the id prefix they share with us (one bucket per length)."""
+
+    def __init__(self, own_id: int, k: int = 20, max_failures: int = 2):
+        self.own_id = own_id
+        self.k = k
+        self.max_failures = max_failures
+        self.buckets = [KBucket(k) for _ in range(ID_BITS)]
+
+    def bucket_index(self, node_id: int) -> int:
+        """Shared-prefix length with our id; ``ID_BITS`` for our own id (never stored)."""
+        return ID_BITS - (self.own_id ^ node_id).bit_length()
+
+    def _bucket_of(self, peer_id: PeerID) -> KBucket | None:
+        index = self.bucket_index(node_id_of(peer_id))
+        return self.buckets[index] if index < ID_BITS else None
+
+    def update(self, contact: Contact, now: float) -> Contact | None:
+        """Record that we heard from ``contact``.
+
+        Returns the bucket's least-recently-seen contact when the bucket is full: the caller should
+        ping it and call ``remove`` if it does not answer (the newcomer, cached meanwhile, takes its
+        place). Returns None otherwise.
+        """
+        index = self.bucket_index(contact.node_id)
+        if contact.addr is None or index >= ID_BITS:
+            return None
+        bucket = self.buckets[index]
+        bucket.last_touched = now
+        known = bucket.contacts.get(contact.peer_id)
+        if known is not None:
+            known.addr, known.last_seen, known.failures = contact.addr, now, 0
+            bucket.contacts.move_to_end(contact.peer_id)
+            return None
+        contact.last_seen, contact.failures = now, 0
+        if not bucket.is_full():
+            bucket.replacements.pop(contact.peer_id, None)
+            bucket.contacts[contact.peer_id] = contact
+            return None
+        bucket.add_replacement(contact)
+        return next(iter(bucket.contacts.values()))
+
+    def remove(self, peer_id: PeerID) -> None:
+        bucket = self._bucket_of(peer_id)
+        if bucket is not None:
+            bucket.remove(peer_id)
+
+    def mark_failed(self, peer_id: PeerID) -> bool:
+        """Count a failed request; evict after ``max_failures`` (one timeout may be a hiccup)."""
+        contact = self.get(peer_id)
+        if contact is None:
+            return False
+        contact.failures += 1
+        if contact.failures >= self.max_failures:
+            self.remove(peer_id)
+            return True
+        return False
+
+    def get(self, peer_id: PeerID) -> Contact | None:
+        bucket = self._bucket_of(peer_id)
+        return None if bucket is None else bucket.contacts.get(peer_id)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return isinstance(peer_id, PeerID) and self.get(peer_id) is not None
+
+    def __len__(self) -> int:
+        return sum(len(b.contacts) for b in self.buckets)
+
+    def __iter__(self) -> Iterator[Contact]:
+        for bucket in self.buckets:
+            if bucket.contacts:
+                yield from bucket.contacts.values()
+
+    def closest(
+        self, target: int, count: int, exclude: Iterable[PeerID] = frozenset()
+    ) -> list[Contact]:
+        """The ``count`` contacts nearest to ``target`` by exact XOR distance."""
+        excluded = set(exclude)
+        candidates = (c for c in self if c.peer_id not in excluded)
+        return heapq.nsmallest(count, candidates, key=lambda c: c.node_id ^ target)
+
+    def touch(self, target_id: int, now: float) -> None:
+        """Note a lookup into ``target_id``'s bucket, so it need not be refreshed for a while."""
+        index = self.bucket_index(target_id)
+        if index < ID_BITS:
+            self.buckets[index].last_touched = now
+
+    def buckets_to_refresh(self, now: float, interval: float, rng: random.Random) -> list[int]:
+        """A random lookup target for each stale bucket, up to the deepest non-empty one.
+
+        Deeper buckets cover ranges too small to hold any peer, so refreshing them is wasted work.
+        """
+        deepest = max((i for i, b in enumerate(self.buckets) if b.contacts), default=-1)
+        targets = []
+        for index in range(deepest + 1):
+            if now - self.buckets[index].last_touched >= interval:
+                free_bits = ID_BITS - 1 - index  # bits below the first differing one
+                targets.append(self.own_id ^ ((1 << free_bits) | rng.getrandbits(free_bits)))
+        return targets
+
+
+_NEW, _IN_FLIGHT, _RESPONDED, _FAILED = range(4)
+
+
+class Lookup:
+    """The state of one iterative, alpha-parallel Kademlia lookup for ``target``.
+
+    The driver loops: send ``next_queries()``, feed each answer to ``on_response`` or
+    ``on_failure``, until ``finished``. The lookup ends once the k closest live contacts it knows
+    have all answered, which is what makes the result the true k closest with high probability.
+    """
+
+    def __init__(
+        self,
+        target: int,
+        initial: list[Contact],
+        k: int = 20,
+        alpha: int = 3,
+        own_peer: PeerID | None = None,
+    ):
+        self.target = target
+        self.k = k
+        self.alpha = alpha
+        self.own_peer = own_peer
+        self._contacts: dict[PeerID, Contact] = {}
+        self._state: dict[PeerID, int] = {}
+        self._depth: dict[PeerID, int] = {}
+        self._order: list[tuple[int, PeerID]] = []  # (distance, peer) sorted, failed ones removed
+        self._in_flight = 0
+        self._stopped = False
+        for contact in initial:
+            self._add(contact, 1)
+
+    def _add(self, contact: Contact, depth: int) -> None:
+        peer = contact.peer_id
+        if peer in self._contacts or peer == self.own_peer or contact.addr is None:
+            return
+        self._contacts[peer] = contact
+        self._state[peer] = _NEW
+        self._depth[peer] = depth
+        bisect.insort(self._order, (contact.node_id ^ self.target, peer))
+
+    def _window(self) -> list[PeerID]:
+        """The k closest known contacts that have not failed."""
+        return [peer for _, peer in self._order[: self.k]]
+
+    def next_queries(self) -> list[Contact]:
+        if self._stopped:
+            return []
+        queries = []
+        for peer in self._window():
+            if self._in_flight >= self.alpha:
+                break
+            if self._state[peer] == _NEW:
+                self._state[peer] = _IN_FLIGHT
+                self._in_flight += 1
+                queries.append(self._contacts[peer])
+        return queries
+
+    def _settle(self, contact: Contact, state: int) -> bool:
+        peer = contact.peer_id
+        if self._state.get(peer) != _IN_FLIGHT:
+            return False  # unknown, or answered twice: ignore
+        self._state[peer] = state
+        self._in_flight -= 1
+        return True
+
+    def on_response(self, contact: Contact, found: list[Contact]) -> None:
+        if not self._settle(contact, _RESPONDED):
+            return
+        depth = self._depth[contact.peer_id] + 1
+        for new in found:
+            self._add(new, depth)
+
+    def on_failure(self, contact: Contact) -> None:
+        if self._settle(contact, _FAILED):
+            self._order.remove((contact.node_id ^ self.target, contact.peer_id))
+
+    @property
+    def finished(self) -> bool:
+        if self._stopped:
+            return True
+        return self._in_flight == 0 and all(self._state[p] != _NEW for p in self._window())
+
+    def stop(self) -> None:
+        """End early (e.g. once a value is found): no further queries are issued."""
+        self._stopped = True
+
+    def result(self) -> list[Contact]:
+        """The k closest contacts that answered."""
+        responded = (p for _, p in self._order if self._state[p] == _RESPONDED)
+        return [self._contacts[p] for _, p in zip(range(self.k), responded)]
+
+    def depth(self, contact: Contact) -> int:
+        """The hop at which we learned of ``contact`` (1 = it was in our own table)."""
+        return self._depth[contact.peer_id]
+
+    @property
+    def queried(self) -> int:
+        """How many contacts were asked so far (a cost measure for tests and logs)."""
+        return sum(1 for s in self._state.values() if s != _NEW)

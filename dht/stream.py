@@ -1,0 +1,185 @@
+"""Bulk byte streams multiplexed on a peer connection, with credit-based flow control.
+
+RPC bodies go through msgpack; tensors and checkpoint chunks must not. A ``Stream`` carries raw
+buffers in frames of up to 1 MiB, and each direction has a receive window (like yamux/HTTP2): the
+sender may have at most ``window`` unread bytes outstanding, so a slow consumer bounds the memory a
+fast producer can make it hold, per stream, instead of growing an unbounded queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import struct
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from .errors import PeerUnreachable, ProtocolError, RPCTimeout
+from .wire import MAX_FRAME_BODY, Kind
+
+if TYPE_CHECKING:
+    from .identity import PeerID
+    from .transport import Connection
+
+WINDOW_BODY = struct.Struct(">I")
+
+
+class StreamReset(PeerUnreachable):
+    """The stream was reset by the remote side or its connection died."""
+
+
+class Stream:
+    """One bidirectional byte stream. Write with ``write``/``write_eof``, read with ``read`` or
+    ``async for chunk in stream``; chunks are memoryviews the consumer may keep."""
+
+    def __init__(self, conn: Connection, ident: int, protocol: str, header: Any, window: int):
+        self._conn = conn
+        self.id = ident
+        self.protocol = protocol
+        self.header = header
+        self._window = window
+        self._send_credit = window
+        self._credit_event = asyncio.Event()
+        self._chunks: collections.deque[memoryview] = collections.deque()
+        self._buffered = 0  # bytes received and not yet read
+        self._unacked = 0  # bytes read but not yet returned to the sender as credit
+        self._data_event = asyncio.Event()
+        self._eof_received = False
+        self._eof_sent = False
+        self._reset_reason: str | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._conn.remote_peer
+
+    @property
+    def closed(self) -> bool:
+        return self._reset_reason is not None or (self._eof_received and self._eof_sent)
+
+    # ------------------------------------------------------------------ writing
+
+    async def write(self, data: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
+        """Send ``data`` (any contiguous buffer) without copying it through msgpack.
+
+        Waits for flow-control credit and for the socket to drain; ``timeout`` bounds each wait.
+        """
+        view = memoryview(data).cast("B")
+        while view:
+            self._check_writable()
+            if self._send_credit <= 0:
+                self._credit_event.clear()
+                await self._wait(self._credit_event, timeout, "flow-control credit")
+                continue
+            n = min(len(view), self._send_credit, MAX_FRAME_BODY)
+            self._send_credit -= n
+            self._conn.send_frame(Kind.STREAM_DATA, self.id, view[:n])
+            self.bytes_sent += n
+            view = view[n:]
+            await self._conn.drain(timeout)
+
+    def write_eof(self) -> None:
+        """Tell the remote side no more data follows (it sees the end of its reads)."""
+        if not self._eof_sent and self._reset_reason is None:
+            self._eof_sent = True
+            self._conn.send_frame(Kind.STREAM_END, self.id)
+            self._maybe_forget()
+
+    def reset(self, reason: str = "reset") -> None:
+        """Abort both directions; the remote side's pending reads and writes fail with ``reason``."""
+        if self._reset_reason is None:
+            self._conn.send_frame(Kind.STREAM_RESET, self.id, self._conn.pack(reason[:200]))
+            self._on_reset(f"reset locally: {reason}")
+
+    def _check_writable(self) -> None:
+        if self._reset_reason is not None:
+            raise StreamReset(f"stream {self.protocol!r} to {self.peer_id}: {self._reset_reason}")
+        if self._eof_sent:
+            raise ProtocolError("write after write_eof")
+
+    # ------------------------------------------------------------------ reading
+
+    async def read(self, timeout: float | None = None) -> memoryview | None:
+        """Next chunk, or None at the end of the stream. Raises StreamReset if the stream died."""
+        while not self._chunks:
+            if self._reset_reason is not None:
+                raise StreamReset(f"stream {self.protocol!r} from {self.peer_id}: {self._reset_reason}")
+            if self._eof_received:
+                return None
+            self._data_event.clear()
+            await self._wait(self._data_event, timeout, "data")
+        chunk = self._chunks.popleft()
+        self._buffered -= len(chunk)
+        self._unacked += len(chunk)
+        if self._unacked >= self._window // 2 and self._reset_reason is None:
+            self._conn.send_frame(Kind.WINDOW, self.id, WINDOW_BODY.pack(self._unacked))
+            self._unacked = 0
+        return chunk
+
+    async def read_all(self, max_size: int, timeout: float | None = None) -> bytearray:
+        """Read to the end into one buffer, refusing more than ``max_size`` bytes."""
+        out = bytearray()
+        while (chunk := await self.read(timeout)) is not None:
+            if len(out) + len(chunk) > max_size:
+                self.reset("too much data")
+                raise ProtocolError(f"stream sent more than {max_size} bytes")
+            out += chunk
+        return out
+
+    async def readinto(self, buffer: memoryview, timeout: float | None = None) -> int:
+        """Fill ``buffer`` from the stream (e.g. a tensor's memory); returns bytes written."""
+        buffer = buffer.cast("B")
+        filled = 0
+        while filled < len(buffer):
+            chunk = await self.read(timeout)
+            if chunk is None:
+                break
+            if filled + len(chunk) > len(buffer):
+                self.reset("too much data")
+                raise ProtocolError("stream sent more data than the receiving buffer holds")
+            buffer[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+        return filled
+
+    async def __aiter__(self) -> AsyncIterator[memoryview]:
+        while (chunk := await self.read()) is not None:
+            yield chunk
+
+    async def _wait(self, event: asyncio.Event, timeout: float | None, what: str) -> None:
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            raise RPCTimeout(f"stream {self.protocol!r} with {self.peer_id}: no {what} within {timeout} s") from None
+
+    # ------------------------------------------------------------------ called by the connection
+
+    def _on_data(self, chunk: memoryview) -> None:
+        if self._eof_received:
+            raise ProtocolError("stream data after end")
+        if self._buffered + self._unacked + len(chunk) > self._window:
+            raise ProtocolError("peer overran the stream's flow-control window")
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        self.bytes_received += len(chunk)
+        self._data_event.set()
+
+    def _on_window(self, credit: int) -> None:
+        self._send_credit += credit
+        self._credit_event.set()
+
+    def _on_eof(self) -> None:
+        self._eof_received = True
+        self._data_event.set()
+        self._maybe_forget()
+
+    def _on_reset(self, reason: str) -> None:
+        if self._reset_reason is None:
+            self._reset_reason = reason
+            self._chunks.clear()
+        self._data_event.set()
+        self._credit_event.set()
+        self._conn.forget_stream(self.id)
+
+    def _maybe_forget(self) -> None:
+        if self._eof_received and self._eof_sent:
+            self._conn.forget_stream(self.id)

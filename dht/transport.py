@@ -1,0 +1,654 @@
+"""Authenticated, encrypted connections between peers, with multiplexed RPC and bulk streams.
+
+``Host`` owns a listening socket (unless in client mode), one ``Connection`` per remote peer, and
+every task that serves them. A connection is an asyncio ``BufferedProtocol``: bytes land in the
+``FrameReader``'s buffers, each frame is decrypted once into a fresh buffer and dispatched. RPC
+requests run as tasks owned by their connection (cancelled when the caller sends CANCEL or the
+connection dies); bulk streams are ``stream.Stream`` objects.
+
+Everything a peer sends is untrusted: frame sizes are checked before allocation, handshakes and
+frames have deadlines (slow-loris senders are cut off), each connection has a cap on concurrent
+requests and streams, and any protocol violation closes that one connection, never the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from .errors import (
+    DHTError,
+    HandshakeError,
+    PeerUnreachable,
+    ProtocolError,
+    RPCError,
+    RPCTimeout,
+)
+from .identity import Identity, PeerID
+from .multiaddr import Multiaddr
+from .noise import CipherState, StaticKey, XXHandshake
+from .stream import WINDOW_BODY, Stream
+from .wire import (
+    HEADER_SIZE,
+    LENGTH,
+    MAX_HANDSHAKE_FRAME,
+    TAG_SIZE,
+    FrameReader,
+    Kind,
+    pack,
+    pack_header,
+    parse_header,
+    unpack,
+)
+
+log = logging.getLogger("dht.transport")
+
+DEFAULT_PROLOGUE = b"p2ptrain/noise/1"
+_HS_LEN = struct.Struct(">H")
+
+RequestHandler = Callable[["Connection", Any], Awaitable[Any]]
+StreamHandler = Callable[[Stream], Awaitable[None]]
+
+
+@dataclass
+class Limits:
+    """Per-connection and per-host bounds that keep a hostile peer from exhausting us."""
+
+    handshake_timeout: float = 10.0
+    frame_timeout: float = 30.0  # a started frame must complete within this (slow-loris guard)
+    idle_timeout: float = 300.0  # connections with nothing in flight are closed after this
+    max_concurrent_requests: int = 64  # per connection; more get a "busy" error
+    max_streams: int = 64  # per connection
+    stream_window: int = 8 << 20
+    max_connections: int = 1024
+    write_buffer_high: int = 4 << 20
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One secure connection. Created by ``Host``; use ``call`` and ``open_stream``."""
+
+    def __init__(self, host: Host, initiator: bool, expected_peer: PeerID | None = None):
+        self.host = host
+        self.initiator = initiator
+        self.expected_peer = expected_peer
+        self.remote_peer: PeerID | None = None  # set once the handshake proves it
+        self.remote_host: str | None = None
+        self.remote_listen_port: int | None = None
+        self.ready: asyncio.Future[Connection] = host.loop.create_future()
+        self._transport: asyncio.Transport | None = None
+        self._hs = XXHandshake(
+            host.identity,
+            initiator,
+            prologue=host.prologue,
+            expected_peer=expected_peer,
+            local_payload={"port": host.listen_port},
+            static=host.static_key,
+        )
+        self._hs_buf = bytearray()
+        self._hs_inbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._hs_expected = 1 if initiator else 2
+        self._early_frames: list[bytes] = []
+        self._reader = FrameReader()
+        self._send: CipherState | None = None
+        self._recv: CipherState | None = None
+        self._next_id = 1 if initiator else 2  # odd ids for the dialer, even for the listener
+        self._calls: dict[int, asyncio.Future] = {}
+        self._serving: dict[int, asyncio.Task] = {}
+        self._streams: dict[int, Stream] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._write_ok = asyncio.Event()
+        self._write_ok.set()
+        self._closed = False
+        self.close_reason: str | None = None
+        now = time.monotonic()
+        self.last_activity = now
+        self.partial_since: float | None = None
+        self.opened_at = now
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ------------------------------------------------------------------ protocol callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peername = transport.get_extra_info("peername")
+        if peername:
+            self.remote_host = peername[0]
+        self._transport.set_write_buffer_limits(high=self.host.limits.write_buffer_high)
+        if not self.host.accepting_connection(self):
+            return
+        self._spawn(self._handshake())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._hs_expected:
+            self._hs_chunk = bytearray(MAX_HANDSHAKE_FRAME + 2)
+            return memoryview(self._hs_chunk)
+        return self._reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        # Whatever a peer sends, only this connection can fail because of it.
+        try:
+            self.bytes_received += nbytes
+            now = time.monotonic()
+            self.last_activity = now
+            if self._hs_expected:
+                self._on_handshake_bytes(memoryview(self._hs_chunk)[:nbytes])
+                return
+            for frame in self._reader.buffer_updated(nbytes):
+                if self._closed:
+                    return
+                self._on_frame(frame)
+            self.partial_since = (self.partial_since or now) if self._reader.partial else None
+        except ProtocolError as e:
+            self.close(str(e), abort=True)
+        except Exception as e:  # a bug must not take the event loop down with it
+            log.exception("internal error on connection to %s", self.remote_peer)
+            self.close(f"internal error: {e!r}", abort=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._teardown(self.close_reason or (f"connection lost: {exc}" if exc else "connection closed by peer"))
+
+    def pause_writing(self) -> None:
+        self._write_ok.clear()
+
+    def resume_writing(self) -> None:
+        self._write_ok.set()
+
+    # ------------------------------------------------------------------ handshake
+
+    async def _handshake(self) -> None:
+        hs = self._hs
+        try:
+            async with asyncio.timeout(self.host.limits.handshake_timeout):
+                if self.initiator:
+                    self._write_hs(hs.write_message())
+                    hs.read_message(await self._hs_inbox.get())
+                    self._write_hs(hs.write_message())
+                else:
+                    hs.read_message(await self._hs_inbox.get())
+                    self._write_hs(hs.write_message())
+                    hs.read_message(await self._hs_inbox.get())
+        except TimeoutError:
+            self._fail_handshake("handshake timed out")
+            return
+        except HandshakeError as e:
+            self._fail_handshake(str(e))
+            return
+        self._send, self._recv = hs.send_cipher, hs.recv_cipher
+        self.remote_peer = hs.remote_peer
+        port = hs.remote_payload.get("port")
+        self.remote_listen_port = port if isinstance(port, int) and 0 < port < 65536 else None
+        self._hs = None  # type: ignore[assignment]  # drop ephemeral keys
+        early, self._early_frames = self._early_frames, []
+        try:
+            for frame in early:
+                self._on_frame(memoryview(frame))
+        except ProtocolError as e:
+            self.close(str(e), abort=True)
+            return
+        if self._closed:
+            return
+        self.host.connection_ready(self)
+        if not self.ready.done():
+            self.ready.set_result(self)
+
+    def _fail_handshake(self, reason: str) -> None:
+        log.info("handshake with %s failed: %s", self.remote_host, reason)
+        if not self.ready.done():
+            self.ready.set_exception(HandshakeError(reason))
+        self.close(reason, abort=True)
+
+    def _write_hs(self, message: bytes) -> None:
+        if self._transport is not None and not self._closed:
+            self._transport.write(_HS_LEN.pack(len(message)) + message)
+
+    def _on_handshake_bytes(self, data: memoryview) -> None:
+        self._hs_buf += data
+        if len(self._hs_buf) > 2 * (MAX_HANDSHAKE_FRAME + 2):
+            raise HandshakeError("handshake message too large (not a p2ptrain peer?)")
+        while self._hs_expected and len(self._hs_buf) >= 2:
+            (n,) = _HS_LEN.unpack_from(self._hs_buf)
+            if n > MAX_HANDSHAKE_FRAME:
+                raise HandshakeError("handshake message too large (not a p2ptrain peer?)")
+            if len(self._hs_buf) < 2 + n:
+                return
+            self._hs_inbox.put_nowait(bytes(self._hs_buf[2 : 2 + n]))
+            del self._hs_buf[: 2 + n]
+            self._hs_expected -= 1
+        if not self._hs_expected and self._hs_buf:
+            rest, self._hs_buf = bytes(self._hs_buf), bytearray()
+            self._early_frames.extend(self._reader.feed(rest))
+
+    # ------------------------------------------------------------------ frames in
+
+    def _on_frame(self, frame: memoryview) -> None:
+        if self._recv is None:
+            if len(self._early_frames) >= 16:
+                raise ProtocolError("too many frames before the handshake completed")
+            self._early_frames.append(bytes(frame))
+            return
+        header = bytes(frame[:HEADER_SIZE])
+        kind, _flags, ident = parse_header(header)
+        body_len = len(frame) - HEADER_SIZE - TAG_SIZE
+        if body_len < 0:
+            raise ProtocolError("frame shorter than its authentication tag")
+        body = bytearray(body_len)
+        self._recv.decrypt_into(header, frame[HEADER_SIZE:], body)
+        view = memoryview(body)
+        if kind is Kind.REQUEST:
+            self._on_request(ident, view)
+        elif kind is Kind.RESPONSE or kind is Kind.ERROR:
+            fut = self._calls.get(ident)
+            if fut is not None and not fut.done():
+                if kind is Kind.RESPONSE:
+                    fut.set_result(unpack(view))
+                else:
+                    reason = unpack(view)
+                    fut.set_exception(RPCError(f"{self.remote_peer}: {reason if isinstance(reason, str) else 'error'}"))
+        elif kind is Kind.CANCEL:
+            task = self._serving.get(ident)
+            if task is not None:
+                task.cancel()
+        elif kind is Kind.STREAM_OPEN:
+            self._on_stream_open(ident, view)
+        else:
+            stream = self._streams.get(ident)
+            if stream is None:
+                return  # late frames of a stream we already closed: harmless
+            if kind is Kind.STREAM_DATA:
+                stream._on_data(view)
+            elif kind is Kind.STREAM_END:
+                stream._on_eof()
+            elif kind is Kind.WINDOW:
+                if len(view) != WINDOW_BODY.size:
+                    raise ProtocolError("malformed window update")
+                stream._on_window(WINDOW_BODY.unpack(view)[0])
+            elif kind is Kind.STREAM_RESET:
+                reason = unpack(view) if view else "reset"
+                stream._on_reset(f"reset by peer: {reason if isinstance(reason, str) else 'reset'}")
+            elif kind is Kind.GOAWAY:
+                self.close("peer is going away")
+
+    def _on_request(self, ident: int, body: memoryview) -> None:
+        if ident in self._serving:
+            raise ProtocolError("request id reused while in flight")
+        msg = unpack(body)
+        if not (isinstance(msg, list) and len(msg) == 2 and isinstance(msg[0], str)):
+            raise ProtocolError("malformed request")
+        method, args = msg
+        if len(self._serving) >= self.host.limits.max_concurrent_requests:
+            self.send_frame(Kind.ERROR, ident, pack("busy: too many concurrent requests"))
+            return
+        handler = self.host._handlers.get(method)
+        if handler is None:
+            self.send_frame(Kind.ERROR, ident, pack(f"unknown method {method!r}"))
+            return
+        task = self._spawn(self._serve(ident, method, handler, args))
+        self._serving[ident] = task
+
+    async def _serve(self, ident: int, method: str, handler: RequestHandler, args: Any) -> None:
+        try:
+            result = await handler(self, args)
+            self.send_frame(Kind.RESPONSE, ident, pack(result))
+        except asyncio.CancelledError:
+            pass
+        except (DHTError, ValueError, TypeError, KeyError) as e:
+            # Includes schema errors from validating the peer's arguments: report, do not crash.
+            self.send_frame(Kind.ERROR, ident, pack(f"{method}: {e}"[:500]))
+        except Exception:
+            log.exception("handler %s failed", method)
+            self.send_frame(Kind.ERROR, ident, pack(f"{method}: internal error"))
+        finally:
+            self._serving.pop(ident, None)
+
+    def _on_stream_open(self, ident: int, body: memoryview) -> None:
+        if ident in self._streams or (ident % 2 == 1) != (not self.initiator):
+            raise ProtocolError("bad stream id")
+        msg = unpack(body)
+        if not (isinstance(msg, list) and len(msg) == 2 and isinstance(msg[0], str)):
+            raise ProtocolError("malformed stream open")
+        protocol, header = msg
+        handler = self.host._stream_handlers.get(protocol)
+        if handler is None or len(self._streams) >= self.host.limits.max_streams:
+            reason = f"unknown protocol {protocol!r}" if handler is None else "too many streams"
+            self.send_frame(Kind.STREAM_RESET, ident, pack(reason))
+            return
+        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window)
+        self._streams[ident] = stream
+        self._spawn(self._serve_stream(stream, handler))
+
+    async def _serve_stream(self, stream: Stream, handler: StreamHandler) -> None:
+        try:
+            await handler(stream)
+            stream.write_eof()
+        except asyncio.CancelledError:
+            stream.reset("cancelled")
+        except DHTError as e:
+            stream.reset(str(e)[:200])
+        except Exception:
+            log.exception("stream handler %s failed", stream.protocol)
+            stream.reset("internal error")
+
+    # ------------------------------------------------------------------ frames out
+
+    def pack(self, obj: Any) -> bytes:
+        return pack(obj)
+
+    def send_frame(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
+        """Encrypt ``body`` straight into a frame buffer and hand it to the socket."""
+        if self._closed or self._send is None or self._transport is None:
+            raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
+        header = pack_header(kind, ident)
+        n = len(body)
+        out = bytearray(LENGTH.size + HEADER_SIZE + n + TAG_SIZE)
+        LENGTH.pack_into(out, 0, HEADER_SIZE + n + TAG_SIZE)
+        out[LENGTH.size : LENGTH.size + HEADER_SIZE] = header
+        self._send.encrypt_into(header, body, memoryview(out)[LENGTH.size + HEADER_SIZE :])
+        self._transport.write(out)
+        self.bytes_sent += len(out)
+        self.last_activity = time.monotonic()
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until the socket's write buffer is below its high-water mark."""
+        if self._write_ok.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._write_ok.wait(), timeout)
+        except TimeoutError:
+            raise RPCTimeout(f"peer {self.remote_peer} is not reading (write stalled {timeout} s)") from None
+        if self._closed:
+            raise PeerUnreachable(f"connection to {self.remote_peer} closed ({self.close_reason})")
+
+    def _new_id(self) -> int:
+        ident = self._next_id
+        self._next_id += 2
+        if self._next_id >= 2**32:
+            raise PeerUnreachable("id space exhausted on this connection; reconnect")
+        return ident
+
+    # ------------------------------------------------------------------ public API
+
+    async def call(self, method: str, args: Any = None, timeout: float = 5.0) -> Any:
+        """Call ``method`` on the remote peer; raises RPCTimeout, RPCError or PeerUnreachable."""
+        ident = self._new_id()
+        fut = self.host.loop.create_future()
+        self._calls[ident] = fut
+        try:
+            self.send_frame(Kind.REQUEST, ident, pack([method, args]))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self._cancel_remote(ident)
+            raise RPCTimeout(f"{method} to {self.remote_peer} timed out after {timeout} s") from None
+        except asyncio.CancelledError:
+            self._cancel_remote(ident)
+            raise
+        finally:
+            self._calls.pop(ident, None)
+
+    def _cancel_remote(self, ident: int) -> None:
+        if not self._closed:
+            self.send_frame(Kind.CANCEL, ident)
+
+    async def open_stream(self, protocol: str, header: Any = None) -> Stream:
+        """Open a bulk stream served by the remote's handler for ``protocol``."""
+        if len(self._streams) >= self.host.limits.max_streams:
+            raise PeerUnreachable(f"too many open streams to {self.remote_peer}")
+        ident = self._new_id()
+        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window)
+        self._streams[ident] = stream
+        self.send_frame(Kind.STREAM_OPEN, ident, pack([protocol, header]))
+        return stream
+
+    def forget_stream(self, ident: int) -> None:
+        self._streams.pop(ident, None)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._calls or self._serving or self._streams)
+
+    def close(self, reason: str = "closed", abort: bool = False) -> None:
+        if self._closed:
+            return
+        self.close_reason = reason
+        if self._transport is not None:
+            if abort:
+                self._transport.abort()
+            else:
+                self._transport.close()
+        self._teardown(reason)
+
+    def _teardown(self, reason: str) -> None:
+        first = not self._closed
+        self._closed = True
+        self.close_reason = self.close_reason or reason
+        if not first:
+            return
+        err = PeerUnreachable(f"connection to {self.remote_peer or self.remote_host} closed: {self.close_reason}")
+        if not self.ready.done():
+            self.ready.set_exception(HandshakeError(self.close_reason) if self._hs is not None else err)
+            self.ready.exception()  # mark retrieved: a listener-side failure has no awaiter
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        for stream in list(self._streams.values()):
+            stream._on_reset(self.close_reason)
+        for task in list(self._tasks):
+            task.cancel()
+        self.host.connection_closed(self)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = self.host.loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+class Host:
+    """A peer's network presence: listener, connection pool, handlers, and every task they own.
+
+    ``listen=None`` is client mode: the host dials out but accepts nothing, for peers behind NAT
+    or firewalls; it can still call any method and open streams on the connections it makes.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        listen: tuple[str, int] | None = ("127.0.0.1", 0),
+        *,
+        prologue: bytes = DEFAULT_PROLOGUE,
+        limits: Limits | None = None,
+        announce_host: str | None = None,
+    ):
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.prologue = prologue
+        self.static_key = StaticKey(identity)
+        self.limits = limits or Limits()
+        self._listen = listen
+        self._announce_host = announce_host
+        self.listen_port: int | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._handlers: dict[str, RequestHandler] = {}
+        self._stream_handlers: dict[str, StreamHandler] = {}
+        self._conns: dict[PeerID, Connection] = {}  # the connection we use for calls to a peer
+        self._all: set[Connection] = set()
+        self._dialing: dict[tuple[str, int, PeerID | None], asyncio.Future[Connection]] = {}
+        self._watchdog: asyncio.Task | None = None
+        self._closed = False
+        self.on_connect: list[Callable[[Connection], None]] = []
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+
+    @property
+    def client_mode(self) -> bool:
+        return self._listen is None
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self._listen is not None:
+            host, port = self._listen
+            self._server = await self.loop.create_server(
+                lambda: Connection(self, initiator=False), host, port, reuse_address=True, backlog=1024
+            )
+            self.listen_port = self._server.sockets[0].getsockname()[1]
+        self._watchdog = self.loop.create_task(self._watch())
+
+    @property
+    def listen_addrs(self) -> list[Multiaddr]:
+        """Full multiaddrs (with /p2p/<id>) others can dial; empty in client mode."""
+        if self._server is None or self.listen_port is None:
+            return []
+        host = self._announce_host or self._listen[0]  # type: ignore[index]
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return [Multiaddr.from_host_port(host, self.listen_port, self.peer_id)]
+
+    def on_request(self, method: str, handler: RequestHandler) -> None:
+        self._handlers[method] = handler
+
+    def on_stream(self, protocol: str, handler: StreamHandler) -> None:
+        self._stream_handlers[protocol] = handler
+
+    # ------------------------------------------------------------------ connections
+
+    def connection(self, peer: PeerID) -> Connection | None:
+        conn = self._conns.get(peer)
+        return conn if conn is not None and not conn.is_closed else None
+
+    @property
+    def connections(self) -> list[Connection]:
+        return [c for c in self._conns.values() if not c.is_closed]
+
+    async def connect(
+        self, host: str, port: int, peer: PeerID | None = None, timeout: float = 5.0
+    ) -> Connection:
+        """A ready connection to ``peer`` at host:port, reusing an open one. When ``peer`` is
+        given, reaching anyone else fails with HandshakeError (no impersonation)."""
+        if self._closed:
+            raise PeerUnreachable("host is closed")
+        if peer is not None:
+            existing = self.connection(peer)
+            if existing is not None:
+                return existing
+            if peer == self.peer_id:
+                raise PeerUnreachable("refusing to dial ourselves")
+        key = (host, port, peer)
+        pending = self._dialing.get(key)
+        if pending is None:
+            pending = self.loop.create_task(self._dial(host, port, peer, timeout))  # type: ignore[assignment]
+            self._dialing[key] = pending
+            pending.add_done_callback(lambda _f: self._dialing.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _dial(self, host: str, port: int, peer: PeerID | None, timeout: float) -> Connection:
+        conn: Connection | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                _transport, conn = await self.loop.create_connection(
+                    lambda: Connection(self, initiator=True, expected_peer=peer), host, port
+                )
+                return await conn.ready
+        except TimeoutError:
+            if conn is not None:
+                conn.close("dial timed out", abort=True)
+            raise PeerUnreachable(f"dial to {host}:{port} timed out after {timeout} s") from None
+        except OSError as e:
+            raise PeerUnreachable(f"cannot reach {host}:{port}: {e.strerror or e}") from None
+
+    async def connect_addr(self, addr: Multiaddr, timeout: float = 5.0) -> Connection:
+        host = addr.host
+        if addr.host_proto.startswith("dns"):
+            family = {"dns4": socket.AF_INET, "dns6": socket.AF_INET6}.get(addr.host_proto, 0)
+            try:
+                infos = await asyncio.wait_for(
+                    self.loop.getaddrinfo(addr.host, addr.port, family=family, type=socket.SOCK_STREAM), timeout
+                )
+            except (OSError, TimeoutError) as e:
+                raise PeerUnreachable(f"cannot resolve {addr.host}: {e}") from None
+            host = infos[0][4][0]
+        return await self.connect(host, addr.port, addr.peer_id, timeout)
+
+    async def call(self, peer: PeerID, addr: tuple[str, int] | None, method: str, args: Any = None,
+                   timeout: float = 5.0) -> Any:
+        """Call ``method`` on ``peer``, dialing ``addr`` when no connection is open."""
+        conn = self.connection(peer)
+        if conn is None:
+            if addr is None:
+                raise PeerUnreachable(f"no connection to {peer} and no address to dial")
+            conn = await self.connect(addr[0], addr[1], peer, timeout)
+        return await conn.call(method, args, timeout)
+
+    # ------------------------------------------------------------------ bookkeeping (from Connection)
+
+    def accepting_connection(self, conn: Connection) -> bool:
+        if self._closed or len(self._all) >= self.limits.max_connections:
+            conn.close("too many connections", abort=True)
+            return False
+        self._all.add(conn)
+        return True
+
+    def connection_ready(self, conn: Connection) -> None:
+        peer = conn.remote_peer
+        assert peer is not None
+        current = self._conns.get(peer)
+        # Two peers dialing each other at once get two connections; both stay usable, and the
+        # newest becomes the one used for outgoing calls.
+        if current is None or current.is_closed or conn.initiator:
+            self._conns[peer] = conn
+        for callback in self.on_connect:
+            callback(conn)
+
+    def connection_closed(self, conn: Connection) -> None:
+        self._all.discard(conn)
+        peer = conn.remote_peer
+        if peer is not None and self._conns.get(peer) is conn:
+            del self._conns[peer]
+            for other in self._all:  # fall back to another open connection to the same peer
+                if other.remote_peer == peer and other._send is not None:
+                    self._conns[peer] = other
+                    break
+
+    async def _watch(self) -> None:
+        """Close connections that stall mid-frame (slow loris) or sit idle."""
+        period = min(1.0, self.limits.frame_timeout / 4, self.limits.handshake_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in list(self._all):
+                if conn.partial_since is not None and now - conn.partial_since > self.limits.frame_timeout:
+                    conn.close("peer stalled in the middle of a frame", abort=True)
+                elif not conn.busy and now - conn.last_activity > self.limits.idle_timeout:
+                    conn.close("idle")
+
+    async def close(self) -> None:
+        """Stop listening, close every connection and cancel every task this host owns."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._dialing.values()):
+            task.cancel()
+        conns = list(self._all)
+        for conn in conns:
+            conn.close("host closing")
+        tasks = [t for c in conns for t in c._tasks]
+        if self._watchdog is not None:
+            tasks.append(self._watchdog)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
