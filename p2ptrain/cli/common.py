@@ -1,0 +1,123 @@
+"""What every subcommand shares: running a coroutine on the best loop, clean Ctrl+C, one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Coroutine
+
+from dht import ConfigError, DHTError, Multiaddr
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def fail(message: str, code: int = EXIT_FAILURE) -> int:
+    print(f"p2ptrain: error: {message}", file=sys.stderr)
+    return code
+
+
+def setup_logging(verbose: int, log_json: bool = False) -> None:
+    level = logging.WARNING - 10 * min(verbose, 2)
+    fmt = '{"t":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}' if log_json \
+        else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+
+
+def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, int]]) -> int:
+    """Run ``main(stop_event)`` on uvloop when available.
+
+    The first Ctrl+C or SIGTERM sets ``stop_event`` so the command can leave cleanly; a second
+    Ctrl+C exits at once. Errors of ours become one line on stderr, never a traceback.
+    """
+
+    async def wrapper() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        presses = 0
+
+        def on_signal() -> None:
+            nonlocal presses
+            presses += 1
+            if presses > 1:
+                print("\ninterrupted again: exiting now", file=sys.stderr)
+                os._exit(EXIT_INTERRUPTED)
+            print("\nstopping (Ctrl+C again to exit at once)...", file=sys.stderr)
+            stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            return await main(stop)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    try:
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(wrapper())
+        return uvloop.run(wrapper())
+    except ConfigError as e:
+        return fail(str(e), EXIT_USAGE)
+    except DHTError as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    addr = Multiaddr.parse(text)
+    if addr.host_proto not in ("ip4", "ip6"):
+        raise ConfigError(f"--listen {text!r}: listen on an IP address (/ip4/... or /ip6/...), not a DNS name")
+    return addr.host, addr.port
+
+
+def read_bootstrap_file(path: str | os.PathLike[str]) -> list[Multiaddr]:
+    """Multiaddrs from a bootstrap file: one per line, '#' starts a comment, blank lines ignored."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read bootstrap file {path}: {e.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if line:
+            try:
+                out.append(Multiaddr.parse(line))
+            except ConfigError as e:
+                raise ConfigError(f"{path}:{number}: {e}") from None
+    return out
+
+
+def bootstrap_addrs(flags: list[str] | None, bootstrap_file: str | None) -> list[Multiaddr]:
+    """``--bootstrap`` flags win; else the bootstrap file (./bootstrap_peers.txt by default)."""
+    if flags:
+        return [Multiaddr.parse(a) for a in flags]
+    if bootstrap_file:
+        return read_bootstrap_file(bootstrap_file)
+    env = os.environ.get("P2PTRAIN_BOOTSTRAP")
+    if env:
+        return [Multiaddr.parse(a) for a in env.replace(",", " ").split()]
+    default = Path("bootstrap_peers.txt")
+    return read_bootstrap_file(default) if default.exists() else []
+
+
+async def until(stop: asyncio.Event, awaitable: Awaitable[Any]) -> Any:
+    """Await ``awaitable`` unless ``stop`` is set first (then cancel it and return None)."""
+    task = asyncio.ensure_future(awaitable)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        return None
+    finally:
+        for t in (task, stopper):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, stopper, return_exceptions=True)

@@ -1,0 +1,142 @@
+"""``p2ptrain dht``: run a DHT-only peer (e.g. a bootstrap node), or get/put one record."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+from typing import Any
+
+from dht import ConfigError, DHTConfig, DHTNode, Identity
+
+from .common import EXIT_OK, bootstrap_addrs, parse_listen, run, until
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "dht",
+        help="run a DHT-only peer (a bootstrap node), or inspect records with get/put",
+        description="Run a DHT-only peer and print its full multiaddr, for others to --bootstrap from. "
+        "With 'get' or 'put', join as a client, do one operation and exit.",
+    )
+    p.add_argument("action", nargs="?", choices=["run", "get", "put"], default="run",
+                   help="run (default): serve until Ctrl+C; get KEY; put KEY VALUE")
+    p.add_argument("args", nargs="*", help="KEY for get; KEY VALUE for put (VALUE parsed as JSON when it is JSON)")
+    p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", metavar="MULTIADDR",
+                   help="address to listen on (default: %(default)s, any free port)")
+    p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: guessed)")
+    p.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
+                   help="peer to join through (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP")
+    p.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
+    p.add_argument("--key-file", metavar="PATH",
+                   help="Ed25519 identity key (created with mode 0600 if missing; default: a fresh identity)")
+    p.add_argument("--client", action="store_true", help="client mode: accept no inbound connections")
+    p.add_argument("--subkey", help="get/put: a sub-key of KEY (dictionary entry)")
+    p.add_argument("--ttl", type=float, default=3600.0, help="put: seconds until the record expires (default: %(default)s)")
+    p.add_argument("--latest", action="store_true", help="get: ask all k closest peers and merge")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for bootstrap (default: %(default)s)")
+    p.set_defaults(func=main)
+
+
+def _guess_host() -> str:
+    """An address others on the network can likely reach (the interface of the default route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent for UDP connect
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, bytes):
+        return obj.hex()
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.action == "get" and len(args.args) != 1:
+        raise ConfigError("usage: p2ptrain dht get KEY [--subkey S] --bootstrap MULTIADDR")
+    if args.action == "put" and len(args.args) != 2:
+        raise ConfigError("usage: p2ptrain dht put KEY VALUE [--subkey S] [--ttl SECONDS] --bootstrap MULTIADDR")
+    if args.action == "run" and args.args:
+        raise ConfigError(f"unexpected arguments {' '.join(args.args)!r}; did you mean 'dht get' or 'dht put'?")
+    boot = bootstrap_addrs(args.bootstrap, args.bootstrap_file)
+    if args.action != "run" and not boot:
+        raise ConfigError("get/put need a swarm: give --bootstrap MULTIADDR (or entries in bootstrap_peers.txt)")
+    listen = None if (args.client or args.action != "run") else parse_listen(args.listen)
+    identity = Identity.load_or_create(args.key_file)
+    announce = args.announce_host
+    if listen is not None and announce is None and listen[0] in ("0.0.0.0", "::"):
+        announce = _guess_host()
+    config = DHTConfig(bootstrap_timeout=args.timeout)
+
+    async def session(stop: asyncio.Event) -> int:
+        node = DHTNode(identity, listen, config=config, announce_host=announce)
+        try:
+            if boot:
+                print(f"joining through {len(boot)} bootstrap peer(s)...", file=sys.stderr)
+            await node.start(boot)
+            if args.action == "get":
+                return await _get(node, args)
+            if args.action == "put":
+                return await _put(node, args)
+            return await _serve(node, stop, first=not boot)
+        finally:
+            await node.close()
+
+    return run(session)
+
+
+async def _get(node: DHTNode, args: argparse.Namespace) -> int:
+    value = await node.get(args.args[0], latest=args.latest or args.subkey is not None)
+    if isinstance(value, dict) and args.subkey is not None:
+        value = value.get(args.subkey)
+    if value is None:
+        print(f"not found: {args.args[0]}" + (f"[{args.subkey}]" if args.subkey else ""), file=sys.stderr)
+        return 1
+    if isinstance(value, dict):
+        out = {k: {"value": _jsonable(v.value), "expires_in": round(v.expiration - time.time(), 1)} for k, v in value.items()}
+    else:
+        out = {"value": _jsonable(value.value), "expires_in": round(value.expiration - time.time(), 1)}
+    print(json.dumps(out, indent=2))
+    return EXIT_OK
+
+
+async def _put(node: DHTNode, args: argparse.Namespace) -> int:
+    key, value = args.args
+    accepted = await node.store(key, _parse_value(value), time.time() + args.ttl, subkey=args.subkey)
+    print(json.dumps({"key": key, "subkey": args.subkey, "stored_on_peers": accepted}))
+    return EXIT_OK if accepted > 0 else 1
+
+
+async def _serve(node: DHTNode, stop: asyncio.Event, first: bool) -> int:
+    addrs = [str(a) for a in node.multiaddrs]
+    print(f"peer id: {node.peer_id}", file=sys.stderr)
+    if first:
+        print("no bootstrap peers given: this is the first peer of a new swarm", file=sys.stderr)
+    print("others can join with:", file=sys.stderr)
+    for a in addrs:
+        print(a, flush=True)  # stdout: the multiaddr alone, for scripts
+    interactive = sys.stderr.isatty()
+    while not stop.is_set():
+        await until(stop, asyncio.sleep(5.0))
+        line = f"peers in routing table: {len(node.routing)}  records held: {len(node.storage)}  " \
+               f"connections: {len(node.host.connections)}"
+        print(("\r" + line) if interactive else line, end="" if interactive else "\n", file=sys.stderr, flush=True)
+    print("\nleaving the swarm", file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,174 @@
+"""DHTNode behaviour with several nodes in one event loop (the multi-process swarm has its own file)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dht import (
+    BootstrapError,
+    DHTConfig,
+    DHTNode,
+    Identity,
+    InvalidRecord,
+    Multiaddr,
+)
+from dht.storage import Record, sign_record
+
+FAST = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.2, republish_interval=0.5)
+
+
+@pytest.fixture
+async def swarm():
+    nodes: list[DHTNode] = []
+
+    async def make(n: int, config: DHTConfig = FAST, **kw) -> list[DHTNode]:
+        if not nodes:
+            first = DHTNode(config=config)
+            await first.start()
+            nodes.append(first)
+            n -= 1
+        boot = nodes[0].multiaddrs
+        new = [DHTNode(config=config, **kw) for _ in range(n)]
+        await asyncio.gather(*(nd.start(boot) for nd in new))
+        nodes.extend(new)
+        return new
+
+    try:
+        yield make, nodes
+    finally:
+        await asyncio.gather(*(nd.close() for nd in nodes), return_exceptions=True)
+
+
+async def test_store_get_across_nodes(swarm):
+    make, nodes = swarm
+    await make(12)
+    accepted = await nodes[3].store("answer", {"x": 42}, time.time() + 60)
+    assert accepted >= min(len(nodes), FAST.k) // 2
+    for nd in nodes:
+        got = await nd.get("answer")
+        assert got is not None and got.value == {"x": 42}
+
+
+async def test_newer_value_wins_and_expiry(swarm):
+    make, nodes = swarm
+    await make(6)
+    now = time.time()
+    await nodes[1].store("k", "old", now + 30)
+    await nodes[2].store("k", "new", now + 60)
+    await nodes[3].store("k", "stale", now + 10)  # older expiration: rejected everywhere
+    assert (await nodes[4].get("k", latest=True)).value == "new"
+    await nodes[1].store("short", "v", now + 0.3)
+    assert (await nodes[5].get("short")) is not None
+    await asyncio.sleep(0.4)  # time must pass for a record to expire: there is no event to await
+    assert await nodes[5].get("short") is None
+
+
+async def test_subkeys_merge_from_many_writers(swarm):
+    make, nodes = swarm
+    await make(8)
+    now = time.time()
+    await asyncio.gather(*(nd.store("group", f"peer{i}", now + 60, subkey=f"s{i}") for i, nd in enumerate(nodes)))
+    got = await nodes[0].get("group", latest=True)
+    assert isinstance(got, dict)
+    assert {k: v.value for k, v in got.items()} == {f"s{i}": f"peer{i}" for i in range(len(nodes))}
+
+
+async def test_owned_subkey_only_writable_by_owner(swarm):
+    make, nodes = swarm
+    await make(6)
+    owner, other = nodes[1], nodes[2]
+    sub = owner.owned("progress")
+    assert await owner.store("run/progress", {"epoch": 3}, time.time() + 60, subkey=sub) > 0
+    with pytest.raises(InvalidRecord, match="owned by another peer"):
+        await other.store("run/progress", {"epoch": 99}, time.time() + 120, subkey=sub)
+
+    # A forged record sent straight to every node over the wire is refused by each of them.
+    forged = sign_record(
+        Record(b"run/progress", sub.encode(), b"\x81\xa5epoch\x63", time.time() + 120), other.identity
+    )
+    unsigned = Record(b"run/progress", sub.encode(), b"\x81\xa5epoch\x63", time.time() + 120)
+    for target in nodes:
+        if target is other:
+            continue
+        conn = await other.host.connect(target.multiaddrs[0].host, target.multiaddrs[0].port, target.peer_id)
+        replies = await conn.call("store", [forged.to_wire(), unsigned.to_wire()])
+        assert all(isinstance(r, str) and "owned key" in r for r in replies), replies
+    got = await nodes[4].get("run/progress", latest=True)
+    assert got[sub].value == {"epoch": 3}
+
+
+async def test_owned_key_signed_by_owner(swarm):
+    make, nodes = swarm
+    await make(5)
+    key = nodes[2].owned("ckpt/latest")
+    await nodes[2].store(key, {"epoch": 7}, time.time() + 60)
+    assert (await nodes[0].get(key)).value == {"epoch": 7}
+    with pytest.raises(InvalidRecord):
+        await nodes[3].store(key, {"epoch": 8}, time.time() + 60)
+
+
+async def test_client_mode_node_can_store_and_get_but_is_not_routed_to(swarm):
+    make, nodes = swarm
+    await make(6)
+    (client,) = await make(1, listen=None)
+    assert client.client_mode and client.multiaddrs == []
+    assert await client.store("from-client", [1, 2, 3], time.time() + 60) > 0
+    assert (await nodes[2].get("from-client")).value == [1, 2, 3]
+    await nodes[1].store("to-client", "hello", time.time() + 60)
+    assert (await client.get("to-client")).value == "hello"
+    for nd in nodes:
+        if nd is not client:
+            assert client.peer_id not in nd.routing
+
+
+async def test_unreachable_bootstrap_fails_fast_with_clear_error():
+    node = DHTNode(config=DHTConfig(bootstrap_timeout=1.0))
+    dead = Multiaddr.parse(f"/ip4/127.0.0.1/tcp/1/p2p/{Identity().peer_id}")
+    start = time.monotonic()
+    with pytest.raises(BootstrapError, match="could not reach any bootstrap peer"):
+        await node.start([dead])
+    assert time.monotonic() - start < 3.0
+
+
+async def test_bootstrap_with_wrong_peer_id_is_refused(swarm):
+    make, nodes = swarm
+    await make(2)
+    addr = nodes[0].multiaddrs[0].with_peer_id(Identity().peer_id)
+    node = DHTNode(config=FAST)
+    with pytest.raises(BootstrapError, match="reached"):
+        await node.start([addr])
+
+
+async def test_dead_peers_are_evicted_and_records_survive(swarm):
+    make, nodes = swarm
+    await make(10)
+    await nodes[1].store("survivor", "yes", time.time() + 60)
+    victims = nodes[2:5]
+    for victim in victims:
+        await victim.close()
+    reader = nodes[-1]
+    for _ in range(3):  # each lookup that meets a dead peer marks it failed
+        assert (await reader.get("survivor", latest=True)).value == "yes"
+    await reader.find_peers(reader.node_id)
+    dead_ids = {v.peer_id for v in victims}
+    known_dead = [c for c in reader.routing if c.peer_id in dead_ids]
+    assert all(c.failures > 0 for c in known_dead)
+    for _ in range(2):
+        for v in victims:
+            await reader.find_peers(v.node_id)
+    assert not any(c.peer_id in dead_ids for c in reader.routing)
+
+
+async def test_close_cancels_every_task():
+    before = asyncio.all_tasks()
+    a = DHTNode(config=FAST)
+    await a.start()
+    b = DHTNode(config=FAST)
+    await b.start(a.multiaddrs)
+    await b.store("x", 1, time.time() + 60)
+    await asyncio.gather(a.close(), b.close())
+    leftover = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+    assert leftover == []
