@@ -224,7 +224,7 @@ class Swarm:
                             pass
 
 
-def _get_phase(swarm, keys, values, getter_ids, n_gets, get_timeout, budget_s, rng):
+def _get_phase(swarm, keys, values, getter_ids, n_gets, get_timeout, budget_s, rng, latest=True):
     """n_gets sequential gets; returns dict with latencies in ms and success fraction."""
     lat_ms = []
     ok = 0
@@ -239,7 +239,7 @@ def _get_phase(swarm, keys, values, getter_ids, n_gets, get_timeout, budget_s, r
         d = swarm.peers[i]
         t0 = time.perf_counter()
         try:
-            fut = d.get(keys[k], latest=True, return_future=True)
+            fut = d.get(keys[k], latest=latest, return_future=True)
             res = fut.result(timeout=get_timeout)
             dt = time.perf_counter() - t0
             if res is not None and res.value == values[k]:
@@ -279,6 +279,8 @@ def main(argv=None):
                     help="stop a get phase early after this many seconds (default 120)")
     ap.add_argument("--parallel-start", action="store_true",
                     help="start peers 2..N without waiting for each (as hivemind's own tests do)")
+    ap.add_argument("--any-value", action="store_true",
+                    help="get(latest=False): stop at the first value found (default: latest=True)")
     ap.add_argument("--spare-bootstrap", action="store_true", help="never kill the first (bootstrap) peer")
     ap.add_argument("--seed", type=int, default=None, help="random seed (peer choice, keys)")
     ap.add_argument("--json", action="store_true", help="print one JSON line on stdout")
@@ -330,6 +332,7 @@ def main(argv=None):
              f"timeout {args.timeout:.0f} s)")
         start_s, started, timed_out = swarm.start(n, args.timeout, args.parallel_start)
         result["start_mode"] = "parallel" if args.parallel_start else "sequential"
+        result["get_latest"] = not args.any_value
         if timed_out:
             _log(f"start timed out after {start_s:.1f} s with {started}/{n} peers up")
             result.update({"start_s": None, "error": "start timed out", "started": started,
@@ -371,7 +374,8 @@ def main(argv=None):
         victim_set = set(victims)
         survivors = [i for i in range(n) if i not in victim_set]
 
-        before = _get_phase(swarm, keys, values, survivors, args.gets, args.get_timeout, args.phase_budget, rng)
+        before = _get_phase(swarm, keys, values, survivors, args.gets, args.get_timeout, args.phase_budget, rng,
+                            latest=not args.any_value)
         result.update(before)
         _log(f"gets: p50 {before['get_p50_ms']} ms, p99 {before['get_p99_ms']} ms, "
              f"success {before['get_success']} ({before['gets_done']} gets)")
@@ -382,7 +386,8 @@ def main(argv=None):
         kill_s = time.perf_counter() - t0
         _log(f"killed {len(victims)} peers (SIGKILL) in {kill_s:.2f} s; settling {args.settle:.0f} s")
         time.sleep(args.settle)
-        after = _get_phase(swarm, keys, values, survivors, args.gets, args.get_timeout, args.phase_budget, rng)
+        after = _get_phase(swarm, keys, values, survivors, args.gets, args.get_timeout, args.phase_budget, rng,
+                            latest=not args.any_value)
         after = {"killed": len(victims), **after, "kill_method": "SIGKILL p2pd + DHT process",
                  "killed_bootstrap": 0 in victim_set,
                  "killed_storers": len(victim_set & storers), "settle_s": args.settle}

@@ -73,25 +73,27 @@ async def interpreter_start_s(runs: int = 3) -> float:
     return statistics.median(times)
 
 
-async def run_gets(procs: list[SwarmProcess], sizes: list[int], keys: dict[str, Any], n: int,
+async def run_gets(procs: list[SwarmProcess], alive: dict[int, list[int]], keys: dict[str, Any], n: int,
                    latest: bool, rng: random.Random) -> dict:
-    live = [i for i, p in enumerate(procs) if p is not None]
-    plan: dict[int, list] = {i: [] for i in live}
+    """``n`` gets, each from a random live node (``alive``: process -> its live nodes)."""
+    nodes = [(i, j) for i, js in alive.items() for j in js]
+    plan: dict[int, list] = {i: [] for i in alive}
     for _ in range(n):
-        i = rng.choice(live)
-        plan[i].append([rng.randrange(sizes[i]), rng.choice(list(keys))])
+        i, j = rng.choice(nodes)
+        plan[i].append([j, rng.choice(list(keys))])
     results = []
-    for i in live:  # one process at a time: one get in flight in the whole swarm
+    for i in plan:  # one process at a time: one get in flight in the whole swarm
         if plan[i]:
             reply = await procs[i].request("get_many", gets=plan[i], latest=latest, timeout=300)
             results += [(key, r) for (_, key), r in zip(plan[i], reply["results"])]
     ok = [r for key, r in results if r["value"] == keys[key]]
     ms = [r["ms"] for _, r in results]
-    hops = [r["hops"] for _, r in ok]
+    hops = [r["hops"] for r in ok]
     return {"gets": len(results), "success": len(ok) / max(1, len(results)),
             "p50_ms": pct(ms, 50), "p99_ms": pct(ms, 99), "max_ms": max(ms, default=float("nan")),
             "hops_mean": statistics.fmean(hops) if hops else float("nan"), "hops_max": max(hops, default=0),
-            "errors": sorted({r.get("error", "wrong or missing value") for _, r in results if r not in ok})[:3]}
+            "errors": sorted({r.get("error", "wrong or missing value") for key, r in results
+                             if r["value"] != keys[key]})[:3]}
 
 
 async def bench_dht(n_nodes: int, n_procs: int, n_keys: int, n_gets: int, seed: int) -> dict:
@@ -124,22 +126,34 @@ async def bench_dht(n_nodes: int, n_procs: int, n_keys: int, n_gets: int, seed: 
         out["store"] = {"s": time.perf_counter() - t1,
                         "accepted_mean": statistics.fmean(a["accepted"] for a in accepted)}
         out["hops_target"] = math.ceil(math.log2(n_nodes) / math.log2(20)) + 2
-        out["get"] = await run_gets(procs, sizes, keys, n_gets, False, rng)
-        out["get_latest"] = await run_gets(procs, sizes, keys, max(1, n_gets // 4), True, rng)
+        alive = {i: list(range(s)) for i, s in enumerate(sizes)}
+        out["get"] = await run_gets(procs, alive, keys, n_gets, False, rng)
+        out["get_latest"] = await run_gets(procs, alive, keys, max(1, n_gets // 4), True, rng)
         log(f"N={n_nodes}: gets {out['get']}")
 
-        n_kill = math.ceil(0.3 * n_procs)
-        victims = [0] + rng.sample(range(1, n_procs), n_kill - 1)
+        # Remove exactly ceil(30%) of the nodes: SIGKILL whole processes (process 0, the bootstrap,
+        # first) while they fit, then stop the remainder inside one surviving process.
+        target = math.ceil(0.3 * n_nodes)
+        order = [0] + rng.sample(range(1, n_procs), n_procs - 1)
+        victims, killed = [], 0
+        for i in order[:-1]:
+            if killed + sizes[i] <= target:
+                victims.append(i)
+                killed += sizes[i]
         for i in victims:
             procs[i].kill()
+            del alive[i]
         await asyncio.gather(*(procs[i].proc.wait() for i in victims))
-        killed = sum(sizes[i] for i in victims)
-        live: list[SwarmProcess | None] = [None if i in victims else p for i, p in enumerate(procs)]
+        if killed < target:
+            i = next(i for i in order if i in alive and len(alive[i]) > target - killed)
+            stop, alive[i] = alive[i][: target - killed], alive[i][target - killed :]
+            await procs[i].request("stop", nodes=stop)
         wait = CONFIG["republish_interval"] + CONFIG["maintenance_period"] + 1.0
-        log(f"N={n_nodes}: killed {killed} nodes ({n_kill} processes), waiting {wait:.0f} s (one republish period)")
+        log(f"N={n_nodes}: SIGKILLed {len(victims)} processes ({killed} nodes), stopped {target - killed} more; "
+            f"waiting {wait:.0f} s (one republish period)")
         await asyncio.sleep(wait)  # time must pass: the republish period is a timer, not an event
-        after = await run_gets(live, sizes, keys, n_gets, False, rng)  # type: ignore[arg-type]
-        after.update(killed=killed, killed_frac=killed / n_nodes, waited_s=wait)
+        after = await run_gets(procs, alive, keys, n_gets, False, rng)
+        after.update(killed=target, killed_frac=target / n_nodes, sigkilled_procs=len(victims), waited_s=wait)
         out["after_kill"] = after
         return out
     finally:
@@ -178,6 +192,7 @@ async def _tput_recv(mode: str) -> None:
 
             def eof_received(self) -> bool:
                 self.t.write(b"k")
+                self.t.close()  # flushes the answer first
                 return True
 
             def connection_lost(self, exc: Exception | None) -> None:
@@ -387,6 +402,8 @@ def main() -> None:
     ap.add_argument("--gets", type=int, default=1000)
     ap.add_argument("--keys", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--republish", type=float, default=CONFIG["republish_interval"],
+                    help="DHTConfig.republish_interval for the swarm, s (default 5)")
     ap.add_argument("--json", metavar="PATH", help="write all results as JSON")
     ap.add_argument("--tput-mib", type=int, default=1024, help="MiB per throughput run (default 1024)")
     ap.add_argument("--no-throughput", action="store_true")
@@ -397,6 +414,7 @@ def main() -> None:
     ap.add_argument("--_tput-send", dest="tput_send", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_tput-bytes", dest="tput_bytes", type=int, default=1 << 30, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    CONFIG["republish_interval"] = args.republish
     _use_uvloop()
     if args.tput_recv:
         return asyncio.run(_tput_recv(args.tput_recv))

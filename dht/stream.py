@@ -31,13 +31,16 @@ class Stream:
     """One bidirectional byte stream. Write with ``write``/``write_eof``, read with ``read`` or
     ``async for chunk in stream``; chunks are memoryviews the consumer may keep."""
 
-    def __init__(self, conn: Connection, ident: int, protocol: str, header: Any, window: int):
+    def __init__(
+        self, conn: Connection, ident: int, protocol: str, header: Any, window: int, send_window: int | None = None
+    ):
+        # ``window``: what we accept unread; ``send_window``: what the remote accepts (its window).
         self._conn = conn
         self.id = ident
         self.protocol = protocol
         self.header = header
         self._window = window
-        self._send_credit = window
+        self._send_credit = window if send_window is None else send_window
         self._credit_event = asyncio.Event()
         self._chunks: collections.deque[memoryview] = collections.deque()
         self._buffered = 0  # bytes received and not yet read
@@ -82,13 +85,13 @@ class Stream:
         """Tell the remote side no more data follows (it sees the end of its reads)."""
         if not self._eof_sent and self._reset_reason is None:
             self._eof_sent = True
-            self._conn.send_frame(Kind.STREAM_END, self.id)
+            self._conn.post(Kind.STREAM_END, self.id)
             self._maybe_forget()
 
     def reset(self, reason: str = "reset") -> None:
         """Abort both directions; the remote side's pending reads and writes fail with ``reason``."""
         if self._reset_reason is None:
-            self._conn.send_frame(Kind.STREAM_RESET, self.id, self._conn.pack(reason[:200]))
+            self._conn.post(Kind.STREAM_RESET, self.id, self._conn.pack(reason[:200]))
             self._on_reset(f"reset locally: {reason}")
 
     def _check_writable(self) -> None:
@@ -112,7 +115,7 @@ class Stream:
         self._buffered -= len(chunk)
         self._unacked += len(chunk)
         if self._unacked >= self._window // 2 and self._reset_reason is None:
-            self._conn.send_frame(Kind.WINDOW, self.id, WINDOW_BODY.pack(self._unacked))
+            self._conn.post(Kind.WINDOW, self.id, WINDOW_BODY.pack(self._unacked))
             self._unacked = 0
         return chunk
 

@@ -79,6 +79,7 @@ class Connection(asyncio.BufferedProtocol):
         self.remote_peer: PeerID | None = None  # set once the handshake proves it
         self.remote_host: str | None = None
         self.remote_listen_port: int | None = None
+        self.remote_window = host.limits.stream_window  # the peer's receive window per stream
         self.ready: asyncio.Future[Connection] = host.loop.create_future()
         self._transport: asyncio.Transport | None = None
         self._hs = XXHandshake(
@@ -86,7 +87,7 @@ class Connection(asyncio.BufferedProtocol):
             initiator,
             prologue=host.prologue,
             expected_peer=expected_peer,
-            local_payload={"port": host.listen_port},
+            local_payload={"port": host.listen_port, "window": host.limits.stream_window},
             static=host.static_key,
         )
         self._hs_buf = bytearray()
@@ -140,12 +141,13 @@ class Connection(asyncio.BufferedProtocol):
             now = time.monotonic()
             self.last_activity = now
             if self._hs_expected:
+                # The last handshake message may share a packet with the start of a frame.
                 self._on_handshake_bytes(memoryview(self._hs_chunk)[:nbytes])
-                return
-            for frame in self._reader.buffer_updated(nbytes):
-                if self._closed:
-                    return
-                self._on_frame(frame)
+            else:
+                for frame in self._reader.buffer_updated(nbytes):
+                    if self._closed:
+                        return
+                    self._on_frame(frame)
             self.partial_since = (self.partial_since or now) if self._reader.partial else None
         except ProtocolError as e:
             self.close(str(e), abort=True)
@@ -186,6 +188,9 @@ class Connection(asyncio.BufferedProtocol):
         self.remote_peer = hs.remote_peer
         port = hs.remote_payload.get("port")
         self.remote_listen_port = port if isinstance(port, int) and 0 < port < 65536 else None
+        window = hs.remote_payload.get("window")
+        if isinstance(window, int) and 0 < window < 2**32:
+            self.remote_window = window
         self._hs = None  # type: ignore[assignment]  # drop ephemeral keys
         early, self._early_frames = self._early_frames, []
         try:
@@ -204,6 +209,7 @@ class Connection(asyncio.BufferedProtocol):
         log.info("handshake with %s failed: %s", self.remote_host, reason)
         if not self.ready.done():
             self.ready.set_exception(HandshakeError(reason))
+            self.ready.exception()  # mark retrieved: a listener-side failure has no awaiter
         self.close(reason, abort=True)
 
     def _write_hs(self, message: bytes) -> None:
@@ -259,6 +265,8 @@ class Connection(asyncio.BufferedProtocol):
                 task.cancel()
         elif kind is Kind.STREAM_OPEN:
             self._on_stream_open(ident, view)
+        elif kind is Kind.GOAWAY:  # a connection-level frame: its id names no stream
+            self.close("peer is going away")
         else:
             stream = self._streams.get(ident)
             if stream is None:
@@ -274,8 +282,6 @@ class Connection(asyncio.BufferedProtocol):
             elif kind is Kind.STREAM_RESET:
                 reason = unpack(view) if view else "reset"
                 stream._on_reset(f"reset by peer: {reason if isinstance(reason, str) else 'reset'}")
-            elif kind is Kind.GOAWAY:
-                self.close("peer is going away")
 
     def _on_request(self, ident: int, body: memoryview) -> None:
         if ident in self._serving:
@@ -285,11 +291,11 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError("malformed request")
         method, args = msg
         if len(self._serving) >= self.host.limits.max_concurrent_requests:
-            self.send_frame(Kind.ERROR, ident, pack("busy: too many concurrent requests"))
+            self.post(Kind.ERROR, ident, pack("busy: too many concurrent requests"))
             return
         handler = self.host._handlers.get(method)
         if handler is None:
-            self.send_frame(Kind.ERROR, ident, pack(f"unknown method {method!r}"))
+            self.post(Kind.ERROR, ident, pack(f"unknown method {method!r}"))
             return
         task = self._spawn(self._serve(ident, method, handler, args))
         self._serving[ident] = task
@@ -297,15 +303,15 @@ class Connection(asyncio.BufferedProtocol):
     async def _serve(self, ident: int, method: str, handler: RequestHandler, args: Any) -> None:
         try:
             result = await handler(self, args)
-            self.send_frame(Kind.RESPONSE, ident, pack(result))
+            self.post(Kind.RESPONSE, ident, pack(result))
         except asyncio.CancelledError:
             pass
         except (DHTError, ValueError, TypeError, KeyError) as e:
             # Includes schema errors from validating the peer's arguments: report, do not crash.
-            self.send_frame(Kind.ERROR, ident, pack(f"{method}: {e}"[:500]))
+            self.post(Kind.ERROR, ident, pack(f"{method}: {e}"[:500]))
         except Exception:
             log.exception("handler %s failed", method)
-            self.send_frame(Kind.ERROR, ident, pack(f"{method}: internal error"))
+            self.post(Kind.ERROR, ident, pack(f"{method}: internal error"))
         finally:
             self._serving.pop(ident, None)
 
@@ -319,9 +325,9 @@ class Connection(asyncio.BufferedProtocol):
         handler = self.host._stream_handlers.get(protocol)
         if handler is None or len(self._streams) >= self.host.limits.max_streams:
             reason = f"unknown protocol {protocol!r}" if handler is None else "too many streams"
-            self.send_frame(Kind.STREAM_RESET, ident, pack(reason))
+            self.post(Kind.STREAM_RESET, ident, pack(reason))
             return
-        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window)
+        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window, self.remote_window)
         self._streams[ident] = stream
         self._spawn(self._serve_stream(stream, handler))
 
@@ -355,6 +361,12 @@ class Connection(asyncio.BufferedProtocol):
         self._transport.write(out)
         self.bytes_sent += len(out)
         self.last_activity = time.monotonic()
+
+    def post(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
+        """Send a control frame (reply, cancel, window, end, reset) if the connection is still
+        open; when it is not, the frame has no one to reach and dropping it is correct."""
+        if not self._closed and self._send is not None:
+            self.send_frame(kind, ident, body)
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait until the socket's write buffer is below its high-water mark."""
@@ -394,15 +406,14 @@ class Connection(asyncio.BufferedProtocol):
             self._calls.pop(ident, None)
 
     def _cancel_remote(self, ident: int) -> None:
-        if not self._closed:
-            self.send_frame(Kind.CANCEL, ident)
+        self.post(Kind.CANCEL, ident)
 
     async def open_stream(self, protocol: str, header: Any = None) -> Stream:
         """Open a bulk stream served by the remote's handler for ``protocol``."""
         if len(self._streams) >= self.host.limits.max_streams:
             raise PeerUnreachable(f"too many open streams to {self.remote_peer}")
         ident = self._new_id()
-        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window)
+        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window, self.remote_window)
         self._streams[ident] = stream
         self.send_frame(Kind.STREAM_OPEN, ident, pack([protocol, header]))
         return stream

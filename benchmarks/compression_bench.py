@@ -1,0 +1,122 @@
+"""Encode/decode throughput of every p2ptrain.compression codec, in GB/s of float32 input.
+
+A ``--numel`` float32 tensor (default 64M values = 256 MB, gradient-like: randn with a few
+outliers) is processed in ``--chunk`` value chunks (default 1M = 4 MB, what the all-reduce sends),
+as the all-reduce would: encode every chunk; decode every received chunk into a preallocated output
+slice (``decode``) or add it into a float32 accumulator (``decode_add``). Baselines in the same
+run: a chunked ``clone`` (memcpy) and a chunked ``acc.add_`` (what an uncompressed reduction costs).
+Best of ``--repeat`` passes.
+
+    python benchmarks/compression_bench.py [--numel N] [--chunk N] [--threads T] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from p2ptrain.compression import CODECS, get_codec, iter_chunks
+
+
+def best_time(fn, repeat: int) -> float:
+    fn()  # warm-up (allocator, lazy init)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=int, default=64 << 20)
+    ap.add_argument("--chunk", type=int, default=1 << 20)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codec names")
+    ap.add_argument("--int8-blocks", default="", help="also bench int8 with these block sizes, e.g. 64,128")
+    ap.add_argument("--topk-fraction", type=float, default=0.01)
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    gb = args.numel * 4 / 1e9
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={threads}, "
+          f"numel={args.numel} ({gb * 1e3:.0f} MB fp32), chunk={args.chunk} ({args.chunk * 4 / 1e6:.1f} MB), "
+          f"best of {args.repeat}")
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.numel, generator=g)
+    x[torch.randint(0, args.numel, (args.numel // 10000,), generator=g)] *= 50  # outliers
+    chunks = list(iter_chunks(x, args.chunk))
+    out = torch.empty_like(x)
+    out_chunks = list(iter_chunks(out, args.chunk))
+    acc = torch.zeros_like(x)
+    acc_chunks = list(iter_chunks(acc, args.chunk))
+
+    rows = []
+
+    def row(name, enc_s, dec_s, add_s, ratio, max_err, mean_err):
+        r = dict(codec=name, encode_GBps=gb / enc_s if enc_s else None, decode_GBps=gb / dec_s if dec_s else None,
+                 decode_add_GBps=gb / add_s if add_s else None, ratio=ratio, max_abs_err=max_err,
+                 mean_abs_err=mean_err)
+        rows.append(r)
+        return r
+
+    # baselines
+    t_clone = best_time(lambda: [c.clone() for c in chunks], args.repeat)
+    t_add = best_time(lambda: [a.add_(c) for a, c in zip(acc_chunks, chunks)], args.repeat)
+    row("memcpy (clone)", t_clone, t_clone, t_add, 1.0, 0.0, 0.0)
+
+    specs = [(n, {}) for n in args.codecs.split(",") if n]
+    specs = [(n, {"fraction": args.topk_fraction}) if n == "topk" else (n, o) for n, o in specs]
+    specs += [("int8", {"block": int(b)}) for b in args.int8_blocks.split(",") if b]
+    for name, opts in specs:
+        label = name + "".join(f" {k}={v}" for k, v in opts.items())
+        codec = get_codec(name, **opts)
+        encs = []
+
+        def encode_all():
+            encs.clear()
+            if name == "topk":
+                codec.reset()
+            for i, c in enumerate(chunks):
+                encs.append(codec.encode(c, key=i))
+
+        t_enc = best_time(encode_all, args.repeat)
+        # what the receiver holds: one contiguous buffer per chunk
+        wires = [bytearray(e.tobytes()) for e in encs]
+        metas = [e.meta for e in encs]
+        wire_bytes = sum(len(w) for w in wires)
+        t_dec = best_time(lambda: [codec.decode(m, w, out=o) for m, w, o in zip(metas, wires, out_chunks)],
+                          args.repeat)
+        t_add = best_time(lambda: [codec.decode_add(m, w, a, 0.5) for m, w, a in zip(metas, wires, acc_chunks)],
+                          args.repeat)
+        for m, w, o in zip(metas, wires, out_chunks):
+            codec.decode(m, w, out=o)
+        err = (out - x).abs_()
+        r = row(label, t_enc, t_dec, t_add, args.numel * 4 / wire_bytes, float(err.max()), float(err.mean()))
+        del encs[:], wires
+
+    hdr = f"{'codec':<22}{'enc GB/s':>10}{'dec GB/s':>10}{'dec+add':>10}{'ratio':>8}{'max err':>11}{'mean err':>11}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['codec']:<22}{r['encode_GBps']:>10.2f}{r['decode_GBps']:>10.2f}{r['decode_add_GBps']:>10.2f}"
+              f"{r['ratio']:>8.2f}{r['max_abs_err']:>11.3g}{r['mean_abs_err']:>11.3g}")
+    print("(memcpy row: enc = dec = chunked clone, dec+add = chunked acc.add_ of fp32; GB/s of fp32 input)")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(dict(threads=threads, numel=args.numel, chunk=args.chunk, torch=torch.__version__,
+                           rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

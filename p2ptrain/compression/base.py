@@ -1,0 +1,295 @@
+"""The codec interface: a sans-IO transform between a flat tensor chunk and raw wire bytes.
+
+A codec never touches a socket. ``encode`` turns a flat, contiguous 1-D float chunk (float32, float16
+or bfloat16; CPU or CUDA) into an :class:`Encoded`: a list of raw byte buffers (1-D ``uint8`` CPU
+tensors, zero-copy views where possible) plus a small msgpack-able ``meta`` dict. The transport
+writes the buffers back to back; the receiver hands the concatenated bytes and the meta to
+``decode`` / ``decode_add``, which validate both strictly before touching a single element.
+
+Wire sizes are a pure function of ``numel`` (and, for the ``none`` codec, of the dtype), see
+:meth:`Codec.encoded_nbytes`: a receiver can preallocate its receive buffer and reject a peer's
+message by its size alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Union
+
+import torch
+
+__all__ = [
+    "CompressionError",
+    "Codec",
+    "Encoded",
+    "BufferLike",
+    "DTYPES",
+    "DTYPE_NAMES",
+    "DEFAULT_MAX_NUMEL",
+    "dtype_name",
+    "iter_chunks",
+]
+
+BufferLike = Union[bytes, bytearray, memoryview]
+
+#: dtypes a chunk may have, by the name that goes into ``meta["dtype"]``.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+#: Largest chunk a decoder accepts unless told otherwise (2**28 values = 1 GiB of float32). The
+#: all-reduce sends chunks of about 1M values; this bound only stops a hostile ``numel``.
+DEFAULT_MAX_NUMEL = 1 << 28
+
+
+class CompressionError(ValueError):
+    """Raised for any input a codec refuses: NaN/inf on encode, or a malformed/hostile message on
+    decode (wrong meta, wrong buffer size, out-of-range indices, non-finite scales...)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise CompressionError(
+            f"unsupported dtype {dtype}; chunks must be one of {sorted(DTYPES)}"
+        ) from None
+
+
+@dataclass
+class Encoded:
+    """One encoded chunk: ``buffers`` go on the wire back to back, ``meta`` goes in the header.
+
+    Every buffer is a contiguous 1-D ``torch.uint8`` CPU tensor (``memoryview(t.numpy())`` is
+    zero-copy) or ``bytes``. Buffers may alias the input chunk (``none`` codec, or fp16 input to the
+    ``fp16`` codec): send them before the chunk is modified.
+    """
+
+    meta: dict[str, Any]
+    buffers: list[Any] = field(default_factory=list)
+    #: sender-side extras that never go on the wire (e.g. top-k indices still on the device)
+    local: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(b) for b in self.buffers)
+
+    def memoryviews(self) -> list[memoryview]:
+        """Zero-copy memoryviews of the buffers, ready for ``writer.write`` / ``sendmsg``."""
+        return [b if isinstance(b, memoryview) else memoryview(b.numpy() if isinstance(b, torch.Tensor) else b)
+                for b in self.buffers]
+
+    def tobytes(self) -> bytes:
+        """All buffers concatenated (one copy; convenient for tests and small messages)."""
+        return b"".join(bytes(m) for m in self.memoryviews())
+
+
+def _nbytes(b: Any) -> int:
+    if isinstance(b, torch.Tensor):
+        return b.numel() * b.element_size()
+    return memoryview(b).nbytes
+
+
+def as_uint8(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as a flat uint8 CPU tensor: a zero-copy view on CPU, one D2H copy on CUDA."""
+    t = t.reshape(-1).view(torch.uint8)
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t
+
+
+def frombuffer(buf: BufferLike, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    """A read-only-in-spirit tensor view of ``count`` ``dtype`` values at byte ``offset`` of ``buf``.
+
+    ``torch.frombuffer`` needs a writable buffer to avoid a warning; bytes are read-only, so those are
+    wrapped without copying and the result is never written to.
+    """
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer" - we never write to it
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+class Codec:
+    """Base class. Subclasses set ``name`` and implement ``_encode``, ``_decode_into``,
+    ``_decode_add`` and ``encoded_nbytes``.
+
+    Codecs are stateless (safe to share between tensors and threads) except :class:`ErrorFeedback`.
+    """
+
+    name: str = "?"
+    #: True when decode(encode(x)) == x bit for bit (given x has the wire dtype).
+    lossless: bool = False
+
+    def __init__(self, *, max_numel: int = DEFAULT_MAX_NUMEL, check_finite_on_decode: bool = True):
+        if not (isinstance(max_numel, int) and max_numel >= 0):
+            raise ValueError("max_numel must be a non-negative int")
+        self.max_numel = max_numel
+        self.check_finite_on_decode = check_finite_on_decode
+
+    # ------------------------------------------------------------------ public API
+    def encode(self, chunk: torch.Tensor, key: Any = None) -> Encoded:
+        """Encode a flat contiguous 1-D float chunk. Raises CompressionError on NaN/inf input.
+
+        ``key`` identifies the chunk for stateful codecs (error feedback); stateless codecs ignore it.
+        """
+        self._check_chunk(chunk)
+        return self._encode(chunk)
+
+    def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Exact number of wire bytes for a chunk of ``numel`` values (``dtype`` matters only for ``none``)."""
+        raise NotImplementedError
+
+    def decode(self, meta: Any, buffer: BufferLike, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Validate ``meta`` and ``buffer`` and decode them; into ``out`` when given (a flat tensor of
+        ``meta["numel"]`` float values, any float dtype/device, e.g. a slice of an accumulator).
+        Raises CompressionError (only) for anything malformed."""
+        numel, dtype, mv = self._validate(meta, buffer)
+        if out is None:
+            out = torch.empty(numel, dtype=dtype)
+        else:
+            self._check_out(out, numel)
+        self._decode_into(meta, mv, numel, out)
+        return out
+
+    def decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """``acc += weight * decode(meta, buffer)`` without a full-size temporary where the codec allows.
+
+        ``acc`` is a flat float tensor (float32 recommended) of ``meta["numel"]`` values. A message
+        that fails validation leaves ``acc`` untouched."""
+        numel, _dtype, mv = self._validate(meta, buffer)
+        self._check_out(acc, numel)
+        weight = float(weight)
+        if not math.isfinite(weight):
+            raise CompressionError(f"weight must be finite, got {weight}")
+        self._decode_add(meta, mv, numel, acc, weight)
+        return acc
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._opts_repr()})"
+
+    def _opts_repr(self) -> str:
+        return ""
+
+    # ------------------------------------------------------------------ hooks
+    def _encode(self, chunk: torch.Tensor) -> Encoded:
+        raise NotImplementedError
+
+    def _decode_into(self, meta: dict, buf: memoryview, numel: int, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _decode_add(self, meta: dict, buf: memoryview, numel: int, acc: torch.Tensor, weight: float) -> None:
+        tmp = torch.empty(numel, dtype=torch.float32, device=acc.device)
+        self._decode_into(meta, buf, numel, tmp)
+        acc.add_(tmp, alpha=weight)
+
+    def _extra_meta_keys(self) -> dict[str, type]:
+        """Codec-specific meta keys and their types (validated to equal this codec's settings)."""
+        return {}
+
+    def _meta(self, chunk: torch.Tensor, **extra: Any) -> dict[str, Any]:
+        return {"codec": self.name, "numel": int(chunk.numel()), "dtype": dtype_name(chunk.dtype), **extra}
+
+    # ------------------------------------------------------------------ validation
+    def _check_chunk(self, chunk: torch.Tensor) -> None:
+        if not isinstance(chunk, torch.Tensor):
+            raise CompressionError(f"{self.name}: expected a torch.Tensor, got {type(chunk).__name__}")
+        dtype_name(chunk.dtype)
+        if chunk.dim() != 1 or not chunk.is_contiguous():
+            raise CompressionError(
+                f"{self.name}: expected a flat contiguous 1-D chunk, got shape {tuple(chunk.shape)}"
+                f" (contiguous={chunk.is_contiguous()}); use tensor.reshape(-1) / iter_chunks()"
+            )
+        if chunk.numel() > self.max_numel:
+            raise CompressionError(f"{self.name}: chunk of {chunk.numel()} values exceeds max_numel={self.max_numel}")
+
+    def _check_out(self, out: torch.Tensor, numel: int) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise CompressionError(f"{self.name}: out must be a torch.Tensor, got {type(out).__name__}")
+        if out.dim() != 1 or out.numel() != numel or not out.is_contiguous():
+            raise CompressionError(
+                f"{self.name}: out must be a contiguous 1-D tensor of {numel} values, got shape {tuple(out.shape)}"
+            )
+        if out.dtype not in DTYPE_NAMES:
+            raise CompressionError(f"{self.name}: out dtype {out.dtype} is not one of {sorted(DTYPES)}")
+
+    def _validate(self, meta: Any, buffer: Any) -> tuple[int, torch.dtype, memoryview]:
+        if not isinstance(meta, dict):
+            raise CompressionError(f"{self.name}: meta must be a dict, got {type(meta).__name__}")
+        expected = {"codec": str, "numel": int, "dtype": str, **self._extra_meta_keys()}
+        if set(meta) != set(expected):
+            raise CompressionError(
+                f"{self.name}: meta keys {sorted(map(repr, meta))} != expected {sorted(map(repr, expected))}"
+            )
+        for k, typ in expected.items():
+            v = meta[k]
+            if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise CompressionError(f"{self.name}: meta[{k!r}] must be an int, got {type(v).__name__}")
+            if typ is float and not isinstance(v, float):
+                raise CompressionError(f"{self.name}: meta[{k!r}] must be a float, got {type(v).__name__}")
+            if typ is str and not isinstance(v, str):
+                raise CompressionError(f"{self.name}: meta[{k!r}] must be a str, got {type(v).__name__}")
+        if meta["codec"] != self.name:
+            raise CompressionError(f"{self.name}: message was encoded with codec {meta['codec']!r:.40}")
+        numel = meta["numel"]
+        if not 0 <= numel <= self.max_numel:
+            raise CompressionError(f"{self.name}: numel={numel} outside [0, max_numel={self.max_numel}]")
+        dtype = DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise CompressionError(f"{self.name}: unknown dtype {meta['dtype']!r:.40}; expected one of {sorted(DTYPES)}")
+        for k in self._extra_meta_keys():
+            mine = getattr(self, k)
+            if meta[k] != mine:
+                raise CompressionError(
+                    f"{self.name}: peer used {k}={meta[k]!r:.40}, this codec is configured with {k}={mine!r}"
+                )
+        try:
+            mv = memoryview(buffer)
+        except TypeError:
+            raise CompressionError(f"{self.name}: buffer must be bytes-like, got {type(buffer).__name__}") from None
+        if mv.ndim != 1 or mv.itemsize != 1 or not mv.c_contiguous:
+            mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
+        want = self.encoded_nbytes(numel, dtype)
+        if mv.nbytes != want:
+            raise CompressionError(
+                f"{self.name}: buffer has {mv.nbytes} bytes, expected {want} for numel={numel} dtype={meta['dtype']}"
+            )
+        return numel, dtype, mv
+
+
+# ---------------------------------------------------------------------- helpers used by codecs
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """Raise CompressionError if ``x`` holds a NaN or an inf.
+
+    Fast path: a float32 sum (one streaming pass, no temporaries) is finite iff every element is,
+    except when finite values overflow the sum; only then the exact (slower) isfinite pass runs.
+    """
+    if x.numel() == 0:
+        return
+    s = torch.sum(x, dtype=torch.float32) if x.dtype != torch.float32 else x.sum()
+    if bool(torch.isfinite(s)):
+        return
+    if not bool(torch.isfinite(x).all()):
+        raise CompressionError(f"{what} contains NaN or inf; refusing to encode/average it")
+
+
+def iter_chunks(tensor: torch.Tensor, chunk_numel: int = 1 << 20) -> Iterator[torch.Tensor]:
+    """Flat contiguous views of ``tensor`` (no copy when it is contiguous), ``chunk_numel`` values each
+    (the last may be shorter): what the all-reduce feeds to ``encode`` so compression of chunk i+1
+    overlaps the network transfer of chunk i."""
+    if chunk_numel <= 0:
+        raise ValueError("chunk_numel must be positive")
+    flat = tensor.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    for start in range(0, flat.numel(), chunk_numel):
+        yield flat[start : start + chunk_numel]

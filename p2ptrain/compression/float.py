@@ -1,0 +1,105 @@
+"""Cast codecs: ``none`` (raw, lossless), ``fp16`` and ``bf16``.
+
+Error bounds (round to nearest even, per element x; u = unit roundoff):
+
+* ``none``: exact. The wire dtype is the chunk's own dtype (so ``encoded_nbytes`` takes a dtype).
+* ``fp16``: |dec - x| <= 2**-11 * |x| for |x| >= 2**-14 (normal range), and <= 2**-25 below it
+  (subnormals; |x| < 2**-25 may flush to 0). |x| >= 65520 (which would round to inf) raises
+  CompressionError rather than being clamped: silently clamping a gradient changes its direction,
+  the caller should pick ``bf16``/``int8`` (or scale) instead.
+* ``bf16``: |dec - x| <= 2**-8 * |x| for |x| >= 2**-126; same exponent range as float32, so only
+  values within half an ulp of float32 max (>= (2 - 2**-8) * 2**127, which round to inf) raise.
+
+NaN/inf input always raises CompressionError. On decode, a payload holding NaN/inf (a hostile or
+broken peer) raises CompressionError too (``check_finite_on_decode``, on by default: one fast pass).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Codec, CompressionError, Encoded, as_uint8, check_finite, frombuffer
+
+__all__ = ["NoneCodec", "Float16Codec", "BFloat16Codec"]
+
+
+class _CastCodec(Codec):
+    wire_dtype: torch.dtype | None = None  # None: the chunk's own dtype
+    #: inputs with |x| >= overflow raise (they would round to inf in the wire dtype)
+    overflow: float = float("inf")
+
+    def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        wd = self.wire_dtype or dtype
+        return int(numel) * torch.empty((), dtype=wd).element_size()
+
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire_dtype or dtype
+
+    def _encode(self, chunk: torch.Tensor) -> Encoded:
+        wd = self._wire(chunk.dtype)
+        if chunk.numel():
+            if chunk.dtype != wd and self.overflow != float("inf"):
+                # one reduction catches NaN (propagates through amax), inf and out-of-range values
+                amax = float(chunk.abs().amax())
+                if not amax < self.overflow:
+                    if amax != amax or amax == float("inf"):
+                        raise CompressionError(f"{self.name}: input chunk contains NaN or inf; refusing to encode it")
+                    raise CompressionError(
+                        f"{self.name}: input chunk has |x| = {amax:.6g} >= {self.overflow:.6g}, beyond the "
+                        f"{wd} range; use the 'bf16' or 'int8' codec (or scale the values)"
+                    )
+            else:
+                check_finite(chunk, f"{self.name}: input chunk")
+        wire = chunk if chunk.dtype == wd else chunk.to(wd)
+        return Encoded(self._meta(chunk), [as_uint8(wire)])
+
+    def _payload(self, meta: dict, buf: memoryview, numel: int, device: torch.device) -> torch.Tensor:
+        wd = self._wire(_meta_dtype(meta))
+        x = frombuffer(buf, wd, 0, numel)
+        if self.check_finite_on_decode:
+            try:
+                check_finite(x, f"{self.name}: received payload")
+            except CompressionError as e:
+                raise CompressionError(str(e).replace("refusing to encode/average it", "rejecting the message")) from None
+        if device.type != "cpu":
+            x = x.to(device, non_blocking=False)
+        return x
+
+    def _decode_into(self, meta, buf, numel, out):
+        out.copy_(self._payload(meta, buf, numel, out.device))
+
+    def _decode_add(self, meta, buf, numel, acc, weight):
+        x = self._payload(meta, buf, numel, acc.device)
+        if weight == 1.0:
+            acc.add_(x)
+        else:
+            acc.add_(x, alpha=weight)
+
+
+def _meta_dtype(meta: dict) -> torch.dtype:
+    from .base import DTYPES
+
+    return DTYPES[meta["dtype"]]
+
+
+class NoneCodec(_CastCodec):
+    """No compression: the chunk's raw bytes (a zero-copy view on CPU)."""
+
+    name = "none"
+    lossless = True
+
+
+class Float16Codec(_CastCodec):
+    """IEEE half precision on the wire (2 bytes/value)."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+    overflow = 65520.0  # (2 - 2**-11) * 2**15: the smallest value that rounds to inf in fp16
+
+
+class BFloat16Codec(_CastCodec):
+    """bfloat16 on the wire (2 bytes/value, float32's exponent range)."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+    overflow = (2 - 2**-8) * 2.0**127  # smallest float32 that rounds to inf in bf16

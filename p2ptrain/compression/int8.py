@@ -1,0 +1,125 @@
+"""Blockwise absmax int8: 1 byte per value plus one float32 scale per ``block`` values.
+
+Per block b of ``block`` consecutive values (the last block may be shorter):
+``scale_b = absmax_b / 127``, ``q = round(x / scale_b)`` in [-127, 127], ``dec = q * scale_b``.
+
+Error bound: |dec - x| <= absmax_b / 254 (half a quantisation step) up to float32 rounding
+(relative slack ~1e-6). Blocks with absmax_b < 2**-100 (~7.9e-31) are sent as zeros (abs error <
+2**-100): it keeps 1/scale finite and such values are noise for any float32 training run.
+
+Scales are float32, not float16: fp16 scales would underflow for blocks with absmax < ~1e-5*127
+(small gradients are common) and overflow above 65504*127; float32 costs 4 bytes per 256 values
+(1.6 % of the payload, ratio 3.94x instead of 3.97x vs float32 input).
+
+Wire layout (the float32 part first so it is 4-byte aligned whenever the buffer is):
+``[scales: float32 x ceil(numel/block)][q: int8 x numel]``.
+
+NaN/inf never needs a separate pass: the per-block absmax propagates NaN and inf, so the check is
+a reduction over ceil(numel/block) scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Codec, CompressionError, Encoded, as_uint8, frombuffer
+
+__all__ = ["Int8Codec"]
+
+_TINY = 2.0**-100
+_MAX_SCALE = torch.finfo(torch.float32).max / 127
+
+
+class Int8Codec(Codec):
+    name = "int8"
+
+    def __init__(self, block: int = 256, **kw):
+        super().__init__(**kw)
+        if not (isinstance(block, int) and 8 <= block <= 1 << 16):
+            raise ValueError("int8 block must be an int in [8, 65536]")
+        self.block = block
+
+    def _opts_repr(self) -> str:
+        return f"block={self.block}"
+
+    def _extra_meta_keys(self):
+        return {"block": int}
+
+    def _meta(self, chunk, **extra):
+        return super()._meta(chunk, block=self.block, **extra)
+
+    def n_blocks(self, numel: int) -> int:
+        return -(-int(numel) // self.block)
+
+    def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return 4 * self.n_blocks(numel) + int(numel)
+
+    # ------------------------------------------------------------------ encode
+    def _parts(self, numel: int):
+        """(start, stop, rows, cols, first_block) for the full blocks and the short tail block."""
+        B = self.block
+        nfull = numel // B
+        parts = []
+        if nfull:
+            parts.append((0, nfull * B, nfull, B, 0))
+        if numel - nfull * B:
+            parts.append((nfull * B, numel, 1, numel - nfull * B, nfull))
+        return parts
+
+    def _encode(self, chunk: torch.Tensor) -> Encoded:
+        n = chunk.numel()
+        x = chunk if chunk.dtype == torch.float32 else chunk.float()
+        dev = x.device
+        nb = self.n_blocks(n)
+        scales = torch.empty(nb, dtype=torch.float32, device=dev)
+        q = torch.empty(n, dtype=torch.int8, device=dev)
+        tmp = torch.empty(min(n, self.block * (n // self.block)) or n, dtype=torch.float32, device=dev)
+        for start, stop, rows, cols, b0 in self._parts(n):
+            xb = x[start:stop].view(rows, cols)
+            t = tmp[: stop - start].view(rows, cols)
+            torch.abs(xb, out=t)
+            absmax = torch.amax(t, dim=1)  # NaN/inf propagate into absmax
+            if not bool(torch.isfinite(absmax.amax())):
+                raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
+            ok = absmax >= _TINY
+            inv = torch.where(ok, 127.0 / absmax, torch.zeros((), device=dev))
+            torch.where(ok, absmax * (1.0 / 127.0), torch.zeros((), device=dev), out=scales[b0 : b0 + rows])
+            torch.mul(xb, inv.unsqueeze(1), out=t)
+            t.round_()
+            q[start:stop].view(rows, cols).copy_(t)
+        return Encoded(self._meta(chunk), [as_uint8(scales), as_uint8(q)])
+
+    # ------------------------------------------------------------------ decode
+    def _unpack(self, buf, numel: int, device: torch.device):
+        nb = self.n_blocks(numel)
+        scales = frombuffer(buf, torch.float32, 0, nb)
+        q = frombuffer(buf, torch.int8, 4 * nb, numel)
+        if nb:
+            smin, smax = torch.aminmax(scales)
+            # an honest encoder sends 0 <= scale = absmax/127 <= float32 max/127; a larger scale would
+            # decode to inf, NaN compares false
+            if not (float(smin) >= 0.0 and float(smax) <= _MAX_SCALE):
+                raise CompressionError(
+                    "int8: received scales contain NaN, inf, negative or out-of-range values; rejecting the message"
+                )
+        if device.type != "cpu":
+            scales, q = scales.to(device), q.to(device)
+        return scales, q
+
+    def _decode_into(self, meta, buf, numel, out):
+        scales, q = self._unpack(buf, numel, out.device)
+        for start, stop, rows, cols, b0 in self._parts(numel):
+            s = scales[b0 : b0 + rows].unsqueeze(1)
+            o = out[start:stop].view(rows, cols)
+            if out.dtype == torch.float32:
+                torch.mul(q[start:stop].view(rows, cols), s, out=o)
+            else:
+                o.copy_(q[start:stop].view(rows, cols) * s)
+
+    def _decode_add(self, meta, buf, numel, acc, weight):
+        scales, q = self._unpack(buf, numel, acc.device)
+        if weight != 1.0:
+            scales = scales * weight
+        for start, stop, rows, cols, b0 in self._parts(numel):
+            s = scales[b0 : b0 + rows].unsqueeze(1)
+            acc[start:stop].view(rows, cols).addcmul_(q[start:stop].view(rows, cols), s)
