@@ -116,7 +116,8 @@ class DHTNode:
         self._tasks: set[asyncio.Task] = set()
         self._maintenance: asyncio.Task | None = None
         self._rng = random.Random()
-        self._last_republish = time.monotonic()
+        self._received_at: dict[bytes, float] = {}  # key -> when a peer last replicated it to us
+        self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -272,7 +273,11 @@ class DHTNode:
         results = []
         for item in args:
             try:
-                results.append(self.storage.store(Record.from_wire(item), now, source=conn.remote_peer))
+                record = Record.from_wire(item)
+                stored = self.storage.store(record, now, source=conn.remote_peer)
+                if stored:
+                    self._received_at[record.key] = time.monotonic()
+                results.append(stored)
             except InvalidRecord as e:
                 results.append(str(e)[:200])
         return results
@@ -429,8 +434,8 @@ class DHTNode:
             try:
                 self.storage.remove_expired(time.time())
                 await self._refresh()
-                if time.monotonic() - self._last_republish >= self.config.republish_interval:
-                    self._last_republish = time.monotonic()
+                if time.monotonic() >= self._next_republish:
+                    self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
                     await self.republish()
             except asyncio.CancelledError:
                 raise
@@ -441,15 +446,26 @@ class DHTNode:
         targets = self.routing.buckets_to_refresh(time.monotonic(), self.config.refresh_interval, self._rng)
         await asyncio.gather(*(self._lookup_nodes(t) for t in targets), return_exceptions=True)
 
-    async def republish(self) -> None:
-        """Re-replicate what we hold, so records survive the death of the peers that stored them."""
+    def _jittered(self, period: float) -> float:
+        """Spread periodic work so a swarm started at once does not republish in lockstep."""
+        return period * self._rng.uniform(0.75, 1.25)
+
+    async def republish(self, force: bool = False) -> None:
+        """Re-replicate what we hold, so records survive the death of the peers that stored them.
+
+        As in the Kademlia paper, a key that another peer replicated to us within the last period
+        is skipped: that peer has just sent it to the other k-1 closest too, so each key is
+        republished by about one holder per period instead of by all k of them.
+        """
         now = time.time()
+        recent = time.monotonic() - self.config.republish_interval
+        self._received_at = {k: t for k, t in self._received_at.items() if t > recent}
         for name, rec in list(self._originated.items()):
             if rec.expiration <= now:
                 del self._originated[name]
         by_key: dict[bytes, list[Record]] = {}
         for rec in self.storage.records():
-            if rec.expiration > now:
+            if rec.expiration > now and (force or rec.key not in self._received_at):
                 by_key.setdefault(rec.key, []).append(rec)
         sem = asyncio.Semaphore(8)
 
