@@ -435,8 +435,9 @@ class DHTNode:
                 self.storage.remove_expired(time.time())
                 await self._refresh()
                 if time.monotonic() >= self._next_republish:
-                    self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
                     await self.republish()
+                    # Timed from the end of the round: an overrunning round never runs back to back.
+                    self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
             except asyncio.CancelledError:
                 raise
             except Exception:  # maintenance must survive anything a peer did to us

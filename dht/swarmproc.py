@@ -9,7 +9,8 @@ Child (``python -m dht.swarmproc``): prints ``{"id": null, "ready": true, "pid":
 imported, then answers one JSON line per command line; logs go to stderr. Commands (each carries an
 ``id`` echoed back; a failure answers ``{"id": .., "error": "one line"}`` and the child lives on):
 
-  start      {"n", "bootstrap": [multiaddr], "config": {DHTConfig overrides}, "client_mode"}
+  start      {"n", "bootstrap": [multiaddr], "config": {DHTConfig overrides}, "client_mode",
+              "bootstrap_per_node": m (each node joins through m of the bootstrap addrs, rotating)}
              -> {"addrs": [multiaddr per node], "start_s"}   (nodes start concurrently)
   store      {"node", "key", "value", "ttl", "subkey"} -> {"accepted"}
   get        {"node", "key", "latest"} -> {"value", "hops", "ms"}   (a sub-key dict: {subkey: value})
@@ -52,7 +53,7 @@ class _Swarm:
         return self.nodes[i]  # type: ignore[return-value]
 
     async def op_start(self, n: int, bootstrap: list[str] = (), config: dict | None = None,  # type: ignore[assignment]
-                       client_mode: bool = False) -> dict:
+                       client_mode: bool = False, bootstrap_per_node: int | None = None) -> dict:
         cfg = DHTConfig(**(config or {}))
         t0 = time.perf_counter()
         new = [DHTNode(listen=None if client_mode else ("127.0.0.1", 0), config=cfg) for _ in range(n)]
@@ -62,7 +63,9 @@ class _Swarm:
             boot, rest = [str(new[0].multiaddrs[0])], new[1:]
         else:
             rest = new
-        results = await asyncio.gather(*(nd.start(boot) for nd in rest), return_exceptions=True)
+        m = bootstrap_per_node or len(boot)  # a rotating subset spreads hundreds of joins over peers
+        subsets = [[boot[(j + x) % len(boot)] for x in range(min(m, len(boot)))] for j in range(len(rest))]
+        results = await asyncio.gather(*(nd.start(b) for nd, b in zip(rest, subsets)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await asyncio.gather(*(nd.close() for nd in new), return_exceptions=True)

@@ -213,7 +213,7 @@ class Connection(asyncio.BufferedProtocol):
         self.close(reason, abort=True)
 
     def _write_hs(self, message: bytes) -> None:
-        if self._transport is not None and not self._closed:
+        if self._transport is not None and not self._closed and not self._transport.is_closing():
             self._transport.write(_HS_LEN.pack(len(message)) + message)
 
     def _on_handshake_bytes(self, data: memoryview) -> None:
@@ -350,7 +350,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def send_frame(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
         """Encrypt ``body`` straight into a frame buffer and hand it to the socket."""
-        if self._closed or self._send is None or self._transport is None:
+        # uvloop raises RuntimeError on a write to a closing socket, before connection_lost runs.
+        if self._closed or self._send is None or self._transport is None or self._transport.is_closing():
             raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
         header = pack_header(kind, ident)
         n = len(body)
@@ -560,6 +561,8 @@ class Host:
             pending = self.loop.create_task(self._dial(host, port, peer, timeout))  # type: ignore[assignment]
             self._dialing[key] = pending
             pending.add_done_callback(lambda _f: self._dialing.pop(key, None))
+            # Every waiter may have been cancelled: mark a failure as seen so asyncio stays quiet.
+            pending.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await asyncio.shield(pending)
 
     async def _dial(self, host: str, port: int, peer: PeerID | None, timeout: float) -> Connection:
