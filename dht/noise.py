@@ -77,12 +77,12 @@ class CipherState:
         self._n += 1
         return nonce
 
-    def encrypt(self, ad: bytes, plaintext: bytes) -> bytes:
+    def encrypt(self, ad: bytes, plaintext: bytes | bytearray | memoryview) -> bytes:
         if self._aead is None:
             return bytes(plaintext)
         return self._aead.encrypt(self._next_nonce(), plaintext, ad)
 
-    def decrypt(self, ad: bytes, ciphertext: bytes) -> bytes:
+    def decrypt(self, ad: bytes, ciphertext: bytes | bytearray | memoryview) -> bytes:
         if self._aead is None:
             return bytes(ciphertext)
         try:

@@ -243,43 +243,40 @@ class Connection(asyncio.BufferedProtocol):
             return
         header = bytes(frame[:HEADER_SIZE])
         kind, _flags, ident = parse_header(header)
-        body_len = len(frame) - HEADER_SIZE - TAG_SIZE
-        if body_len < 0:
+        if len(frame) < HEADER_SIZE + TAG_SIZE:
             raise ProtocolError("frame shorter than its authentication tag")
-        body = bytearray(body_len)
-        self._recv.decrypt_into(header, frame[HEADER_SIZE:], body)
-        view = memoryview(body)
-        if kind is Kind.REQUEST:
+        view = memoryview(self._recv.decrypt(header, frame[HEADER_SIZE:]))  # fresh, read-only bytes
+        if kind == Kind.REQUEST:
             self._on_request(ident, view)
-        elif kind is Kind.RESPONSE or kind is Kind.ERROR:
+        elif kind == Kind.RESPONSE or kind == Kind.ERROR:
             fut = self._calls.get(ident)
             if fut is not None and not fut.done():
-                if kind is Kind.RESPONSE:
+                if kind == Kind.RESPONSE:
                     fut.set_result(unpack(view))
                 else:
                     reason = unpack(view)
                     fut.set_exception(RPCError(f"{self.remote_peer}: {reason if isinstance(reason, str) else 'error'}"))
-        elif kind is Kind.CANCEL:
+        elif kind == Kind.CANCEL:
             task = self._serving.get(ident)
             if task is not None:
                 task.cancel()
-        elif kind is Kind.STREAM_OPEN:
+        elif kind == Kind.STREAM_OPEN:
             self._on_stream_open(ident, view)
-        elif kind is Kind.GOAWAY:  # a connection-level frame: its id names no stream
+        elif kind == Kind.GOAWAY:  # a connection-level frame: its id names no stream
             self.close("peer is going away")
         else:
             stream = self._streams.get(ident)
             if stream is None:
                 return  # late frames of a stream we already closed: harmless
-            if kind is Kind.STREAM_DATA:
+            if kind == Kind.STREAM_DATA:
                 stream._on_data(view)
-            elif kind is Kind.STREAM_END:
+            elif kind == Kind.STREAM_END:
                 stream._on_eof()
-            elif kind is Kind.WINDOW:
+            elif kind == Kind.WINDOW:
                 if len(view) != WINDOW_BODY.size:
                     raise ProtocolError("malformed window update")
                 stream._on_window(WINDOW_BODY.unpack(view)[0])
-            elif kind is Kind.STREAM_RESET:
+            elif kind == Kind.STREAM_RESET:
                 reason = unpack(view) if view else "reset"
                 stream._on_reset(f"reset by peer: {reason if isinstance(reason, str) else 'reset'}")
 
@@ -349,18 +346,18 @@ class Connection(asyncio.BufferedProtocol):
         return pack(obj)
 
     def send_frame(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
-        """Encrypt ``body`` straight into a frame buffer and hand it to the socket."""
+        """Encrypt ``body`` (read in place, never copied first) and hand the frame to the socket.
+
+        The ciphertext comes back as a fresh ``bytes`` (allocated uninitialised, unlike a
+        bytearray) and goes out with the length/header prefix in one ``writelines`` (writev).
+        """
         # uvloop raises RuntimeError on a write to a closing socket, before connection_lost runs.
         if self._closed or self._send is None or self._transport is None or self._transport.is_closing():
             raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
         header = pack_header(kind, ident)
-        n = len(body)
-        out = bytearray(LENGTH.size + HEADER_SIZE + n + TAG_SIZE)
-        LENGTH.pack_into(out, 0, HEADER_SIZE + n + TAG_SIZE)
-        out[LENGTH.size : LENGTH.size + HEADER_SIZE] = header
-        self._send.encrypt_into(header, body, memoryview(out)[LENGTH.size + HEADER_SIZE :])
-        self._transport.write(out)
-        self.bytes_sent += len(out)
+        ciphertext = self._send.encrypt(header, body)
+        self._transport.writelines((LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header, ciphertext))
+        self.bytes_sent += LENGTH.size + HEADER_SIZE + len(ciphertext)
         self.last_activity = time.monotonic()
 
     def post(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:

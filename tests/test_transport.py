@@ -753,7 +753,7 @@ async def test_frames_in_same_packet_as_message_3_are_served(make_host):
             answers = {}
             for _ in range(2):
                 kind, ident, body = await peer.read_frame()
-                assert kind is Kind.RESPONSE
+                assert kind == Kind.RESPONSE
                 answers[ident] = unpack(body)
             assert answers == {1: "a", 3: "b"}
         finally:

@@ -1,0 +1,768 @@
+"""Fault-tolerant, compressed, pipelined butterfly all-reduce (reduce-scatter + all-gather) for one
+already-formed :class:`~p2ptrain.averaging.group.Group`.
+
+>>> service = AllReduceService(host)              # registers the stream handler once
+>>> await service.start()
+>>> result = await service.run(group, my_rank, flat, weight=samples, codec="int8")
+>>> result.ok, result.failed, result.not_averaged   # flat now holds the weighted mean
+>>> await service.close()
+
+Protocol ``p2ptrain/allreduce/1``
+---------------------------------
+Every member owns the shard ``partition(numel, members)[rank]`` of the flat float32 vector (sized by
+declared bandwidth; client-mode members own nothing). For every ordered pair (sender i, owner j),
+i != j, j's shard non-empty, i opens ONE bidirectional stream to j with the header
+``{"g": group_id, "from": i, "w": weight, "n": numel, "codec": id, "gcodec": id}`` and
+
+* reduce: writes its part ``flat[start_j:end_j]`` chunk by chunk (``chunk_numel`` values, the last
+  shorter), each chunk exactly ``codec.encoded_nbytes(chunk_numel)`` bytes, then half-closes (EOF).
+  The codec meta is derived locally on both sides, never read from the wire.
+* gather: reads the reply: ``u32 length | msgpack summary`` (who contributed, weight sum), then the
+  averaged part, chunk by chunk in the gather codec, then EOF; decoded straight into ``flat``.
+
+The owner reads each chunk into one reusable buffer of the exact size and ``decode_add``s it into a
+float32 accumulator for its shard (the only shard-sized allocation) with the sender's weight, and
+adds that weight to the chunk's weight sum, so a sender that dies half-way contributes exactly the
+chunks it completed: chunk c averages to ``acc_c / wsum_c``. The owner's own part enters with its
+own weight (exactly, never through the codec). When every expected sender has finished, failed or
+missed its deadline, the owner divides, encodes each averaged chunk once (and decodes it into its
+own ``flat``, so every member ends with bit-identical values), and writes it to every sender whose
+part arrived complete.
+
+Failures
+--------
+* owner dies / resets / stalls: the sender keeps its local values for that shard (the chunks already
+  received back stay averaged: ``ShardResult.averaged`` says how many values) and the shard is
+  reported ``failed`` with the reason.
+* sender dies / stalls: the owner averages over what arrived (per chunk) and sends nothing back to it.
+* hostile sender (malformed header, weight non-finite/<=0/too large, numel or codec mismatch, a chunk
+  that fails to decode, too little or too much data, not a member, duplicate stream): dropped. Rule:
+  chunks it sent *before* the violation stay in the average (they were individually validated: right
+  size, finite, decodable); everything after is excluded; it gets no reply and is listed in
+  ``failed``. Excluding its earlier chunks too would need per-sender accumulators (unbounded memory).
+* stalls: every read/write waits at most ``max(stall_timeout, 4 * frame_bytes / min_bandwidth)``
+  for progress; an owner stops waiting for senders that have not opened their stream after
+  ``join_timeout`` and for any sender at ``reduce_fraction * timeout``; the whole run is capped at
+  ``timeout``.
+
+Streams can arrive before the local round for that group is registered (members learn of the group
+at slightly different times): the handler waits up to ``accept_wait`` seconds for ``run`` to start.
+
+Concurrency: one event loop; a task per outgoing part and per incoming sender; codec work on large
+rounds goes to ONE worker thread (torch releases the GIL), which also makes accumulation and the
+final division strictly ordered (FIFO) without locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from dht.errors import DHTError, ProtocolError
+from dht.identity import PeerID
+from dht.stream import Stream
+from dht.transport import Host
+from dht.wire import MAX_FRAME_BODY, pack, unpack
+
+from ..compression import Codec, CompressionError, ErrorFeedback, get_codec
+from .group import Group, partition
+
+__all__ = ["PROTOCOL", "AllReduceConfig", "AllReduceResult", "AllReduceService", "ShardResult", "codec_id"]
+
+log = logging.getLogger("p2ptrain.allreduce")
+
+PROTOCOL = "p2ptrain/allreduce/1"
+_PREFIX = struct.Struct(">I")
+MAX_SUMMARY = 1 << 16
+_HEADER_KEYS = frozenset({"g", "from", "w", "n", "codec", "gcodec"})
+_EMPTY = torch.empty(0, dtype=torch.float32)
+
+
+@dataclass
+class AllReduceConfig:
+    chunk_numel: int = 1 << 20  # values per chunk (rounded up to a multiple of 256)
+    timeout: float = 60.0  # the whole round, on this member
+    reduce_fraction: float = 0.6  # owners stop waiting for senders after this fraction of timeout
+    join_timeout: float = 5.0  # owners give up on senders that have not opened their stream by then
+    stall_timeout: float = 5.0  # no progress on a stream for this long: the peer is stalled
+    min_bandwidth: float = 10e6  # bytes/s floor used to scale the per-read timeout of big frames
+    connect_timeout: float = 5.0
+    max_weight: float = 1e12  # larger declared weights are hostile (they would overflow float32)
+    #: rounds with at least this many values run codec work in the worker thread; None: never
+    offload_min_numel: int | None = 1 << 18
+
+    def read_timeout(self, nbytes: int) -> float:
+        return max(self.stall_timeout, 4.0 * min(nbytes, MAX_FRAME_BODY) / self.min_bandwidth)
+
+
+@dataclass
+class ShardResult:
+    owner: int
+    start: int
+    end: int
+    status: str = "failed"  # "ok": averaged; "failed": local values kept (beyond ``averaged``)
+    averaged: int = 0  # values of [start, end) that hold the average (a prefix)
+    contributors: list[int] = field(default_factory=list)  # ranks whose whole part is in the average
+    partial: dict[int, int] = field(default_factory=dict)  # rank -> chunks of its part that made it
+    weight: float = 0.0  # smallest per-chunk weight sum behind the averaged values
+    error: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class AllReduceResult:
+    group_id: bytes
+    group_size: int
+    members: tuple[PeerID, ...]
+    rank: int
+    shards: list[ShardResult]  # one per non-empty shard, in rank order
+    failed: dict[int, str]  # rank -> why it was dropped / given up on (this member's view)
+    weight_total: float  # smallest weight behind any value of flat (own weight if nothing averaged)
+    bytes_sent: int = 0  # stream payload bytes, both phases
+    bytes_received: int = 0
+    time_total: float = 0.0
+    time_reduce: float = 0.0
+    time_gather: float = 0.0
+    buffer_bytes: int = 0  # bytes of the buffers this round allocated (accumulator + chunk buffers)
+
+    @property
+    def ok(self) -> bool:
+        return all(s.status == "ok" for s in self.shards)
+
+    @property
+    def not_averaged(self) -> list[int]:
+        """Owners whose shard was not (fully) averaged: those values are still local."""
+        return [s.owner for s in self.shards if s.status != "ok"]
+
+    @property
+    def excluded(self) -> set[int]:
+        """Ranks whose contribution is missing from at least one averaged shard."""
+        out: set[int] = set()
+        for s in self.shards:
+            if s.status == "ok":
+                out |= set(range(self.group_size)) - set(s.contributors)
+        return out
+
+
+def _base(codec: Codec) -> Codec:
+    return codec.codec if isinstance(codec, ErrorFeedback) else codec
+
+
+def codec_id(codec: Codec) -> str:
+    """Name and options of a codec, e.g. ``int8(block=256)``: both ends must agree on it."""
+    b = _base(codec)
+    return f"{b.name}({b._opts_repr()})"
+
+
+def _chunks(start: int, end: int, cn: int) -> list[tuple[int, int]]:
+    return [(a, min(a + cn, end)) for a in range(start, end, cn)]
+
+
+class _Drop(Exception):
+    """A peer broke the protocol: drop it from the round."""
+
+
+class _Reader:
+    """Exact-size reads over a stream's frames, whatever their boundaries (a remainder is kept)."""
+
+    __slots__ = ("stream", "_rest")
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self._rest: memoryview | None = None
+
+    async def readinto(self, buf: memoryview, timeout: float) -> int:
+        n, filled, rest = len(buf), 0, self._rest
+        while filled < n:
+            if rest is None:
+                rest = await self.stream.read(timeout)
+                if rest is None:
+                    break
+            k = min(len(rest), n - filled)
+            buf[filled : filled + k] = rest[:k]
+            filled += k
+            rest = rest[k:] if k < len(rest) else None
+        self._rest = rest
+        return filled
+
+    async def read_exact(self, buf: memoryview, timeout: float) -> memoryview | None:
+        """``len(buf)`` bytes: a zero-copy view of the received frame when one frame holds them
+        all, else copied into ``buf``; None if the stream ended first."""
+        n = len(buf)
+        rest = self._rest
+        while rest is None:
+            rest = await self.stream.read(timeout)
+            if rest is None:
+                return None
+            if not len(rest):
+                rest = None
+        if len(rest) >= n:
+            self._rest = rest[n:] if len(rest) > n else None
+            return rest[:n]
+        self._rest = rest
+        return buf if await self.readinto(buf, timeout) == n else None
+
+    async def at_eof(self, timeout: float) -> bool:
+        if self._rest is not None:
+            return False
+        while True:
+            chunk = await self.stream.read(timeout)
+            if chunk is None:
+                return True
+            if len(chunk):
+                self._rest = chunk
+                return False
+
+
+@dataclass(eq=False)
+class _Incoming:
+    rank: int
+    stream: Stream
+    weight: float
+    done: int = 0  # chunks accumulated (always a prefix)
+    state: str = "receiving"  # "complete" | "failed"
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # set when the reply is written
+
+
+def _retrieve(fut: asyncio.Future | None) -> None:
+    """Cancel a prefetch nobody will await (no 'exception was never retrieved' reports)."""
+    if fut is not None and not fut.cancel() and fut.done() and not fut.cancelled():
+        fut.exception()
+
+
+class _Round:
+    def __init__(self, svc: AllReduceService, group: Group, rank: int, flat: torch.Tensor, weight: float,
+                 codec: Codec, gcodec: Codec, cfg: AllReduceConfig):
+        self.svc, self.group, self.rank, self.flat, self.weight, self.cfg = svc, group, rank, flat, weight, cfg
+        self.codec, self.gcodec = codec, gcodec
+        self.rmeta, self.gmeta = _base(codec)._meta(_EMPTY), gcodec._meta(_EMPTY)
+        self.n = n = flat.numel()
+        self.size = group.size
+        self.cn = -(-max(1, int(cfg.chunk_numel)) // 256) * 256
+        self.bounds = partition(n, group.members) if n else [(0, 0)] * group.size
+        self.offload = cfg.offload_min_numel is not None and n >= cfg.offload_min_numel
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + cfg.timeout
+        self.header = {"g": group.group_id, "from": rank, "w": float(weight), "n": n,
+                       "codec": codec_id(codec), "gcodec": codec_id(gcodec)}
+        s, e = self.bounds[rank]
+        self.my_start, self.my_end = s, e
+        self.my_chunks = _chunks(s, e, self.cn)
+        self.is_owner = e > s
+        self.expected = {r for r in range(self.size) if r != rank} if self.is_owner else set()
+        self.incoming: dict[int, _Incoming] = {}
+        self.failed: dict[int, str] = {}  # for the report: any rank we gave up on, either role
+        self.rejected: set[int] = set()  # owner side: senders whose stream we no longer accept
+        self.changed = asyncio.Event()
+        self.reduce_closed = False
+        self.buffer_bytes = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.t_reduce = 0.0
+        if self.is_owner:
+            # The accumulator, filled lazily chunk by chunk (in the worker, pipelined with the
+            # network): own part times own weight at the first foreign contribution. flat[s:e]
+            # itself stays untouched until the division, so a chunk nobody else contributed to
+            # keeps its exact local values.
+            self.acc = torch.empty(e - s, dtype=torch.float32)
+            self.buffer_bytes += self.acc.numel() * 4
+            self.wsum = [float(weight)] * len(self.my_chunks)
+            self.count = [1] * len(self.my_chunks)
+        self.own_shard: ShardResult | None = None
+
+    # ------------------------------------------------------------------ helpers
+    async def _compute(self, fn: Callable, *args: Any) -> Any:
+        if self.offload:
+            return await asyncio.get_running_loop().run_in_executor(self.svc._executor, fn, *args)
+        return fn(*args)
+
+    def _submit(self, fn: Callable, *args: Any) -> asyncio.Future:
+        if self.offload:
+            return asyncio.get_running_loop().run_in_executor(self.svc._executor, fn, *args)
+        fut = asyncio.get_running_loop().create_future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as e:
+            fut.set_exception(e)
+        return fut
+
+    def _fail(self, rank: int, reason: str) -> None:
+        if rank not in self.failed:
+            self.failed[rank] = reason
+            log.info("all-reduce %s: rank %d: %s", self.group.group_id.hex()[:8], rank, reason)
+
+    def _account(self, stream: Stream) -> None:
+        self.bytes_sent += stream.bytes_sent
+        self.bytes_received += stream.bytes_received
+
+    # ------------------------------------------------------------------ owner: one task per sender
+    def _check_header(self, hdr: Any, rank: int) -> str | None:
+        if not isinstance(hdr, dict) or set(hdr) != _HEADER_KEYS:
+            return "malformed header"
+        w, n, frm = hdr["w"], hdr["n"], hdr["from"]
+        if isinstance(frm, bool) or frm != rank:
+            return f"header claims rank {frm!r:.20}, its peer id is rank {rank}"
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 < w <= self.cfg.max_weight):
+            return f"bad weight {w!r:.30} (must be finite, > 0 and <= {self.cfg.max_weight:g})"
+        if isinstance(n, bool) or n != self.n:
+            return f"numel {n!r:.30} differs from ours ({self.n})"
+        if hdr["codec"] != self.header["codec"] or hdr["gcodec"] != self.header["gcodec"]:
+            return f"codec {hdr['codec']!r:.40}/{hdr['gcodec']!r:.40} differs from ours"
+        return None
+
+    def _accumulate(self, inc: _Incoming, ci: int, buf: memoryview) -> bool:
+        # Runs in the worker thread (or inline): add + bookkeeping are one step, ordered before the
+        # division, which is submitted to the same single thread after ``reduce_closed`` is set.
+        if self.reduce_closed or inc.state != "receiving":
+            return False
+        a, b = self.my_chunks[ci]
+        meta = dict(self.rmeta, numel=b - a)
+        acc = self.acc[a - self.my_start : b - self.my_start]
+        if self.count[ci] == 1:  # (re)initialise: a rejected message never counts, see finalize
+            torch.mul(self.flat[a:b], self.weight, out=acc)
+        self.codec.decode_add(meta, buf, acc, inc.weight)
+        self.wsum[ci] += inc.weight
+        self.count[ci] += 1
+        inc.done = ci + 1
+        return True
+
+    async def serve_sender(self, stream: Stream) -> None:
+        try:
+            rank = self.group.rank_of(stream.peer_id)
+        except KeyError:
+            stream.reset("not a member of this group")
+            return
+        if not self.is_owner or rank == self.rank:
+            stream.reset("this member owns no shard")
+            return
+        if rank in self.incoming or rank in self.rejected or self.reduce_closed:
+            stream.reset("duplicate or late stream")
+            return
+        bad = self._check_header(stream.header, rank)
+        if bad:
+            self.rejected.add(rank)
+            self._fail(rank, f"dropped: {bad}")
+            stream.reset(bad)
+            self.changed.set()
+            return
+        inc = _Incoming(rank, stream, float(stream.header["w"]))
+        self.incoming[rank] = inc
+        try:
+            await self._receive(inc)
+            await inc.finished.wait()  # the owner writes the reply, then sets this
+        finally:
+            if inc.state == "receiving":
+                inc.state = "failed"
+                self._fail(rank, "connection closed while sending")
+            self.changed.set()
+            inc.finished.set()
+
+    async def _receive(self, inc: _Incoming) -> None:
+        stream, reader = inc.stream, _Reader(inc.stream)
+        nmax = self.codec.encoded_nbytes(min(self.cn, self.my_end - self.my_start))
+        buf = bytearray(nmax)
+        self.buffer_bytes += nmax
+        view = memoryview(buf)
+        try:
+            for ci, (a, b) in enumerate(self.my_chunks):
+                nb = self.codec.encoded_nbytes(b - a)
+                data = await reader.read_exact(view[:nb], self.cfg.read_timeout(nb))
+                if data is None:
+                    raise _Drop(f"sent less than the {nb} bytes of chunk {ci} (too little data)")
+                try:
+                    if not await self._compute(self._accumulate, inc, ci, data):
+                        raise _Drop("round deadline: still sending")
+                except CompressionError as e:
+                    raise _Drop(f"chunk {ci} rejected: {e}") from None
+            if not await reader.at_eof(self.cfg.stall_timeout):
+                raise _Drop("sent more data than its part")
+            inc.state = "complete"
+        except _Drop as e:
+            inc.state = "failed"
+            self._fail(inc.rank, f"dropped: {e}")
+            stream.reset(str(e)[:200])
+        except (DHTError, TimeoutError) as e:
+            inc.state = "failed"
+            self._fail(inc.rank, f"sender failed: {e}")
+            stream.reset("stalled or failed")
+        finally:
+            self.changed.set()
+
+    async def _wait_senders(self) -> None:
+        cfg = self.cfg
+        t_join = self.t0 + cfg.join_timeout
+        t_reduce = self.t0 + cfg.timeout * cfg.reduce_fraction
+        while True:
+            now = time.monotonic()
+            missing = self.expected - self.incoming.keys() - self.rejected
+            if missing and now >= t_join:
+                self.rejected |= missing
+                for r in missing:
+                    self._fail(r, f"did not open its stream within join_timeout={cfg.join_timeout} s")
+                missing = set()
+            active = [i for i in self.incoming.values() if i.state == "receiving"]
+            if not missing and not active:
+                break
+            if now >= t_reduce:
+                self.rejected |= missing
+                for r in missing:
+                    self._fail(r, "did not open its stream before the reduce deadline")
+                for inc in active:
+                    inc.state = "failed"
+                    self._fail(inc.rank, "round deadline: still sending")
+                    inc.stream.reset("round deadline")
+                break
+            self.changed.clear()
+            wake = min(t_join, t_reduce) if missing else t_reduce
+            try:
+                await asyncio.wait_for(self.changed.wait(), max(0.0, wake - now))
+            except TimeoutError:
+                pass
+        self.reduce_closed = True
+
+    def _snapshot(self) -> dict:
+        # In the worker (after every accumulate submitted before the close): a consistent view.
+        nc = len(self.my_chunks)
+        ok = sorted([self.rank] + [r for r, i in self.incoming.items() if i.done == nc])
+        part = sorted([r, i.done] for r, i in self.incoming.items() if 0 < i.done < nc)
+        return {"ok": ok, "part": part, "w": float(min(self.wsum))}
+
+    def _finalize(self, ci: int) -> memoryview:
+        a, b = self.my_chunks[ci]
+        x = self.acc[a - self.my_start : b - self.my_start]
+        out = self.flat[a:b]
+        if self.count[ci] == 1:
+            x = out  # only our own contribution: keep the exact local values
+        else:
+            x.div_(self.wsum[ci])
+        enc = self.gcodec.encode(x)
+        bufs = enc.buffers
+        data = bufs[0] if len(bufs) == 1 else torch.cat([t if isinstance(t, torch.Tensor) else
+                                                         torch.frombuffer(bytearray(t), dtype=torch.uint8) for t in bufs])
+        mv = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)
+        if x is not out:
+            if self.gcodec.lossless:
+                out.copy_(x)
+            else:  # hold exactly what the other members will decode
+                self.gcodec.decode(dict(self.gmeta, numel=b - a), mv, out=out)
+        return mv
+
+    async def _own_shard(self) -> None:
+        s, e = self.my_start, self.my_end
+        res = ShardResult(self.rank, s, e)
+        self.own_shard = res
+        await self._wait_senders()
+        summary = await self._compute(self._snapshot)
+        res.contributors, res.partial, res.weight = summary["ok"], dict(summary["part"]), summary["w"]
+        self.t_reduce = max(self.t_reduce, time.monotonic() - self.t0)
+        recips = [i for i in self.incoming.values() if i.state == "complete"]
+        body = pack(summary)
+        head = _PREFIX.pack(len(body)) + body
+        await self._broadcast(recips, head)
+        nxt: asyncio.Future | None = self._submit(self._finalize, 0)
+        done = False
+        try:
+            for ci, (a, b) in enumerate(self.my_chunks):
+                data = await nxt
+                nxt = self._submit(self._finalize, ci + 1) if ci + 1 < len(self.my_chunks) else None
+                res.averaged = b - s
+                await self._broadcast(recips, data)
+            res.status = "ok"
+            done = True
+        except CompressionError as err:  # e.g. the average overflows fp16
+            res.error = f"cannot encode the averaged shard: {err}"
+        finally:
+            _retrieve(nxt)
+            for inc in recips:
+                if done:
+                    inc.stream.write_eof()
+                else:
+                    inc.stream.reset("owner could not finish the result")
+            for inc in self.incoming.values():
+                self._account(inc.stream)
+                inc.finished.set()
+
+    async def _broadcast(self, recips: list[_Incoming], data: Any) -> None:
+        async def one(inc: _Incoming) -> None:
+            try:
+                await inc.stream.write(data, timeout=self.cfg.read_timeout(len(data)))
+            except (DHTError, TimeoutError) as e:
+                inc.state = "failed"
+                self._fail(inc.rank, f"stopped reading the result: {e}")
+                inc.stream.reset("stalled")
+        if len(recips) == 1:
+            await one(recips[0])
+        elif recips:
+            await asyncio.gather(*(one(i) for i in recips))
+        recips[:] = [i for i in recips if i.state == "complete"]
+
+    # ------------------------------------------------------------------ sender: one task per owner
+    def _encode(self, a: int, b: int) -> list[memoryview]:
+        return self.codec.encode(self.flat[a:b], key=("allreduce", a)).memoryviews()
+
+    def _decode(self, a: int, b: int, buf: memoryview) -> None:
+        self.gcodec.decode(dict(self.gmeta, numel=b - a), buf, out=self.flat[a:b])
+
+    async def _send_part(self, j: int) -> ShardResult:
+        a0, b0 = self.bounds[j]
+        res = ShardResult(j, a0, b0)
+        chunks = _chunks(a0, b0, self.cn)
+        member = self.group.members[j]
+        cfg = self.cfg
+        stream: Stream | None = None
+        nxt: asyncio.Future | None = None
+        try:
+            assert member.addr is not None
+            conn = await self.svc.host.connect(member.addr[0], member.addr[1], member.peer_id, cfg.connect_timeout)
+            stream = await conn.open_stream(PROTOCOL, self.header)
+            wt = cfg.stall_timeout + self.svc.accept_wait
+            nxt = self._submit(self._encode, *chunks[0])
+            for ci in range(len(chunks)):
+                views = await nxt
+                nxt = self._submit(self._encode, *chunks[ci + 1]) if ci + 1 < len(chunks) else None
+                await self.svc._before_chunk(j, ci)
+                for v in views:
+                    await stream.write(v, timeout=max(wt, cfg.read_timeout(len(v))))
+            stream.write_eof()
+            self.t_reduce = max(self.t_reduce, time.monotonic() - self.t0)
+            # gather: the owner replies once all of its senders are done
+            reader = _Reader(stream)
+            head = bytearray(_PREFIX.size)
+            wait = max(cfg.stall_timeout, self.deadline - time.monotonic())
+            if await reader.readinto(memoryview(head), wait) < len(head):
+                raise _Drop("closed the stream without a result (it excluded us)")
+            (ln,) = _PREFIX.unpack(head)
+            if ln > MAX_SUMMARY:
+                raise _Drop("result summary too large")
+            body = bytearray(ln)
+            if await reader.readinto(memoryview(body), cfg.stall_timeout) < ln:
+                raise _Drop("truncated result summary")
+            self._read_summary(res, body)
+            nmax = self.gcodec.encoded_nbytes(min(self.cn, b0 - a0))
+            buf = bytearray(nmax)
+            self.buffer_bytes += nmax
+            view = memoryview(buf)
+            for a, b in chunks:
+                nb = self.gcodec.encoded_nbytes(b - a)
+                data = await reader.read_exact(view[:nb], cfg.read_timeout(nb))
+                if data is None:
+                    raise _Drop("result ended early")
+                try:
+                    await self._compute(self._decode, a, b, data)
+                except CompressionError as e:
+                    raise _Drop(f"result rejected: {e}") from None
+                res.averaged = b - a0
+            if not await reader.at_eof(cfg.stall_timeout):
+                raise _Drop("result longer than the shard")
+            res.status = "ok"
+        except CompressionError as e:  # our own input does not encode (e.g. beyond fp16 range)
+            res.error = f"cannot encode our part: {e}"
+        except _Drop as e:
+            res.error = f"owner {j} misbehaved: {e}"
+            self._fail(j, res.error)
+        except (DHTError, TimeoutError) as e:
+            res.error = f"owner {j} failed: {e}"
+            self._fail(j, res.error)
+        finally:
+            _retrieve(nxt)
+            if stream is not None:
+                if res.status != "ok":
+                    stream.reset((res.error or "cancelled")[:200])
+                self._account(stream)
+        return res
+
+    def _read_summary(self, res: ShardResult, body: bytearray) -> None:
+        try:
+            s = unpack(body)
+        except ProtocolError:
+            raise _Drop("malformed result summary") from None
+        rng = range(self.size)
+        if not (
+            isinstance(s, dict) and isinstance(s.get("ok"), list) and isinstance(s.get("part"), list)
+            and isinstance(s.get("w"), (int, float)) and all(isinstance(r, int) and r in rng for r in s["ok"])
+            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and p[0] in rng
+                    and isinstance(p[1], int) for p in s["part"])
+        ):
+            raise _Drop("malformed result summary")
+        res.contributors, res.partial, res.weight = list(s["ok"]), dict(s["part"]), float(s["w"])
+
+    # ------------------------------------------------------------------ the round
+    async def run(self) -> AllReduceResult:
+        sends: list[asyncio.Task] = []
+        async with asyncio.TaskGroup() as tg:
+            for j, (a, b) in enumerate(self.bounds):
+                if j != self.rank and b > a:
+                    sends.append(tg.create_task(self._send_part(j)))
+            if self.is_owner:
+                tg.create_task(self._own_shard())
+        total = time.monotonic() - self.t0
+        shards = [t.result() for t in sends]
+        if self.own_shard is not None:
+            shards.append(self.own_shard)
+        shards.sort(key=lambda s: s.owner)
+        ok = [s.weight for s in shards if s.status == "ok"]
+        return AllReduceResult(
+            group_id=self.group.group_id, group_size=self.size,
+            members=tuple(m.peer_id for m in self.group.members), rank=self.rank, shards=shards,
+            failed=dict(sorted(self.failed.items())), weight_total=min(ok) if ok else self.weight,
+            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received, time_total=total,
+            time_reduce=min(self.t_reduce, total), time_gather=max(0.0, total - self.t_reduce),
+            buffer_bytes=self.buffer_bytes,
+        )
+
+    def abort(self, reason: str) -> None:
+        """Reset every stream whose exchange did not finish (finished ones are left alone: the
+        remote may still be reading what we wrote before our EOF)."""
+        self.reduce_closed = True
+        for inc in self.incoming.values():
+            if not inc.finished.is_set():
+                if inc.state == "receiving":
+                    inc.state = "failed"
+                inc.stream.reset(reason)
+                inc.finished.set()
+
+
+class AllReduceService:
+    """Runs all-reduce rounds on ``host``: owns the stream handler, the registry of rounds in
+    progress (keyed by group id), the worker thread, and every task it starts."""
+
+    def __init__(self, host: Host, config: AllReduceConfig | None = None, *, accept_wait: float = 5.0,
+                 max_waiting_groups: int = 64):
+        self.host = host
+        self.config = config or AllReduceConfig()
+        self.accept_wait = accept_wait
+        self.max_waiting_groups = max_waiting_groups
+        self._rounds: dict[bytes, _Round] = {}
+        self._waiting: dict[bytes, asyncio.Future] = {}
+        self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._tasks: set[asyncio.Task] = set()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce")
+        self.host.on_stream(PROTOCOL, self._on_stream)
+
+    async def __aenter__(self) -> AllReduceService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Cancel every round and handler this service runs and stop its worker thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self.host._stream_handlers.pop(PROTOCOL, None)
+        for rnd in list(self._rounds.values()):
+            rnd.abort("all-reduce service closing")
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _before_chunk(self, owner: int, index: int) -> None:
+        """Hook before each chunk a sender writes (tests override it to simulate slow/dying peers)."""
+
+    # ------------------------------------------------------------------ incoming streams
+    async def _on_stream(self, stream: Stream) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            hdr = stream.header
+            gid = hdr.get("g") if isinstance(hdr, dict) else None
+            if not isinstance(gid, bytes) or len(gid) > 64:
+                stream.reset("malformed header")
+                return
+            rnd = self._rounds.get(gid)
+            if rnd is None:
+                if gid in self._finished:
+                    stream.reset("round already finished")
+                    return
+                fut = self._waiting.get(gid)
+                if fut is None:
+                    if len(self._waiting) >= self.max_waiting_groups:
+                        stream.reset("too many unknown groups")
+                        return
+                    fut = self._waiting[gid] = asyncio.get_running_loop().create_future()
+                try:
+                    rnd = await asyncio.wait_for(asyncio.shield(fut), self.accept_wait)
+                except TimeoutError:
+                    if self._waiting.get(gid) is fut:
+                        del self._waiting[gid]
+                        fut.cancel()
+                    stream.reset("unknown group")
+                    return
+            await rnd.serve_sender(stream)
+        finally:
+            self._tasks.discard(task)
+
+    # ------------------------------------------------------------------ rounds
+    async def run(self, group: Group, my_rank: int, flat: torch.Tensor, weight: float = 1.0,
+                  codec: Codec | str = "none", *, gather_codec: Codec | str | None = None,
+                  timeout: float | None = None, config: AllReduceConfig | None = None) -> AllReduceResult:
+        """Average ``flat`` (a flat contiguous CPU float32 tensor, overwritten with the result) with
+        the other members of ``group``, weighted by ``weight``. ``codec`` compresses the reduce phase;
+        ``gather_codec`` the returned averages (default: the same codec, but ``fp16`` for ``topk``,
+        whose sparsification of an average would lose most of it). Never raises because of what a
+        peer did: failures are in the result. Raises ValueError for bad arguments, CompressionError
+        if ``flat`` holds NaN/inf, RuntimeError once closed."""
+        if self._closed or self._executor is None:
+            raise RuntimeError("AllReduceService is not running (call start())")
+        cfg = config or self.config
+        if timeout is not None:
+            cfg = dataclasses.replace(cfg, timeout=float(timeout))
+        codec = get_codec(codec) if isinstance(codec, str) else codec
+        if gather_codec is None:
+            gather_codec = get_codec("fp16") if _base(codec).name == "topk" else _base(codec)
+        elif isinstance(gather_codec, str):
+            gather_codec = get_codec(gather_codec)
+        gather_codec = _base(gather_codec)  # stateless: no error feedback on averages
+        if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.float32 and flat.device.type == "cpu"
+                and flat.dim() == 1 and flat.is_contiguous()):
+            raise ValueError("flat must be a 1-D contiguous CPU float32 tensor")
+        weight = float(weight)
+        if not (0 < weight <= cfg.max_weight):
+            raise ValueError(f"weight must be finite, > 0 and <= {cfg.max_weight:g}, got {weight}")
+        if not 0 <= my_rank < group.size or group.members[my_rank].peer_id != self.host.peer_id:
+            raise ValueError(f"rank {my_rank} of group {group.group_id.hex()} is not this host")
+        if group.group_id in self._rounds or group.group_id in self._finished:
+            raise ValueError(f"group {group.group_id.hex()} already ran on this service; group ids are single-use")
+        if flat.numel() and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
+            raise CompressionError("flat contains NaN or inf; refusing to average it")
+        rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg)
+        gid = group.group_id
+        self._rounds[gid] = rnd
+        waiting = self._waiting.pop(gid, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(rnd)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            async with asyncio.timeout(cfg.timeout + cfg.stall_timeout):
+                return await rnd.run()
+        finally:
+            rnd.abort("round over")
+            self._tasks.discard(task)  # type: ignore[arg-type]
+            del self._rounds[gid]
+            self._finished[gid] = None
+            while len(self._finished) > 1024:
+                self._finished.popitem(last=False)
