@@ -311,7 +311,7 @@ class DHTNode:
                         if want_records:
                             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
                                 raise ProtocolError("malformed find_value reply")
-                            records = [Record.from_wire(r) for r in reply[0][:1000]]
+                            records = self._valid_records(reply[0][:1000])
                             found = _decode_contacts(reply[1], self.config.k)
                             if records:
                                 result.records.extend(records)
@@ -333,6 +333,20 @@ class DHTNode:
         result.queried = lookup.queried
         self.routing.touch(target, time.monotonic())
         return result
+
+    def _valid_records(self, wire: list) -> list[Record]:
+        """Records from a peer's reply that pass the same checks a storing node applies. A forged
+        record must not shadow a genuine one just because it claims a later expiration."""
+        now, out = time.time(), []
+        st = self.storage
+        for item in wire:
+            try:
+                record = Record.from_wire(item)
+                validate_record(record, now, st.max_value_size, st.max_key_size, st.max_ttl)
+            except InvalidRecord:
+                continue
+            out.append(record)
+        return out
 
     async def _lookup_nodes(self, target: int) -> list[Contact]:
         return (await self._run_lookup(target, "find_node", target.to_bytes(32, "big"), False, False)).closest

@@ -529,6 +529,13 @@ class Host:
     def on_stream(self, protocol: str, handler: StreamHandler) -> None:
         self._stream_handlers[protocol] = handler
 
+    def off_stream(self, protocol: str) -> None:
+        """Stop accepting new streams of ``protocol`` (open ones are left to their handler)."""
+        self._stream_handlers.pop(protocol, None)
+
+    def off_request(self, method: str) -> None:
+        self._handlers.pop(method, None)
+
     # ------------------------------------------------------------------ connections
 
     def connection(self, peer: PeerID) -> Connection | None:

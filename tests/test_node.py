@@ -172,3 +172,22 @@ async def test_close_cancels_every_task():
     await asyncio.gather(a.close(), b.close())
     leftover = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
     assert leftover == []
+
+
+async def test_forged_record_in_a_reply_cannot_shadow_the_owners(swarm):
+    """A malicious node answers find_value with a forged, later-expiring copy of an owned record."""
+    make, nodes = swarm
+    await make(5)
+    owner = nodes[1]
+    key = owner.owned("ckpt/latest")
+    await owner.store(key, {"epoch": 1}, time.time() + 60)
+    forged = Record(key.encode(), None, b"\x81\xa5epoch\xcd\x03\xe7", time.time() + 120, signature=b"\x00" * 64)
+    liar = nodes[2]
+
+    async def lying_find_value(conn, args):
+        return [[forged.to_wire()], []]
+
+    liar.host.on_request("find_value", lying_find_value)
+    for reader in nodes[3:]:
+        got = await reader.get(key, latest=True)
+        assert got is not None and got.value == {"epoch": 1}

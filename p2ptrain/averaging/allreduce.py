@@ -666,7 +666,7 @@ class AllReduceService:
         if self._closed:
             return
         self._closed = True
-        self.host._stream_handlers.pop(PROTOCOL, None)
+        self.host.off_stream(PROTOCOL)
         for rnd in list(self._rounds.values()):
             rnd.abort("all-reduce service closing")
         tasks = list(self._tasks)

@@ -1,0 +1,30 @@
+"""Decentralized averaging: groups formed on the fly through the DHT, then a compressed,
+fault-tolerant butterfly all-reduce among their members.
+
+    group.py        Member, Group, partition (sans-IO)
+    schema.py       tensor schema hash: peers with different models or codecs never meet
+    matchmaking.py  Matchmaker: DHT sub-keys + a leader per group, adaptive waits
+    allreduce.py    AllReduceService: reduce-scatter + all-gather over encrypted streams
+    averager.py     Averager / BlockingAverager: the public API
+"""
+
+from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService
+from .averager import Averager, BlockingAverager, StepResult
+from .group import Group, Member, partition
+from .matchmaking import Matchmaker
+from .schema import Schema, tensor_schema
+
+__all__ = [
+    "AllReduceConfig",
+    "AllReduceResult",
+    "AllReduceService",
+    "Averager",
+    "BlockingAverager",
+    "Group",
+    "Matchmaker",
+    "Member",
+    "Schema",
+    "StepResult",
+    "partition",
+    "tensor_schema",
+]

@@ -1,0 +1,190 @@
+"""Averager: the public face of averaging — matchmaking through the DHT, then the all-reduce.
+
+``await averager.step(weight=...)`` meets whoever averages the same tensors (same prefix, schema and
+codec) in the same round, averages with them, writes the result into the tensors in place and says
+what happened. A peer that finds nobody keeps its tensors and gets ``group_size == 1``; it never
+hangs. ``BlockingAverager`` wraps it for ordinary synchronous training loops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from dht import DHTNode, PeerID
+
+from ..compression import get_codec
+from ..loop import LoopThread
+from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService
+from .matchmaking import Matchmaker
+from .schema import Schema, tensor_schema
+
+log = logging.getLogger("p2ptrain.averager")
+
+TensorsLike = Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class StepResult:
+    """What one averaging step did. ``allreduce`` holds the per-shard detail when a group formed."""
+
+    round_id: str
+    group_size: int
+    members: list[PeerID]
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0
+    total_s: float = 0.0
+    weight_total: float = 0.0
+    failed: dict[int, str] = field(default_factory=dict)
+    not_averaged: list[int] = field(default_factory=list)  # ranks whose shard kept local values
+    allreduce: AllReduceResult | None = None
+
+    @property
+    def averaged(self) -> bool:
+        return self.group_size > 1 and not self.not_averaged
+
+
+class Averager:
+    """Averages ``tensors`` in place with peers of the same ``prefix`` (e.g. the run id).
+
+    Tensors may live on any device and have any float dtype: they are gathered into one fp32 CPU
+    buffer (the one copy the wire needs) and written back after the round.
+    """
+
+    def __init__(
+        self,
+        dht: DHTNode,
+        prefix: str,
+        tensors: TensorsLike,
+        *,
+        codec: str = "none",
+        target_group_size: int = 16,
+        min_group_size: int = 2,
+        bandwidth: float = 1.0,
+        matchmaking_timeout: float = 5.0,
+        allreduce_config: AllReduceConfig | None = None,
+    ):
+        if isinstance(tensors, Mapping):
+            named = list(tensors.items())
+        else:
+            items = list(tensors)
+            named = [(str(i), t) if isinstance(t, torch.Tensor) else t for i, t in enumerate(items)]
+        if not named:
+            raise ValueError("nothing to average: the tensor list is empty")
+        for name, t in named:
+            if not t.is_floating_point():
+                raise TypeError(f"tensor {name!r} has dtype {t.dtype}: only floating-point tensors can be averaged")
+        self.dht = dht
+        self.prefix = prefix
+        self.tensors = [t for _, t in named]
+        self.codec_name = codec
+        get_codec(codec)  # fail now, with the list of codecs, on a typo
+        self.schema: Schema = tensor_schema(named, codec)
+        self.matchmaking_timeout = matchmaking_timeout
+        self.matchmaker = Matchmaker(dht, prefix, self.schema, target_group_size=target_group_size,
+                                     min_group_size=min_group_size, bandwidth=bandwidth)
+        self.service = AllReduceService(dht.host, allreduce_config)
+        self._flat = torch.empty(self.schema.numel, dtype=torch.float32)
+        self._round = 0
+        self._started = False
+
+    async def start(self) -> None:
+        await self.service.start()
+        self._started = True
+
+    async def close(self) -> None:
+        await self.matchmaker.close()
+        await self.service.close()
+
+    async def __aenter__(self) -> Averager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _gather(self) -> None:
+        offset = 0
+        for t in self.tensors:
+            n = t.numel()
+            self._flat[offset : offset + n].copy_(t.detach().reshape(-1))
+            offset += n
+
+    def _scatter(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                n = t.numel()
+                t.copy_(self._flat[offset : offset + n].view_as(t))
+                offset += n
+
+    async def step(self, weight: float = 1.0, round_id: str | int | None = None,
+                   timeout: float | None = None) -> StepResult:
+        """Average once. Peers meet by ``round_id`` (default: this averager's step counter, so
+        peers that step together meet); ``timeout`` bounds the matchmaking."""
+        if not self._started:
+            await self.start()
+        if not (weight > 0 and weight < float("inf")):
+            raise ValueError(f"weight must be positive and finite, got {weight}")
+        rid = str(self._round if round_id is None else round_id)
+        self._round += 1
+        t0 = time.perf_counter()
+        group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout)
+        t1 = time.perf_counter()
+        members = [m.peer_id for m in group.members]
+        if group.size == 1:
+            return StepResult(rid, 1, members, matchmaking_s=t1 - t0, total_s=t1 - t0, weight_total=weight)
+        self._gather()
+        result = await self.service.run(group, group.rank_of(self.dht.peer_id), self._flat, weight, self.codec_name)
+        self._scatter()
+        t2 = time.perf_counter()
+        return StepResult(
+            rid, group.size, members,
+            bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+            matchmaking_s=t1 - t0, allreduce_s=t2 - t1, total_s=t2 - t0,
+            weight_total=result.weight_total, failed=dict(result.failed),
+            not_averaged=result.not_averaged, allreduce=result,
+        )
+
+
+class BlockingAverager:
+    """An Averager for synchronous code: its DHT node and averaging run on a background loop.
+
+    ``BlockingAverager(tensors, prefix="run", initial_peers=[...])`` creates and owns the DHT node;
+    ``step()`` blocks until the round is done. ``close()`` (or ``with``) shuts everything down.
+    """
+
+    def __init__(self, tensors: TensorsLike, prefix: str, *, initial_peers: Sequence[str] = (),
+                 listen: tuple[str, int] | None = ("127.0.0.1", 0), **kwargs: object):
+        self._loop = LoopThread()
+        try:
+            self.dht = DHTNode(listen=listen)
+            self._loop.run(self.dht.start(list(initial_peers)))
+            self.averager = Averager(self.dht, prefix, tensors, **kwargs)  # type: ignore[arg-type]
+            self._loop.run(self.averager.start())
+        except BaseException:
+            self._loop.run(self.dht.close()) if hasattr(self, "dht") else None
+            self._loop.close()
+            raise
+
+    def step(self, weight: float = 1.0, round_id: str | int | None = None, timeout: float | None = None) -> StepResult:
+        return self._loop.run(self.averager.step(weight, round_id, timeout))
+
+    def close(self) -> None:
+        try:
+            self._loop.run(self.averager.close(), timeout=10)
+            self._loop.run(self.dht.close(), timeout=10)
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> BlockingAverager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

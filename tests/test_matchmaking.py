@@ -1,0 +1,320 @@
+"""Matchmaking: DHT nodes in one event loop forming averaging groups (p2ptrain.averaging)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import torch
+
+from dht import DHTConfig, DHTNode, Identity, RPCError
+from p2ptrain.averaging.group import Group, Member
+from p2ptrain.averaging.matchmaking import (
+    JOIN_METHOD,
+    Matchmaker,
+    parse_entry,
+    plan_groups,
+    settle_window,
+)
+from p2ptrain.averaging.schema import schema_mismatch_message, tensor_schema
+
+FAST = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.5)
+PREFIX = "digits-mlp"
+
+
+def mlp_schema(hidden_in: int = 16, codec: str = "fp16"):
+    return tensor_schema(
+        [("fc1.weight", torch.zeros(64, hidden_in)), ("fc1.bias", torch.zeros(64)),
+         ("fc2.weight", torch.zeros(10, 64))],
+        codec,
+    )
+
+
+SCHEMA = mlp_schema()
+
+
+@pytest.fixture
+async def swarm():
+    """make(n, listen=...) -> n started nodes, all bootstrapped through the first one."""
+    nodes: list[DHTNode] = []
+    matchmakers: list[Matchmaker] = []
+
+    async def make(n: int, **kw) -> list[DHTNode]:
+        if not nodes:
+            first = DHTNode(config=FAST)
+            await first.start()
+            nodes.append(first)
+        new = [DHTNode(config=FAST, **kw) for _ in range(n)]
+        await asyncio.gather(*(nd.start(nodes[0].multiaddrs) for nd in new))
+        nodes.extend(new)
+        return new
+
+    def mm(node: DHTNode, schema=SCHEMA, prefix: str = PREFIX, **kw) -> Matchmaker:
+        m = Matchmaker(node, prefix, schema, **kw)
+        matchmakers.append(m)
+        return m
+
+    try:
+        yield make, mm
+    finally:
+        await asyncio.gather(*(m.close() for m in matchmakers), return_exceptions=True)
+        await asyncio.gather(*(nd.close() for nd in nodes), return_exceptions=True)
+
+
+def assert_consistent(groups: list[Group], peers: list[DHTNode]) -> dict[bytes, Group]:
+    """Every peer is in exactly one group, and all members of a group hold the same Group."""
+    by_id: dict[bytes, Group] = {}
+    for g, node in zip(groups, peers):
+        assert node.peer_id in {m.peer_id for m in g.members}
+        if g.group_id in by_id:
+            assert by_id[g.group_id] == g, "members of one group disagree"
+        by_id[g.group_id] = g
+    seen = [m.peer_id for g in by_id.values() for m in g.members]
+    assert len(seen) == len(set(seen)), "a peer landed in two groups"
+    assert set(seen) == {n.peer_id for n in peers}
+    return by_id
+
+
+# ---------------------------------------------------------------------------- sans-IO
+
+
+def _member(i: int, client: bool = False) -> Member:
+    return Member(Identity().peer_id, None if client else ("127.0.0.1", 10000 + i))
+
+
+def test_plan_is_balanced_and_deterministic():
+    members = [_member(i) for i in range(40)]
+    plan = plan_groups(members, "k", 16)
+    assert sorted(len(g) for g in plan) == [13, 13, 14]
+    assert plan == plan_groups(list(reversed(members)), "k", 16)
+    assert plan != plan_groups(members, "other round", 16)
+    assert sorted(len(g) for g in plan_groups(members[:10], "k", 4)) == [3, 3, 4]
+    assert len(plan_groups(members[:16], "k", 16)) == 1
+
+
+def test_plan_leaders_are_never_client_mode():
+    members = [_member(i, client=i % 3 != 0) for i in range(12)]  # 4 servers, 8 clients
+    for target in (2, 3, 4, 16):
+        plan = plan_groups(members, f"r{target}", target)
+        assert plan and all(g[0].addr is not None for g in plan)
+        assert max(len(g) for g in plan) - min(len(g) for g in plan) <= 1
+    assert plan_groups([_member(0, client=True)], "k", 4) == []
+
+
+def test_settle_window_adapts():
+    assert settle_window(0.001, [0.0, 0.001], 10) == pytest.approx(0.1)
+    assert settle_window(0.2, [], 10) == pytest.approx(0.6)
+    assert settle_window(0.001, [0.0, 0.1, 0.2], 10) == pytest.approx(0.2)
+    assert settle_window(0.001, [0.0, 1000.0], 10) == pytest.approx(2.0)  # capped at timeout/5
+
+
+def test_parse_entry_rejects_hostile_values():
+    ident = Identity()
+    good = {"v": 1, "m": [ident.peer_id.to_bytes(), ["127.0.0.1", 5], 1.0], "t": 1.0, "w": 5.0, "d": False}
+    assert parse_entry(good, ident.peer_id) is not None
+    assert parse_entry(good, Identity().peer_id) is None  # claims someone else
+    for bad in (None, 3, {}, dict(good, v=2), dict(good, m=[b"x", None, 1.0]), dict(good, t="now"),
+                dict(good, w=float("nan")), dict(good, w=-1), dict(good, d=1),
+                dict(good, m=[ident.peer_id.to_bytes(), ["h", 70000], 1.0])):
+        assert parse_entry(bad, ident.peer_id) is None
+
+
+def test_schema_hash_and_messages():
+    assert SCHEMA.hash == mlp_schema().hash and len(SCHEMA.hash) == 16
+    assert SCHEMA.numel == 64 * 16 + 64 + 640
+    wide, int8 = mlp_schema(32), mlp_schema(codec="int8")
+    assert len({SCHEMA.hash, wide.hash, int8.hash}) == 3
+    msg = schema_mismatch_message(SCHEMA, wide.summary(), peer="X", run=PREFIX)
+    assert msg.startswith("peer X averages 'digits-mlp' with a different model: "
+                          "layer fc1.weight is [64, 32] there and [64, 16] here")
+    msg = schema_mismatch_message(SCHEMA, int8.summary(), peer="X", run=PREFIX)
+    assert "uses codec int8, we use fp16" in msg
+    assert "malformed" in schema_mismatch_message(SCHEMA, {"hash": 3})
+    many = tensor_schema([torch.zeros(2)] * 100, "none")
+    other = tensor_schema([torch.zeros(2)] * 60 + [torch.zeros(2, dtype=torch.float16)] + [torch.zeros(2)] * 39, "none")
+    assert "tensor #60 differs" in schema_mismatch_message(many, other.summary(entries=8))
+    assert "float32" in SCHEMA.describe() and "fc1.weight [64, 16]" in SCHEMA.describe()
+
+
+# ---------------------------------------------------------------------------- with a swarm
+
+
+async def test_four_peers_form_one_group_fast(swarm):
+    make, mm = swarm
+    peers = await make(4)
+    mms = [mm(n) for n in peers]
+    t0 = time.monotonic()
+    async with asyncio.timeout(10):
+        groups = await asyncio.gather(*(m.form_group(1, timeout=8.0) for m in mms))
+    elapsed = time.monotonic() - t0
+    assert len({g.group_id for g in groups}) == 1
+    assert all(g == groups[0] for g in groups)
+    assert groups[0].size == 4 and len(groups[0].group_id) == 16
+    assert_consistent(groups, peers)
+    assert elapsed < 2.0, f"forming a group of 4 took {elapsed:.2f} s"
+
+
+async def test_ten_peers_target_four_balanced(swarm):
+    make, mm = swarm
+    peers = await make(10)
+    mms = [mm(n, target_group_size=4) for n in peers]
+    async with asyncio.timeout(12):
+        groups = await asyncio.gather(*(m.form_group("r", timeout=8.0) for m in mms))
+    by_id = assert_consistent(groups, peers)
+    sizes = sorted(g.size for g in by_id.values())
+    assert sizes == [3, 3, 4], sizes
+
+
+async def test_lone_peer_returns_itself_at_deadline(swarm):
+    make, mm = swarm
+    (peer,) = await make(1)
+    m = mm(peer)
+    t0 = time.monotonic()
+    async with asyncio.timeout(3):
+        group = await m.form_group(7, timeout=1.0)
+    elapsed = time.monotonic() - t0
+    assert group.size == 1 and group.members[0].peer_id == peer.peer_id
+    assert 0.8 <= elapsed <= 1.4, elapsed
+
+
+@pytest.mark.parametrize("other", ["shape", "codec"])
+async def test_different_schemas_never_group(swarm, other, caplog):
+    make, mm = swarm
+    a, b, c = await make(3)
+    theirs = mlp_schema(32) if other == "shape" else mlp_schema(codec="int8")
+    ma, mb, mc = mm(a), mm(b, schema=theirs), mm(c, schema=theirs)
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.matchmaking"):
+        async with asyncio.timeout(5):
+            ga, gb, gc = await asyncio.gather(*(m.form_group(3, timeout=1.5) for m in (ma, mb, mc)))
+    assert ga.size == 1
+    assert gb == gc and gb.size == 2
+    expected = ("layer fc1.weight is [64, 32] there and [64, 16] here" if other == "shape"
+                else "uses codec int8, we use fp16")
+    mism = ma.mismatches()
+    assert set(mism) == {str(b.peer_id), str(c.peer_id)}
+    assert all(expected in msg and PREFIX in msg for msg in mism.values())
+    assert str(a.peer_id) in mb.mismatches()
+    # warned once per peer, even though the round was read many times
+    warnings = [r for r in caplog.records if r.name == "p2ptrain.matchmaking" and str(b.peer_id) in r.getMessage()]
+    assert len(warnings) == 1 and expected in warnings[0].getMessage()
+
+
+async def test_join_with_wrong_schema_gets_clear_error(swarm):
+    make, mm = swarm
+    a, b = await make(2)
+    mm(a)
+    args = {"v": 1, "prefix": PREFIX, "schema": mlp_schema(32).hash, "round": "1",
+            "member": Member(b.peer_id, None).to_wire(), "remaining": 1.0}
+    with pytest.raises(RPCError, match="schema mismatch.*same model"):
+        await b.host.call(a.peer_id, (a.multiaddrs[0].host, a.multiaddrs[0].port), JOIN_METHOD, args, timeout=2)
+    for bad in (None, {"prefix": PREFIX}, dict(args, schema=SCHEMA.hash, member=[b"x", None, 1.0]),
+                dict(args, schema=SCHEMA.hash, member=Member(a.peer_id, None).to_wire())):
+        with pytest.raises(RPCError):
+            await b.host.call(a.peer_id, None, JOIN_METHOD, bad, timeout=2)
+
+
+async def test_client_mode_peer_joins_but_never_leads(swarm):
+    make, mm = swarm
+    servers = await make(2)
+    clients = await make(1, listen=None)
+    peers = servers + clients
+    for rnd in range(3):  # the leader is drawn afresh each round
+        mms = [mm(n) for n in peers] if rnd == 0 else mms
+        async with asyncio.timeout(10):
+            groups = await asyncio.gather(*(m.form_group(f"c{rnd}", timeout=6.0) for m in mms))
+        assert all(g == groups[0] for g in groups) and groups[0].size == 3
+        leader = groups[0].members[0]
+        assert leader.addr is not None and leader.peer_id != clients[0].peer_id
+        client_member = next(m for m in groups[0].members if m.peer_id == clients[0].peer_id)
+        assert client_member.addr is None and not client_member.owns_shard
+
+
+async def test_leader_dying_before_answering(swarm):
+    make, mm = swarm
+    peers = await make(4)
+    mms = [mm(n) for n in peers]
+    round_id = "dead-leader"
+    key = mms[0].round_key(round_id)
+    me_all = [m.me() for m in mms]
+    leader_idx = next(i for i, m in enumerate(me_all) if m.peer_id == plan_groups(me_all, key, 16)[0][0].peer_id)
+    leader_node, leader_mm = peers[leader_idx], mms[leader_idx]
+    killed = asyncio.Event()
+    tasks: list[asyncio.Task] = []
+    done_at: dict[int, float] = {}
+
+    async def die_on_first_join(conn, args):
+        # the leader's process dies with the joins in flight: no answer, connections reset
+        if not killed.is_set():
+            killed.set()
+            tasks[leader_idx].cancel()
+            asyncio.get_running_loop().create_task(leader_node.close())
+        await asyncio.sleep(3600)
+
+    leader_mm._on_join = die_on_first_join  # type: ignore[method-assign]
+    timeout = 4.0
+
+    async def timed(i: int, m: Matchmaker) -> Group:
+        g = await m.form_group(round_id, timeout=timeout)
+        done_at[i] = time.monotonic() - t0
+        return g
+
+    t0 = time.monotonic()
+    async with asyncio.timeout(timeout + 1):
+        tasks.extend(asyncio.ensure_future(timed(i, m)) for i, m in enumerate(mms))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert killed.is_set() and isinstance(results[leader_idx], asyncio.CancelledError)
+    survivors = [(g, n) for i, (g, n) in enumerate(zip(results, peers)) if i != leader_idx]
+    assert all(isinstance(g, Group) for g, _ in survivors)
+    assert max(done_at.values()) < timeout / 2, done_at  # they regrouped, not waited out the deadline
+    groups = [g for g, _ in survivors]
+    for g in groups:
+        assert leader_node.peer_id not in {m.peer_id for m in g.members}
+    assert_consistent(groups, [n for _, n in survivors])
+    assert groups[0].size == 3 and all(g == groups[0] for g in groups)  # survivors regroup
+
+
+async def test_staggered_arrivals_form_one_group(swarm):
+    make, mm = swarm
+    peers = await make(5)
+    mms = [mm(n) for n in peers]
+    delays = [0.0, 0.3, 0.075, 0.225, 0.15]  # arrivals 75 ms apart over 300 ms, in shuffled order
+
+    async def late(m: Matchmaker, delay: float) -> Group:
+        await asyncio.sleep(delay)
+        return await m.form_group("stagger", timeout=6.0)
+
+    async with asyncio.timeout(8):
+        groups = await asyncio.gather(*(late(m, d) for m, d in zip(mms, delays)))
+    assert all(g == groups[0] for g in groups) and groups[0].size == 5
+
+
+async def test_garbage_in_the_round_key_is_ignored(swarm):
+    make, mm = swarm
+    a, b, hostile = await make(3)
+    ma, mb = mm(a), mm(b)
+    key = ma.round_key("g")
+    sub = hostile.owned("m")
+    exp = time.time() + 30
+    # a malformed value under its own sub-key, and an entry claiming to be peer a
+    await hostile.store(key, {"v": 1, "m": "garbage"}, exp, subkey=sub)
+    await hostile.store(key + "x", 1, exp)
+    await hostile.store(key, {"v": 1, "m": Member(a.peer_id, ("127.0.0.1", 1)).to_wire(), "t": time.time(),
+                              "w": 5.0, "d": False}, exp + 1, subkey=sub)
+    async with asyncio.timeout(6):
+        ga, gb = await asyncio.gather(ma.form_group("g", timeout=4.0), mb.form_group("g", timeout=4.0))
+    assert ga == gb and ga.size == 2
+
+
+async def test_close_cancels_and_refuses(swarm):
+    make, mm = swarm
+    a, b = await make(2)
+    ma, mb = mm(a), mm(b)
+    async with asyncio.timeout(5):
+        ga, gb = await asyncio.gather(ma.form_group(0, timeout=3.0), mb.form_group(0, timeout=3.0))
+    assert ga == gb and ga.size == 2
+    await ma.close()
+    assert not ma._tasks
+    with pytest.raises(RuntimeError):
+        await ma.form_group(1, timeout=1.0)
