@@ -1,0 +1,95 @@
+"""Averager end to end in one process: matchmaking through a real DHT, then the all-reduce."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from dht import DHTNode
+from p2ptrain.averaging import Averager, BlockingAverager
+
+
+@pytest.fixture
+async def nodes():
+    started: list[DHTNode] = []
+
+    async def make(n: int) -> list[DHTNode]:
+        first = DHTNode()
+        await first.start()
+        rest = [DHTNode() for _ in range(n - 1)]
+        await asyncio.gather(*(nd.start(first.multiaddrs) for nd in rest))
+        started.extend([first, *rest])
+        return started
+
+    try:
+        yield make
+    finally:
+        await asyncio.gather(*(nd.close() for nd in started), return_exceptions=True)
+
+
+async def test_weighted_mean_in_place_over_several_rounds(nodes):
+    peers = await nodes(3)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [{"w": torch.randn(37, 11, generator=gen), "b": torch.randn(5, generator=gen)} for _ in peers]
+    avgs = [Averager(nd, "run", ts, codec="none", target_group_size=8) for nd, ts in zip(peers, tensors)]
+    try:
+        async with asyncio.timeout(30):
+            for round_weights in ([1.0, 2.0, 3.0], [5.0, 1.0, 1.0]):
+                expected = {
+                    k: sum(w * ts[k] for w, ts in zip(round_weights, tensors)) / sum(round_weights) for k in ("w", "b")
+                }
+                results = await asyncio.gather(*(a.step(weight=w) for a, w in zip(avgs, round_weights)))
+                assert [r.group_size for r in results] == [3, 3, 3]
+                assert all(r.averaged and r.bytes_sent > 0 for r in results)
+                for ts in tensors:
+                    for k in ("w", "b"):
+                        torch.testing.assert_close(ts[k], expected[k], rtol=0, atol=1e-5)
+    finally:
+        await asyncio.gather(*(a.close() for a in avgs))
+
+
+async def test_lone_peer_keeps_its_tensors_and_does_not_hang(nodes):
+    (peer,) = await nodes(1)
+    t = torch.arange(10.0)
+    avg = Averager(peer, "alone", [t], matchmaking_timeout=0.5)
+    try:
+        start = time.monotonic()
+        result = await avg.step()
+        assert result.group_size == 1 and not result.averaged
+        assert time.monotonic() - start < 2.0
+        assert torch.equal(t, torch.arange(10.0))
+    finally:
+        await avg.close()
+
+
+def test_rejects_non_float_tensors_and_unknown_codec():
+    node = DHTNode()
+    with pytest.raises(TypeError, match="only floating-point"):
+        Averager(node, "run", [torch.arange(3)])
+    with pytest.raises(Exception, match="int7"):
+        Averager(node, "run", [torch.zeros(3)], codec="int7")
+
+
+def test_blocking_averager_from_synchronous_code():
+    first = BlockingAverager([torch.zeros(100)], "sync-run", matchmaking_timeout=3.0)
+    try:
+        boot = [str(a) for a in first.dht.multiaddrs]
+        second = BlockingAverager([torch.ones(100)], "sync-run", initial_peers=boot, matchmaking_timeout=3.0)
+        try:
+            import threading
+
+            results = {}
+            thread = threading.Thread(target=lambda: results.setdefault("a", first.step()))
+            thread.start()
+            results["b"] = second.step()
+            thread.join(10)
+            assert results["a"].group_size == results["b"].group_size == 2
+            assert torch.allclose(first.averager.tensors[0], torch.full((100,), 0.5))
+            assert torch.allclose(second.averager.tensors[0], torch.full((100,), 0.5))
+        finally:
+            second.close()
+    finally:
+        first.close()
