@@ -1,14 +1,23 @@
 """Butterfly all-reduce throughput on loopback, with baselines measured in the same run.
 
-    python benchmarks/allreduce_bench.py --n 2 4 --numel 67108864 --codecs none fp16 int8 topk --rounds 3
+    python benchmarks/allreduce_bench.py                      # N = 2 4 8, 64M floats, none fp16 int8 topk
+    python benchmarks/allreduce_bench.py --n 2 --numel 16777216 --codecs none int8 --rounds 5 \
+        --hivemind-python /tmp/hmvenv/bin/python --kill-trials 3
 
 For each N it spawns N worker processes that form one group directly (no DHT: the parent collects
 each worker's peer id and port and hands every worker the member list on stdin), runs ``--rounds``
-rounds per codec (a barrier through the parent before each round) and prints seconds per round (the
-slowest member's, median over rounds) and bus bandwidth = 2 (N-1)/N * bytes / time. Baselines:
-raw single-stream loopback TCP (asyncio, two processes, 1 MiB writes) and torch.distributed gloo
-all_reduce at the same N and size; ratios are printed against both. ``--profile`` runs rank 0 of the
-first codec under cProfile and prints the top functions.
+rounds per codec (a barrier through the parent before each round; every round starts from the same
+inputs) and prints seconds per round (the slowest member's, median over rounds), bus bandwidth =
+2 (N-1)/N * bytes / time, CPU seconds per member per round (user + sys, with minor page faults),
+and the max error of rank 0's result against the exact average at 4096 sampled indices.
+
+Baselines, measured right before each N: raw single-stream loopback TCP (asyncio, two processes,
+1 MiB writes), torch.distributed gloo all_reduce with N processes at the same size, and, with
+``--hivemind-python``, hivemind 1.1.12's DecentralizedAverager at the same N/size/codec (all-reduce
+time only, matchmaking excluded; its result is checked too: hivemind's 8-bit codecs silently skip
+averaging with numpy >= 2.4). Fault tolerance: ``--kill-trials`` rounds per N in which one member is
+SIGKILLed mid-round; prints how long after the kill the survivors' round returns (library default
+deadlines; the target is <= 3 s). ``--profile`` runs rank 0 of the first codec under cProfile.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -38,7 +48,19 @@ def _loop_policy() -> None:
 # ---------------------------------------------------------------------- worker: one member
 
 
+def _expected(numel: int, n: int, idx):
+    """The plain average of every member's initial tensor at ``idx`` (member r holds randn(seed=r))."""
+    import torch
+
+    acc = torch.zeros(len(idx), dtype=torch.float64)
+    for r in range(n):
+        acc += torch.randn(numel, generator=torch.Generator().manual_seed(r))[idx].double()
+    return (acc / n).float()
+
+
 async def _worker_main(profile_path: str | None) -> None:
+    import logging
+
     import torch
 
     from dht.identity import Identity, PeerID
@@ -48,19 +70,37 @@ async def _worker_main(profile_path: str | None) -> None:
     from p2ptrain.compression import get_codec
 
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if os.environ.get("P2PT_BENCH_LOG"):
+        logging.getLogger("dht").setLevel(logging.INFO)
+        logging.getLogger("p2ptrain").setLevel(logging.INFO)
     host = Host(Identity(), ("127.0.0.1", 0))
     await host.start()
     print(json.dumps({"peer": host.peer_id.to_base58(), "port": host.listen_port}), flush=True)
     loop = asyncio.get_running_loop()
     readline = lambda: loop.run_in_executor(None, sys.stdin.readline)  # noqa: E731
     job = json.loads(await readline())
+    if job.get("frame"):  # experiment: cap the stream data frames this member sends and accepts
+        import dht.transport
+
+        dht.transport.MAX_FRAME_BODY = int(job["frame"])
     members = tuple(Member(PeerID.from_base58(p), ("127.0.0.1", port)) for p, port in job["members"])
-    rank, numel = job["rank"], job["numel"]
-    cfg = AllReduceConfig(timeout=600, join_timeout=30, stall_timeout=30, chunk_numel=job["chunk"],
-                          offload_min_numel=None if job["offload"] == "off" else 1 << 18)
+    rank, n, numel = job["rank"], len(job["members"]), job["numel"]
+    offload = None if job["offload"] == "off" else 1 << 18
+    if job.get("kill"):  # the library's default deadlines: how fast a round recovers from a dead member
+        cfg = AllReduceConfig(chunk_numel=job["chunk"], offload_min_numel=offload)
+    else:  # generous deadlines: a loaded 2-core box must not turn slowness into failures
+        cfg = AllReduceConfig(timeout=600, join_timeout=30, stall_timeout=30, chunk_numel=job["chunk"],
+                              offload_min_numel=offload)
     svc = AllReduceService(host, cfg, accept_wait=30)
     await svc.start()
-    flat = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    orig = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    flat = orig.clone()
+    check = job.get("check") and rank == 0
+    if check:
+        idx = torch.randint(0, numel, (4096,), generator=torch.Generator().manual_seed(12345))
+        expected = _expected(numel, n, idx)
+    print(json.dumps({"ready": True}), flush=True)
     prof = None
     if profile_path:
         import cProfile
@@ -70,15 +110,21 @@ async def _worker_main(profile_path: str | None) -> None:
         for ci, name in enumerate(job["codecs"]):
             codec = get_codec(name)
             for r in range(job["rounds"]):
+                flat.copy_(orig)
                 await readline()  # barrier: "go"
                 group = Group(f"{name}-{r}".encode(), members)
                 if prof is not None and ci == 0:
                     prof.enable()
+                c0, f0 = os.times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 res = await svc.run(group, rank, flat, 1.0, codec)
+                c1, f1 = os.times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                end = time.monotonic()
                 if prof is not None and ci == 0:
                     prof.disable()
-                print(json.dumps({"codec": name, "t": res.time_total, "reduce": res.time_reduce, "gather": res.time_gather,
-                                  "ok": res.ok, "sent": res.bytes_sent, "failed": res.failed}), flush=True)
+                err = float((flat[idx] - expected).abs().max()) if check else None
+                print(json.dumps({"codec": name, "t": res.time_total, "end": end, "reduce": res.time_reduce,
+                                  "ok": res.ok, "err": err, "failed": {str(k): v for k, v in res.failed.items()},
+                                  "user": c1.user - c0.user, "sys": c1.system - c0.system, "flt": f1 - f0}), flush=True)
     finally:
         if prof is not None:
             prof.dump_stats(profile_path)
@@ -166,20 +212,43 @@ def gloo(n: int, numel: int, rounds: int) -> float:
 # ---------------------------------------------------------------------- parent
 
 
-def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None, chunk: int = 1 << 20,
-         offload: str = "on") -> dict[str, list[dict]]:
+def _spawn_ours(n: int, job: dict, profile: str | None = None) -> list[subprocess.Popen]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     procs = []
     for r in range(n):
         cmd = [sys.executable, __file__, "--worker"] + (["--profile-out", profile] if profile and r == 0 else [])
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+    hello = [json.loads(p.stdout.readline()) for p in procs]
+    members = [[h["peer"], h["port"]] for h in hello]
+    for r, p in enumerate(procs):
+        p.stdin.write(json.dumps(dict(job, members=members, rank=r)) + "\n")
+        p.stdin.flush()
+    for p in procs:
+        assert json.loads(p.stdout.readline())["ready"]
+    return procs
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None, chunk: int = 1 << 20,
+         offload: str = "on", check: bool = True, frame: int = 0) -> dict[str, list[dict]]:
+    job = {"numel": numel, "codecs": codecs, "rounds": rounds, "chunk": chunk, "offload": offload,
+           "check": check, "frame": frame}
+    procs = _spawn_ours(n, job, profile)
     try:
-        hello = [json.loads(p.stdout.readline()) for p in procs]
-        members = [[h["peer"], h["port"]] for h in hello]
-        for r, p in enumerate(procs):
-            p.stdin.write(json.dumps({"members": members, "rank": r, "numel": numel, "codecs": codecs,
-                                      "rounds": rounds, "chunk": chunk, "offload": offload}) + "\n")
-            p.stdin.flush()
         out: dict[str, list[dict]] = {c: [] for c in codecs}
         for c in codecs:
             for _ in range(rounds):
@@ -188,28 +257,138 @@ def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None
                     p.stdin.flush()
                 reports = [json.loads(p.stdout.readline()) for p in procs]
                 out[c].append({"t": max(x["t"] for x in reports), "ok": all(x["ok"] for x in reports),
-                               "reduce": max(x["reduce"] for x in reports), "failed": [x["failed"] for x in reports]})
-        for p in procs:
-            p.stdin.close()
-            p.wait(timeout=60)
+                               "err": reports[0]["err"], "reduce": max(x["reduce"] for x in reports),
+                               "failed": [x["failed"] for x in reports if x["failed"]],
+                               "cpu": max(x["user"] + x["sys"] for x in reports), "sys": max(x["sys"] for x in reports),
+                               "flt": reports[0]["flt"]})
         return out
+    finally:
+        _reap(procs)
+
+
+def kill_trials(n: int, numel: int, trials: int, kill_after: float, chunk: int, offload: str) -> list[float]:
+    """Seconds from SIGKILLing member n-1 mid-round (``kill_after`` s after "go") until the last
+    survivor's round returns, one per trial (fresh processes each), library-default deadlines."""
+    out = []
+    for _ in range(trials):
+        job = {"numel": numel, "codecs": ["none"], "rounds": 1, "chunk": chunk, "offload": offload,
+               "check": False, "kill": True}
+        procs = _spawn_ours(n, job)
+        try:
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            time.sleep(kill_after)
+            victim = procs[-1]
+            victim.kill()
+            t_kill = time.monotonic()
+            reports = [json.loads(p.stdout.readline()) for p in procs[:-1]]
+            ends = [x["end"] for x in reports]
+            if min(ends) < t_kill:
+                print(f"  (kill trial N={n}: a survivor finished {t_kill - min(ends):.3f} s before the kill;"
+                      " use a larger --kill-numel or smaller --kill-after)", flush=True)
+            out.append(max(ends) - t_kill)
+        finally:
+            _reap(procs)
+    return out
+
+
+def _line_reader(proc: subprocess.Popen):
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+
+    def get(timeout: float) -> dict:
+        line = q.get(timeout=timeout)
+        if line is None:
+            raise RuntimeError(f"hivemind member exited (rc={proc.wait()})")
+        return json.loads(line)
+
+    return get
+
+
+def hivemind_rounds(python: str, n: int, numel: int, codec: str, rounds: int, timeout: float = 900) -> list[dict] | str:
+    """hivemind's DecentralizedAverager, same N/size/codec: per round {"t", "ok", "err"} or why not."""
+    import tempfile
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hivemind_allreduce.py")
+    log = tempfile.NamedTemporaryFile("w", prefix="hivemind-bench-", suffix=".log", delete=False)
+    procs: list[subprocess.Popen] = []
+    try:
+        job = {"n": n, "numel": numel, "codec": codec, "rounds": rounds, "peers": [], "tag": os.urandom(4).hex()}
+        readers = []
+        for r in range(n):
+            p = subprocess.Popen([python, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+            procs.append(p)
+            readers.append(_line_reader(p))
+            p.stdin.write(json.dumps(dict(job, rank=r)) + "\n")
+            p.stdin.flush()
+            hello = readers[-1](timeout)
+            if "error" in hello:
+                return hello["error"]
+            if r == 0:
+                job["peers"] = hello["maddrs"]
+        out = []
+        for _ in range(rounds):
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            formed = [get(timeout)["formed"] for get in readers]
+            for p in procs:
+                p.stdin.write("run\n")
+                p.stdin.flush()
+            reports = [get(timeout) for get in readers]
+            out.append({"t": max(x["t"] for x in reports), "err": reports[0]["err"], "mae": reports[0]["mae"],
+                        "ok": all(formed) and all(x["ok"] and x["averaged"] for x in reports)})
+        return out
+    except Exception as e:  # noqa: BLE001
+        return f"failed: {e!r} (log: {log.name})"
     finally:
         for p in procs:
             if p.poll() is None:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+
+
+# expected |average error| at sampled indices, per codec (randn inputs): a bound, not a tolerance test
+_ERR_BOUND = {"none": 1e-5, "fp16": 5e-3, "bf16": 3e-2, "int8": 5e-2, "topk": None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, nargs="+", default=[2])
-    ap.add_argument("--numel", type=int, default=1 << 26)
-    ap.add_argument("--codecs", nargs="+", default=["none", "int8"])
+    ap.add_argument("--n", type=int, nargs="+", default=[2, 4, 8], help="group sizes")
+    ap.add_argument("--numel", type=int, default=1 << 26, help="float32 values per member (default 64M = 256 MiB)")
+    ap.add_argument("--codecs", nargs="+", default=["none", "fp16", "int8", "topk"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--profile", metavar="FILE", help="cProfile rank 0 (first codec) into FILE and print the top")
+    ap.add_argument("--profile", metavar="FILE", help="cProfile rank 0 (first codec, first N) into FILE and print the top")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--no-tcp", action="store_true")
+    ap.add_argument("--no-check", action="store_true", help="skip checking the averages against the expected values")
     ap.add_argument("--chunk", type=int, default=1 << 20, help="values per chunk")
     ap.add_argument("--offload", choices=["on", "off"], default="on", help="codec work in a worker thread")
+    ap.add_argument("--frame", type=int, default=0, help="experiment: cap stream data frames at this many bytes")
+    ap.add_argument("--hivemind-python", metavar="PY", help="interpreter with hivemind 1.1.12 (and numpy<2.4)")
+    ap.add_argument("--hivemind-codecs", nargs="+", default=["none", "int8"], help="codecs to run on hivemind")
+    ap.add_argument("--kill-trials", type=int, default=5, help="SIGKILL trials per N (0: none)")
+    ap.add_argument("--kill-numel", type=int, default=None, help="values per member in kill trials (default --numel)")
+    ap.add_argument("--kill-after", type=float, default=None,
+                    help="seconds into the round to kill (default 40%% of the measured 'none' round)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -218,30 +397,92 @@ def main() -> None:
         asyncio.run(_worker_main(args.profile_out))
         return
     nbytes = args.numel * 4
-    tcp = 1.0 if args.no_tcp else raw_tcp(min(4 << 30, max(1 << 30, 4 * nbytes)))
-    print(f"raw loopback TCP, one asyncio stream, 1 MiB writes: {tcp / 1e9:.2f} GB/s")
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member", flush=True)
+    rows = []
+    kills = {}
     for n in args.n:
+        busf = 2 * (n - 1) / n * nbytes
+        tcp = None if args.no_tcp else raw_tcp(min(4 << 30, max(1 << 30, 4 * nbytes)))
+        if tcp:
+            print(f"N={n}: raw loopback TCP, one asyncio stream, 1 MiB writes: {tcp / 1e9:.2f} GB/s", flush=True)
         g = None if args.no_gloo else gloo(n, args.numel, args.rounds)
         if g is not None:
-            print(f"N={n} gloo all_reduce {nbytes / MiB:.0f} MiB: {g:.3f} s/round, "
-                  f"bus {2 * (n - 1) / n * nbytes / g / 1e9:.2f} GB/s")
+            print(f"N={n}: gloo all_reduce: {g:.3f} s/round, bus {busf / g / 1e9:.2f} GB/s", flush=True)
         res = ours(n, args.numel, args.codecs, args.rounds, args.profile if n == args.n[0] else None,
-                   args.chunk, args.offload)
+                   args.chunk, args.offload, not args.no_check, args.frame)
+        t_none = None
         for c, rounds in res.items():
             t = statistics.median(r["t"] for r in rounds)
-            bus = 2 * (n - 1) / n * nbytes / t
-            line = (f"N={n} p2ptrain {c:5s}: {t:.3f} s/round (reduce {statistics.median(r['reduce'] for r in rounds):.3f}),"
-                    f" bus {bus / 1e9:.2f} GB/s = {bus / tcp:.2f}x raw TCP")
+            if c == "none":
+                t_none = t
+            errs = [r["err"] for r in rounds if r["err"] is not None]
+            err = max(errs) if errs else None
+            bound = _ERR_BOUND.get(c)
+            row = {"n": n, "codec": c, "t": t, "bus": busf / t, "tcp": tcp, "gloo": g, "ok": all(r["ok"] for r in rounds),
+                   "err": err, "err_ok": err is None or bound is None or err <= bound,
+                   "cpu": statistics.median(r["cpu"] for r in rounds), "sys": statistics.median(r["sys"] for r in rounds),
+                   "flt": statistics.median(r["flt"] for r in rounds), "failed": rounds[-1]["failed"], "hm": None}
+            rows.append(row)
+            line = f"N={n} p2ptrain {c:5s}: {t:.3f} s/round, bus {row['bus'] / 1e9:.2f} GB/s"
+            if tcp:
+                line += f" = {row['bus'] / tcp:.2f}x raw TCP"
             if g is not None:
-                line += f", {g / t:.2f}x gloo speed"
-            if not all(r["ok"] for r in rounds):
-                line += f"  NOT OK: {rounds[-1]['failed']}"
+                line += f", {g / t:.2f}x gloo"
+            line += f"; cpu/rank {row['cpu']:.3f} s (sys {row['sys']:.3f}, {row['flt']:.0f} faults)"
+            if err is not None:
+                line += f", max err {err:.2g}"
+            if not row["ok"] or not row["err_ok"]:
+                line += f"  NOT OK: {row['failed']}"
             print(line, flush=True)
+            if args.hivemind_python and c in args.hivemind_codecs:
+                hm = hivemind_rounds(args.hivemind_python, n, args.numel, c, args.rounds)
+                row["hm"] = hm
+                if isinstance(hm, str):
+                    print(f"N={n} hivemind {c:5s}: {hm}", flush=True)
+                else:
+                    th = statistics.median(r["t"] for r in hm)
+                    herr = max(r["err"] for r in hm)
+                    hok = all(r["ok"] for r in hm)
+                    row["hm"] = {"t": th, "ok": hok, "err": herr}
+                    print(f"N={n} hivemind {c:5s}: {th:.3f} s/round (all-reduce only, matchmaking excluded), "
+                          f"max err {herr:.2g}, mean err {max(r['mae'] for r in hm):.2g}"
+                          f"{'' if hok else '  NOT AVERAGED / FAILED'}; p2ptrain is {th / t:.2f}x faster",
+                          flush=True)
+        if args.kill_trials:
+            kn = args.kill_numel or args.numel
+            after = args.kill_after if args.kill_after is not None else max(0.05, 0.4 * (t_none or 1.0) * kn / args.numel)
+            ks = kill_trials(n, kn, args.kill_trials, after, args.chunk, args.offload)
+            kills[n] = ks
+            ks_sorted = sorted(ks)
+            p95 = ks_sorted[min(len(ks) - 1, int(round(0.95 * (len(ks) - 1))))]
+            print(f"N={n} SIGKILL of one member {after:.2f} s into a round: survivors done {p95:.2f} s after the kill "
+                  f"(p95 of {len(ks)}; all: {', '.join(f'{k:.2f}' for k in ks)}); target <= 3 s", flush=True)
+    _table(rows, kills)
     if args.profile:
         import pstats
 
         print(f"\nprofile of rank 0, N={args.n[0]}, codec {args.codecs[0]}:")
         pstats.Stats(args.profile).sort_stats("tottime").print_stats(18)
+
+
+def _table(rows: list[dict], kills: dict[int, list[float]]) -> None:
+    print("\n  N  codec  s/round  bus GB/s  x raw TCP  x gloo  vs none  cpu/rank  hivemind s  x hivemind  check")
+    t_none = {r["n"]: r["t"] for r in rows if r["codec"] == "none"}
+    for r in rows:
+        tcp = f"{r['bus'] / r['tcp']:9.2f}" if r["tcp"] else f"{'-':>9}"
+        gl = f"{r['gloo'] / r['t']:6.2f}" if r["gloo"] else f"{'-':>6}"
+        vn = f"{t_none[r['n']] / r['t']:6.2f}x" if r["n"] in t_none else f"{'-':>7}"
+        hm = r["hm"]
+        if isinstance(hm, dict):
+            hms = f"{hm['t']:10.3f}  {hm['t'] / r['t']:9.2f}x" + ("" if hm["ok"] else " (hivemind NOT OK)")
+        else:
+            hms = f"{'-':>10}  {'-':>10}"
+        ok = "ok" if r["ok"] and r["err_ok"] else "FAILED"
+        if r["err"] is not None:
+            ok += f" (err {r['err']:.1g})"
+        print(f"{r['n']:3d}  {r['codec']:5s}  {r['t']:7.3f}  {r['bus'] / 1e9:8.2f}  {tcp}  {gl}  {vn}  {r['cpu']:8.3f}  {hms}  {ok}")
+    for n, ks in kills.items():
+        print(f"  N={n}: SIGKILL mid-round -> survivors finished in max {max(ks):.2f} s (trials: {len(ks)})")
 
 
 if __name__ == "__main__":

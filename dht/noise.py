@@ -9,7 +9,7 @@ handshake each side knows the other's PeerID for certain.
 
 Handshake: ``Noise_XX_25519_AESGCM_SHA256`` with the swarm's prologue (peers of different swarms or
 protocol versions fail the handshake instead of talking past each other). Transport frames differ
-from Noise's 64 KB messages: they are up to ``MAX_FRAME_BODY`` bytes so that tensor chunks of 1 MiB
+from Noise's 64 KB messages: they are up to ``MAX_FRAME_BODY`` (4 MiB) so that tensor chunks of 4 MiB
 are encrypted in one call; nonces are 64-bit counters per direction, as in Noise.
 
 Nothing here touches a socket: callers feed bytes in and get bytes out.

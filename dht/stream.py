@@ -1,7 +1,7 @@
 """Bulk byte streams multiplexed on a peer connection, with credit-based flow control.
 
 RPC bodies go through msgpack; tensors and checkpoint chunks must not. A ``Stream`` carries raw
-buffers in frames of up to 1 MiB, and each direction has a receive window (like yamux/HTTP2): the
+buffers in frames of up to 4 MiB (``wire.MAX_FRAME_BODY``, or less if the peer says so), and each direction has a receive window (like yamux/HTTP2): the
 sender may have at most ``window`` unread bytes outstanding, so a slow consumer bounds the memory a
 fast producer can make it hold, per stream, instead of growing an unbounded queue.
 """
@@ -14,7 +14,7 @@ import struct
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .errors import PeerUnreachable, ProtocolError, RPCTimeout
-from .wire import MAX_FRAME_BODY, Kind
+from .wire import Kind
 
 if TYPE_CHECKING:
     from .identity import PeerID
@@ -74,7 +74,7 @@ class Stream:
                 self._credit_event.clear()
                 await self._wait(self._credit_event, timeout, "flow-control credit")
                 continue
-            n = min(len(view), self._send_credit, MAX_FRAME_BODY)
+            n = min(len(view), self._send_credit, self._conn.max_data_body)
             self._send_credit -= n
             self._conn.send_frame(Kind.STREAM_DATA, self.id, view[:n])
             self.bytes_sent += n

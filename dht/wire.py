@@ -8,10 +8,16 @@ The header (frame kind, flags, stream/call id) is sent in clear but authenticate
 data, which lets a tensor chunk be encrypted straight from the caller's buffer into the socket
 buffer with no concatenation copy. Bodies are msgpack for RPC and raw bytes for bulk streams.
 
+Limits: msgpack bodies (every kind but STREAM_DATA) are at most ``MAX_MESSAGE`` (1 MiB); stream
+data frames at most ``MAX_FRAME_BODY`` (4 MiB), as each side announces in its handshake payload
+(``"frame"``; a peer that announces nothing gets ``LEGACY_FRAME_BODY`` = 1 MiB frames). Fewer,
+larger frames cut the per-frame Python work, and a 1M-float tensor chunk fits one frame, so the
+receiver reads it as one zero-copy view.
+
 ``FrameReader`` follows asyncio's BufferedProtocol contract (``get_buffer``/``buffer_updated``) but
 owns no socket: small frames are parsed out of one reusable buffer, large ones are received straight
-into a buffer of their exact size, so a 1 MiB tensor chunk is copied once from the kernel and once
-by the decryption. The declared length is checked against the limit *before* anything is allocated.
+into a reused buffer, so a 4 MiB tensor chunk is copied once from the kernel and once by the
+decryption. The declared length is checked against the limit *before* anything is allocated.
 """
 
 from __future__ import annotations
@@ -28,8 +34,12 @@ LENGTH = struct.Struct(">I")
 HEADER = struct.Struct(">BBHI")  # kind, flags, reserved, id
 HEADER_SIZE = HEADER.size
 TAG_SIZE = 16
-MAX_FRAME_BODY = 1 << 20  # 1 MiB of plaintext per frame
+MAX_MESSAGE = 1 << 20  # msgpack bodies (RPC, stream open, reset, goaway): 1 MiB of plaintext
+MAX_FRAME_BODY = 4 << 20  # stream data: 4 MiB of plaintext per frame (a 1M-float chunk in one frame)
+#: what a peer that does not advertise its frame limit in the handshake accepts (protocol 1.0)
+LEGACY_FRAME_BODY = 1 << 20
 MAX_FRAME = HEADER_SIZE + MAX_FRAME_BODY + TAG_SIZE
+MAX_CONTROL_FRAME = HEADER_SIZE + MAX_MESSAGE + TAG_SIZE  # every kind but STREAM_DATA
 MAX_HANDSHAKE_FRAME = 4096
 
 
@@ -66,7 +76,7 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: bytes | memoryview, max_size: int = MAX_FRAME_BODY) -> Any:
+def unpack(data: bytes | memoryview, max_size: int = MAX_MESSAGE) -> Any:
     """Decode a msgpack body from an untrusted peer; any failure is a ProtocolError."""
     if len(data) > max_size:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the {max_size}-byte limit")

@@ -1,0 +1,123 @@
+"""Big stream frames: the handshake-negotiated frame size, the control-frame limit, and the buffer
+pool that encrypted/decrypted frames reuse (never while anything still references a buffer)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+import dht.transport as transport
+from dht.identity import Identity
+from dht.transport import BufferPool, Host
+from dht.wire import LEGACY_FRAME_BODY, MAX_FRAME_BODY, MAX_MESSAGE, Kind, pack
+
+MiB = 1 << 20
+
+
+def test_pool_reuses_only_unreferenced_buffers():
+    pool = BufferPool(1024, keep=2)
+    a = pool.get()
+    view = memoryview(a)[:10]  # someone still looks at it: not reusable
+    b = pool.get()
+    assert b is not a
+    del a
+    assert pool.get() is not view.obj  # the view keeps the buffer alive and out of reuse
+    c = pool.get()
+    assert c is b or c is not view.obj
+    view.release()
+    del b, c
+    got = {id(pool.get()), id(pool.get())}
+    assert len(got) == 1  # both idle now: the first idle one comes back
+    extra = [pool.get() for _ in range(4)]  # all referenced: fresh buffers, only `keep` retained
+    assert len(pool._bufs) == 2 and len({id(x) for x in extra}) == 4
+
+
+async def _pair(frame_a: int | None = None):
+    a, b = Host(Identity()), Host(Identity())
+    await a.start()
+    await b.start()
+    received: list[int] = []
+
+    async def sink(stream):
+        while (chunk := await stream.read(timeout=5)) is not None:
+            received.append(len(chunk))
+
+    b.on_stream("sink", sink)
+    return a, b, received
+
+
+async def test_big_writes_arrive_as_big_frames_and_data_is_intact():
+    a, b, received = await _pair()
+    try:
+        conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
+        assert conn.max_data_body == MAX_FRAME_BODY
+        data = os.urandom(3 * MAX_FRAME_BODY + 5)
+        got = bytearray()
+
+        async def collect(stream):
+            while (chunk := await stream.read(timeout=5)) is not None:
+                got.extend(chunk)  # views of pooled buffers: copied out before the next read
+                received.append(len(chunk))
+
+        b.on_stream("collect", collect)
+        s = await conn.open_stream("collect")
+        await s.write(data, timeout=5)
+        s.write_eof()
+        for _ in range(200):
+            if len(got) == len(data):
+                break
+            await asyncio.sleep(0.01)
+        assert bytes(got) == data
+        assert received[:3] == [MAX_FRAME_BODY] * 3
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_peer_without_frame_field_gets_legacy_frames(monkeypatch):
+    a, b, received = await _pair()
+    try:
+        # b speaks the old protocol: it announces no frame size, so a must send 1 MiB frames
+        orig = transport.XXHandshake.__init__
+
+        def old_init(self, *args, local_payload=None, **kw):
+            payload = {k: v for k, v in (local_payload or {}).items() if k != "frame"}
+            orig(self, *args, local_payload=payload, **kw)
+
+        monkeypatch.setattr(transport.XXHandshake, "__init__", old_init)
+        conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
+        assert conn.max_data_body == LEGACY_FRAME_BODY
+        s = await conn.open_stream("sink")
+        await s.write(os.urandom(2 * MiB + 1), timeout=5)
+        s.write_eof()
+        for _ in range(200):
+            if sum(received) == 2 * MiB + 1:
+                break
+            await asyncio.sleep(0.01)
+        assert received == [MiB, MiB, 1]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_oversized_control_frame_closes_connection():
+    a, b, _received = await _pair()
+    try:
+        conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
+        # a REQUEST body beyond the 1 MiB message limit (but within the 4 MiB frame limit)
+        conn.send_frame(Kind.REQUEST, 1, pack(["echo", b"x" * (MAX_MESSAGE + 10)]))
+        for _ in range(200):
+            if conn.is_closed:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.is_closed
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("size", [LEGACY_FRAME_BODY, MAX_FRAME_BODY])
+def test_limits_are_ordered(size):
+    assert MAX_MESSAGE <= size <= MAX_FRAME_BODY
