@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
-from .errors import BootstrapError, DHTError, InvalidRecord, PeerUnreachable, ProtocolError
+from .errors import BootstrapError, DHTError, InvalidRecord, ProtocolError
 from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
 from .routing import Contact, Lookup, RoutingTable, key_id, node_id_of
@@ -275,8 +275,9 @@ class DHTNode:
             try:
                 record = Record.from_wire(item)
                 stored = self.storage.store(record, now, source=conn.remote_peer)
-                if stored:
-                    self._received_at[record.key] = time.monotonic()
+                # A valid STORE for the key, newer or a copy of what we hold: its sender is spreading
+                # it to the k closest this period, so we need not republish it ourselves.
+                self._received_at[record.key] = time.monotonic()
                 results.append(stored)
             except InvalidRecord as e:
                 results.append(str(e)[:200])

@@ -173,18 +173,24 @@ async def _serve() -> None:
         await swarm.close()
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG): belt and braces
+    with the stdin-EOF watch, so no test or benchmark child outlives the run that started it."""
+    if sys.platform == "linux":
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+        except Exception:
+            pass
+
+
 def main() -> None:
     import logging
 
     logging.basicConfig(level=os.environ.get("SWARMPROC_LOGLEVEL", "WARNING"), stream=sys.stderr,
                         format=f"[swarm {os.getpid()}] %(levelname)s %(name)s: %(message)s")
-    if sys.platform == "linux":  # belt and braces with the stdin EOF: die with the parent
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
+    die_with_parent()
     try:
         import uvloop
 

@@ -431,7 +431,11 @@ class Connection(asyncio.BufferedProtocol):
             self._send.encrypt_into(header, body, ciphertext)
         else:
             ciphertext = self._send.encrypt(header, body)
-        self._transport.writelines((LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header, ciphertext))
+        try:
+            self._transport.writelines((LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header, ciphertext))
+        except RuntimeError:  # uvloop: the handle died under us (is_closing() can lag behind)
+            self.close("connection lost", abort=True)
+            raise PeerUnreachable(f"connection to {self.remote_peer} is closed") from None
         self.bytes_sent += LENGTH.size + HEADER_SIZE + len(ciphertext)
         self.last_activity = time.monotonic()
 

@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -31,27 +30,6 @@ from p2ptrain.averaging.worker import flat_input
 
 ROOT = Path(__file__).resolve().parent.parent
 DHT_CONFIG_FLAGS = ["--rpc-timeout", "2.0", "-v"]
-
-
-def _child_pids() -> set[int]:
-    """Live (not yet reaped) child processes of this test process (as in test_swarm_processes)."""
-    try:
-        import psutil
-
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    except ImportError:
-        pass
-    me, out = os.getpid(), set()
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4 is the parent pid
-                out.add(int(entry))
-    return out
 
 
 @dataclass(eq=False)
@@ -117,11 +95,11 @@ async def bootstrap() -> AsyncIterator[str]:
 
 
 @pytest.fixture
-async def spawn(bootstrap: str, tmp_path: Path) -> AsyncIterator[Spawn]:
+async def spawn(bootstrap: str, tmp_path: Path, child_pids) -> AsyncIterator[Spawn]:
     """Starts workers (and waits for their ready lines); on teardown kills and reaps all of them
     and checks that none is left."""
     workers: list[Worker] = []
-    before = _child_pids()
+    before = child_pids()
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
 
@@ -161,7 +139,7 @@ async def spawn(bootstrap: str, tmp_path: Path) -> AsyncIterator[Spawn]:
             if w.reader is not None:
                 w.reader.cancel()
         await asyncio.gather(*(w.reader for w in workers if w.reader is not None), return_exceptions=True)
-        leftover = _child_pids() - before
+        leftover = child_pids() - before
         assert not leftover, f"child processes left behind: {sorted(leftover)}"
         assert all(w.proc.returncode is not None for w in workers)
 

@@ -3,7 +3,6 @@ rejection, hostile-message fuzzing, error feedback conservation."""
 
 from __future__ import annotations
 
-import math
 
 import msgpack
 import pytest

@@ -220,8 +220,8 @@ async def test_client_mode_peer_joins_but_never_leads(swarm):
     servers = await make(2)
     clients = await make(1, listen=None)
     peers = servers + clients
+    mms = [mm(n) for n in peers]
     for rnd in range(3):  # the leader is drawn afresh each round
-        mms = [mm(n) for n in peers] if rnd == 0 else mms
         async with asyncio.timeout(10):
             groups = await asyncio.gather(*(m.form_group(f"c{rnd}", timeout=6.0) for m in mms))
         assert all(g == groups[0] for g in groups) and groups[0].size == 3

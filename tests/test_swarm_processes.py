@@ -8,7 +8,6 @@ no child process of ours is left behind.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -21,32 +20,11 @@ CONFIG = {"republish_interval": 2.0, "maintenance_period": 0.5, "rpc_timeout": 1
 Spawn = Callable[[int], Awaitable[list[SwarmProcess]]]
 
 
-def _child_pids() -> set[int]:
-    """Live (not yet reaped) child processes of this test process."""
-    try:
-        import psutil
-
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    except ImportError:
-        pass
-    me, out = os.getpid(), set()
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4 is the parent pid
-                out.add(int(entry))
-    return out
-
-
 @pytest.fixture
-async def spawn() -> AsyncIterator[Spawn]:
+async def spawn(child_pids) -> AsyncIterator[Spawn]:
     """Spawns swarm children; on teardown kills and reaps all of them and checks none is left."""
     procs: list[SwarmProcess] = []
-    before = _child_pids()
+    before = child_pids()
 
     async def _spawn(n: int) -> list[SwarmProcess]:
         new = await asyncio.gather(*(SwarmProcess.spawn() for _ in range(n)), return_exceptions=True)
@@ -62,7 +40,7 @@ async def spawn() -> AsyncIterator[Spawn]:
         for p in procs:
             p.kill()
         await asyncio.gather(*(p.close(timeout=2) for p in procs), return_exceptions=True)
-        leftover = _child_pids() - before
+        leftover = child_pids() - before
         assert not leftover, f"child processes left behind: {sorted(leftover)}"
         assert all(p.proc.returncode is not None for p in procs)
 

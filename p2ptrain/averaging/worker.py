@@ -48,6 +48,7 @@ import torch
 from dht import DHTNode
 from dht.node import DHTConfig
 from dht.stream import Stream
+from dht.swarmproc import die_with_parent
 
 from .allreduce import PROTOCOL, AllReduceConfig
 from .averager import Averager, StepResult
@@ -274,13 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s [worker {args.rank} {os.getpid()}] %(levelname)s %(name)s: %(message)s")
-    if sys.platform == "linux":  # belt and braces with the stdin EOF: die with the parent
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
+    die_with_parent()
     torch.set_num_threads(1)
     try:
         import uvloop

@@ -140,7 +140,7 @@ async def _demo(args: argparse.Namespace, console: Console, procs: list[SwarmPro
         for i in victims:
             procs[i].kill()
         killed_peers = sum(counts[i] for i in victims)
-        table.add_row(f"SIGKILLed processes (bootstrap's included)", f"{n_kill} ({killed_peers} peers)")
+        table.add_row("SIGKILLed processes (bootstrap's included)", f"{n_kill} ({killed_peers} peers)")
         survivors = [(p, n) for i, (p, n) in enumerate(zip(procs, counts)) if i not in victims]
         wait = progress.add_task(f"waiting one republish period ({args.republish:.0f} s)", total=None)
         await asyncio.sleep(args.republish + 1.0)  # replicas are re-spread on a timer: time must pass
