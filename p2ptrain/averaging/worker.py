@@ -18,7 +18,7 @@ Flags worth knowing:
 
 * ``--wait-go``: before each round, wait for a line ``go`` on stdin (the parent starts every
   worker's round at the same moment, whatever their start-up times were).
-* ``--out PATH``: after each round, write the flat float32 result (``numpy().tofile``) to PATH
+* ``--out PATH``: after each round, write the flat float32 result (raw little-endian bytes) to PATH
   (``{round}`` in PATH is replaced by the round index).
 * ``--codec none,int8,fp16``: round k uses the k-th codec (cycling); every change of codec starts
   again from the worker's initial tensors, so one set of processes can check several codecs.
@@ -33,6 +33,7 @@ close, bounded by a watchdog), and on Linux PR_SET_PDEATHSIG SIGKILLs it as well
 from __future__ import annotations
 
 import argparse
+import ctypes
 import asyncio
 import json
 import logging
@@ -41,6 +42,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,7 +231,7 @@ async def run(args: argparse.Namespace) -> None:
                 killer.armed = False
                 if args.out:
                     flat = torch.cat([t.detach().reshape(-1) for t in avg.tensors]).to(torch.float32)
-                    flat.numpy().tofile(args.out.format(round=k))
+                    Path(args.out.format(round=k)).write_bytes(_raw_bytes(flat))
                 _emit(_report(args, k, res, avg, t_start))
         finally:
             if avg is not None:
@@ -239,6 +241,12 @@ async def run(args: argparse.Namespace) -> None:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
     _emit({"event": "exit", "rank": args.rank})
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's memory as bytes, without needing numpy (which torch does not require)."""
+    t = t.detach().contiguous().cpu()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
