@@ -479,10 +479,14 @@ class DHTNode:
         for name, rec in list(self._originated.items()):
             if rec.expiration <= now:
                 del self._originated[name]
-        by_key: dict[bytes, list[Record]] = {}
+        # What we wrote ourselves is republished even if our own store dropped it (full, replaced).
+        chosen: dict[tuple[bytes, bytes | None], Record] = dict(self._originated)
         for rec in self.storage.records():
             if rec.expiration > now and (force or rec.key not in self._received_at):
-                by_key.setdefault(rec.key, []).append(rec)
+                chosen.setdefault((rec.key, rec.subkey), rec)
+        by_key: dict[bytes, list[Record]] = {}
+        for rec in chosen.values():
+            by_key.setdefault(rec.key, []).append(rec)
         sem = asyncio.Semaphore(8)
 
         async def one(records: list[Record]) -> None:
