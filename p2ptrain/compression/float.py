@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, CompressionError, Encoded, as_uint8, check_finite, frombuffer
+from .base import Codec, CompressionError, Encoded, as_uint8, check_finite, frombuffer, scratch
 
 __all__ = ["NoneCodec", "Float16Codec", "BFloat16Codec"]
 
@@ -40,7 +40,8 @@ class _CastCodec(Codec):
         if chunk.numel():
             if chunk.dtype != wd and self.overflow != float("inf"):
                 # one reduction catches NaN (propagates through amax), inf and out-of-range values
-                amax = float(chunk.abs().amax())
+                # max(amax, -amin): no |x| temporary (NaN propagates through both)
+                amax = float(torch.maximum(chunk.amax(), chunk.amin().neg_()))
                 if not amax < self.overflow:
                     if amax != amax or amax == float("inf"):
                         raise CompressionError(f"{self.name}: input chunk contains NaN or inf; refusing to encode it")
@@ -70,6 +71,9 @@ class _CastCodec(Codec):
 
     def _decode_add(self, meta, buf, numel, acc, weight):
         x = self._payload(meta, buf, numel, acc.device)
+        if x.dtype != acc.dtype:
+            # a mixed-dtype add would cast x into a fresh full-size temporary: cast into scratch
+            x = scratch("cast.dec", numel, acc.dtype, acc.device).copy_(x)
         if weight == 1.0:
             acc.add_(x)
         else:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, CompressionError, Encoded, as_uint8, frombuffer
+from .base import Codec, CompressionError, Encoded, as_uint8, frombuffer, scratch
 
 __all__ = ["Int8Codec"]
 
@@ -67,23 +67,33 @@ class Int8Codec(Codec):
         return parts
 
     def _encode(self, chunk: torch.Tensor) -> Encoded:
+        # Passes over the chunk: amax + amin (read), x * inv -> float scratch, round in place, cast into
+        # q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk); only the wire
+        # buffers (scales, q) are allocated.
         n = chunk.numel()
-        x = chunk if chunk.dtype == torch.float32 else chunk.float()
-        dev = x.device
+        dev = chunk.device
+        if chunk.dtype == torch.float32:
+            x = chunk
+        else:
+            x = scratch("int8.x32", n, torch.float32, dev)
+            x.copy_(chunk)
         nb = self.n_blocks(n)
         scales = torch.empty(nb, dtype=torch.float32, device=dev)
         q = torch.empty(n, dtype=torch.int8, device=dev)
-        tmp = torch.empty(min(n, self.block * (n // self.block)) or n, dtype=torch.float32, device=dev)
+        tmp = scratch("int8.enc", min(n, self.block * (n // self.block)) or n, torch.float32, dev)
+        zero = torch.zeros((), device=dev)
         for start, stop, rows, cols, b0 in self._parts(n):
             xb = x[start:stop].view(rows, cols)
             t = tmp[: stop - start].view(rows, cols)
-            torch.abs(xb, out=t)
-            absmax = torch.amax(t, dim=1)  # NaN/inf propagate into absmax
+            # amax and amin (fast vectorised reductions; aminmax(dim=1) is ~15x slower on CPU): no
+            # |x| temporary, NaN/inf propagate into absmax
+            hi = torch.amax(xb, dim=1)
+            absmax = torch.maximum(hi, torch.amin(xb, dim=1).neg_(), out=hi)
             if not bool(torch.isfinite(absmax.amax())):
                 raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
             ok = absmax >= _TINY
-            inv = torch.where(ok, 127.0 / absmax, torch.zeros((), device=dev))
-            torch.where(ok, absmax * (1.0 / 127.0), torch.zeros((), device=dev), out=scales[b0 : b0 + rows])
+            inv = torch.where(ok, 127.0 / absmax, zero)
+            torch.where(ok, absmax * (1.0 / 127.0), zero, out=scales[b0 : b0 + rows])
             torch.mul(xb, inv.unsqueeze(1), out=t)
             t.round_()
             q[start:stop].view(rows, cols).copy_(t)
@@ -107,19 +117,22 @@ class Int8Codec(Codec):
         return scales, q
 
     def _decode_into(self, meta, buf, numel, out):
+        # int8 * float32 would cast q into a fresh float32 temporary: cast straight into ``out``
+        # instead, then scale in place (float32 out), or go through the per-thread scratch.
         scales, q = self._unpack(buf, numel, out.device)
+        f32 = out if out.dtype == torch.float32 else scratch("int8.dec", numel, torch.float32, out.device)
+        f32.copy_(q)
         for start, stop, rows, cols, b0 in self._parts(numel):
-            s = scales[b0 : b0 + rows].unsqueeze(1)
-            o = out[start:stop].view(rows, cols)
-            if out.dtype == torch.float32:
-                torch.mul(q[start:stop].view(rows, cols), s, out=o)
-            else:
-                o.copy_(q[start:stop].view(rows, cols) * s)
+            f32[start:stop].view(rows, cols).mul_(scales[b0 : b0 + rows].unsqueeze(1))
+        if f32 is not out:
+            out.copy_(f32)
 
     def _decode_add(self, meta, buf, numel, acc, weight):
         scales, q = self._unpack(buf, numel, acc.device)
         if weight != 1.0:
             scales = scales * weight
+        qf = scratch("int8.dec", numel, torch.float32, acc.device)
+        qf.copy_(q)  # addcmul_ with an int8 operand would cast it into a fresh temporary
         for start, stop, rows, cols, b0 in self._parts(numel):
             s = scales[b0 : b0 + rows].unsqueeze(1)
-            acc[start:stop].view(rows, cols).addcmul_(q[start:stop].view(rows, cols), s)
+            acc[start:stop].view(rows, cols).addcmul_(qf[start:stop].view(rows, cols), s)

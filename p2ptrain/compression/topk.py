@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .base import Codec, CompressionError, Encoded, as_uint8, check_finite, frombuffer
+from .base import Codec, CompressionError, Encoded, as_uint8, check_finite, frombuffer, scratch
 
 __all__ = ["TopKCodec"]
 
@@ -60,7 +60,7 @@ class TopKCodec(Codec):
     def select(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (int64, unsorted) of the k largest |x| (x finite)."""
         n = x.numel()
-        a = x.abs()
+        a = torch.abs(x, out=scratch("topk.abs", n, x.dtype, x.device))  # no fresh 4 MiB per chunk
         if n < _MIN_SAMPLED or k * 8 > n:
             return torch.topk(a, k, sorted=False).indices
         stride = (n // _SAMPLE) | 1  # odd stride: less aliasing with power-of-two structure
@@ -68,7 +68,7 @@ class TopKCodec(Codec):
         m = s.numel()
         ks = min(m, math.ceil(m * k / n * _OVERSAMPLE) + 8)
         thr = torch.kthvalue(s, m - ks + 1).values
-        cand = torch.nonzero(a >= thr).squeeze(1)
+        cand = torch.nonzero(torch.ge(a, thr, out=scratch("topk.mask", n, torch.bool, x.device))).squeeze(1)
         if cand.numel() < k:  # unlucky sample: exact fallback
             return torch.topk(a, k, sorted=False).indices
         if cand.numel() == k:
