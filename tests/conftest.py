@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 from typing import Callable
 
@@ -34,3 +36,19 @@ def child_pids() -> Callable[[], set[int]]:
     """A function listing this process's live children: multi-process tests compare it before
     and after, to prove they left no process behind."""
     return _child_pids
+
+
+@pytest.fixture
+async def loop_errors():
+    """Collect what the event loop reports (e.g. "Task exception was never retrieved"); the test
+    fails if anything was: a swallowed error in a background task is a bug, not noise."""
+    loop = asyncio.get_running_loop()
+    reports: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reports.append(context))
+    try:
+        yield reports
+        gc.collect()  # unretrieved exceptions are reported when their future is collected
+    finally:
+        loop.set_exception_handler(previous)
+    assert [(c.get("message"), repr(c.get("exception"))) for c in reports] == []
