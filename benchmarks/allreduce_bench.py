@@ -228,7 +228,8 @@ def _spawn_ours(n: int, job: dict, profile: str | None = None) -> list[subproces
     return procs
 
 
-def _reap(procs: list[subprocess.Popen]) -> None:
+def _reap(procs: list[subprocess.Popen], timeout: float = 60) -> None:
+    """Close the children's stdin (they exit on EOF), wait, and SIGKILL whoever lingers."""
     for p in procs:
         if p.poll() is None:
             try:
@@ -237,7 +238,7 @@ def _reap(procs: list[subprocess.Popen]) -> None:
                 pass
     for p in procs:
         try:
-            p.wait(timeout=60)
+            p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
@@ -352,18 +353,7 @@ def hivemind_rounds(python: str, n: int, numel: int, codec: str, rounds: int, ti
     except Exception as e:  # noqa: BLE001
         return f"failed: {e!r} (log: {log.name})"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.stdin.close()
-                except OSError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _reap(procs, timeout=30)
 
 
 # expected |average error| at sampled indices, per codec (randn inputs): a bound, not a tolerance test
