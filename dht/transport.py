@@ -526,6 +526,10 @@ class Connection(asyncio.BufferedProtocol):
         self.close_reason = self.close_reason or reason
         if not first:
             return
+        # A writer blocked in drain() on a paused socket gets no resume_writing() once the
+        # connection is lost: wake it, and drain() raises PeerUnreachable at once instead of
+        # sitting out its whole timeout (the survivors of a crash mid-round waited 35 s on this).
+        self._write_ok.set()
         err = PeerUnreachable(f"connection to {self.remote_peer or self.remote_host} closed: {self.close_reason}")
         if not self.ready.done():
             self.ready.set_exception(HandshakeError(self.close_reason) if self._hs is not None else err)

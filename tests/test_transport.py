@@ -961,3 +961,30 @@ async def test_hosts_with_different_stream_windows_interoperate(make_host):
             down = await conn.open_stream("source")
             assert await down.read_all(len(data), timeout=5) == data
             assert not conn.is_closed
+
+
+async def test_writer_blocked_on_a_full_socket_wakes_when_the_connection_dies(make_host):
+    """A peer that stops reading fills our socket buffers; when it then dies, a writer waiting for
+    the socket to drain must fail at once, not after its whole timeout."""
+    async with asyncio.timeout(20):
+        a, b = await make_host(), await make_host()
+        started = asyncio.Event()
+
+        async def never_reads(stream):
+            started.set()
+            await asyncio.Event().wait()
+
+        b.on_stream("stuck", never_reads)
+        conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
+        stream = await conn.open_stream("stuck")
+        await started.wait()
+        stream._send_credit = 1 << 40  # held by the socket, not by flow-control credit
+        writer = asyncio.ensure_future(stream.write(bytes(256 << 20), timeout=60))
+        while conn._write_ok.is_set():  # until the socket buffers fill and asyncio pauses us
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        for c in list(b._all):
+            c.close("crash", abort=True)
+        with pytest.raises(PeerUnreachable):
+            await writer
+        assert time.monotonic() - t0 < 2.0
