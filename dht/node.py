@@ -141,7 +141,7 @@ class DHTNode:
         h.on_request("find_node", self._rpc_find_node)
         h.on_request("find_value", self._rpc_find_value)
         h.on_request("store", self._rpc_store)
-        h.on_connect.append(self._on_connect)
+        h.on_connect.append(self._learn)
         await h.start()
         self._started = True
         addrs = [Multiaddr.parse(a) if isinstance(a, str) else a for a in bootstrap]
@@ -206,9 +206,6 @@ class DHTNode:
         return task
 
     # ------------------------------------------------------------------ routing table upkeep
-
-    def _on_connect(self, conn: Connection) -> None:
-        self._learn(conn)
 
     def _learn(self, conn: Connection) -> None:
         """Add the peer behind ``conn`` to the routing table if it accepts inbound connections."""

@@ -1,8 +1,8 @@
 """Bulk byte streams multiplexed on a peer connection, with credit-based flow control.
 
 RPC bodies go through msgpack; tensors and checkpoint chunks must not. A ``Stream`` carries raw
-buffers in frames of up to 4 MiB (``wire.MAX_FRAME_BODY``, or less if the peer says so), and each direction has a receive window (like yamux/HTTP2): the
-sender may have at most ``window`` unread bytes outstanding, so a slow consumer bounds the memory a
+buffers in frames of up to 4 MiB (``wire.MAX_FRAME_BODY``, or less if the peer says so), and each
+direction has a receive window (like yamux/HTTP2): the sender may have at most ``window`` unread bytes outstanding, so a slow consumer bounds the memory a
 fast producer can make it hold, per stream, instead of growing an unbounded queue.
 """
 

@@ -393,9 +393,7 @@ class Connection(asyncio.BufferedProtocol):
             reason = f"unknown protocol {protocol!r}" if handler is None else "too many streams"
             self.post(Kind.STREAM_RESET, ident, pack(reason))
             return
-        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window, self.remote_window)
-        self._streams[ident] = stream
-        self._spawn(self._serve_stream(stream, handler))
+        self._spawn(self._serve_stream(self._add_stream(ident, protocol, header), handler))
 
     async def _serve_stream(self, stream: Stream, handler: StreamHandler) -> None:
         try:
@@ -417,8 +415,8 @@ class Connection(asyncio.BufferedProtocol):
     def send_frame(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
         """Encrypt ``body`` (read in place, never copied first) and hand the frame to the socket.
 
-        The ciphertext comes back as a fresh ``bytes`` (allocated uninitialised, unlike a
-        bytearray) and goes out with the length/header prefix in one ``writelines`` (writev).
+        Large frames are encrypted into a pooled buffer (see ``BufferPool``), small ones into a
+        fresh ``bytes``; either goes out with the length/header prefix in one ``writelines``.
         """
         # uvloop raises RuntimeError on a write to a closing socket, before connection_lost runs.
         if self._closed or self._send is None or self._transport is None or self._transport.is_closing():
@@ -442,11 +440,10 @@ class Connection(asyncio.BufferedProtocol):
     def post(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
         """Send a control frame (reply, cancel, window, end, reset) if the connection is still
         open; when it is not, the frame has no one to reach and dropping it is correct."""
-        if not self._closed and self._send is not None:
-            try:
-                self.send_frame(kind, ident, body)
-            except PeerUnreachable:  # the socket is already closing; connection_lost follows
-                pass
+        try:
+            self.send_frame(kind, ident, body)
+        except PeerUnreachable:  # closed, or the socket is already closing: connection_lost follows
+            pass
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait until the socket's write buffer is below its high-water mark."""
@@ -493,9 +490,14 @@ class Connection(asyncio.BufferedProtocol):
         if len(self._streams) >= self.host.limits.max_streams:
             raise PeerUnreachable(f"too many open streams to {self.remote_peer}")
         ident = self._new_id()
+        stream = self._add_stream(ident, protocol, header)
+        self.send_frame(Kind.STREAM_OPEN, ident, pack([protocol, header]))
+        return stream
+
+    def _add_stream(self, ident: int, protocol: str, header: Any) -> Stream:
+        """A stream that accepts our window and sends within the remote's announced one."""
         stream = Stream(self, ident, protocol, header, self.host.limits.stream_window, self.remote_window)
         self._streams[ident] = stream
-        self.send_frame(Kind.STREAM_OPEN, ident, pack([protocol, header]))
         return stream
 
     def forget_stream(self, ident: int) -> None:
@@ -619,9 +621,6 @@ class Host:
     def off_stream(self, protocol: str) -> None:
         """Stop accepting new streams of ``protocol`` (open ones are left to their handler)."""
         self._stream_handlers.pop(protocol, None)
-
-    def off_request(self, method: str) -> None:
-        self._handlers.pop(method, None)
 
     # ------------------------------------------------------------------ connections
 
