@@ -18,6 +18,13 @@ time only, matchmaking excluded; its result is checked too: hivemind's 8-bit cod
 averaging with numpy >= 2.4). Fault tolerance: ``--kill-trials`` rounds per N in which one member is
 SIGKILLed mid-round; prints how long after the kill the survivors' round returns (library default
 deadlines; the target is <= 3 s). ``--profile`` runs rank 0 of the first codec under cProfile.
+
+``--netem RATE[,DELAY[,LOSS]]`` (e.g. ``--netem 1gbit`` or ``--netem 1gbit,1ms``; root only) runs
+every process of a group -- our workers, the raw TCP pair, the gloo ranks and the hivemind members --
+one per network namespace of a :class:`p2ptrain.testbed.Testbed`, each behind a link shaped to RATE
+both ways, talking over the namespace IPs instead of 127.0.0.1: on loopback everything is
+CPU-bound, so what codecs buy on slow links only shows there. The raw TCP baseline then sends about
+2 s worth of the link rate instead of >= 1 GiB.
 """
 
 from __future__ import annotations
@@ -34,6 +41,24 @@ import sys
 import time
 
 MiB = 1 << 20
+
+
+class _Net:
+    """Where a run's processes live: on loopback (default), or rank r in host r of a Testbed (--netem)."""
+
+    def __init__(self) -> None:
+        self.tb = None  # p2ptrain.testbed.Testbed when --netem
+
+    def ip(self, rank: int) -> str:
+        return self.tb.hosts[rank].ip if self.tb is not None else "127.0.0.1"
+
+    def popen(self, rank: int, argv: list[str], **kwargs) -> subprocess.Popen:
+        if self.tb is not None:
+            return self.tb.popen(rank, argv, **kwargs)
+        return subprocess.Popen(argv, **kwargs)
+
+
+_NET = _Net()
 
 
 def _loop_policy() -> None:
@@ -58,7 +83,7 @@ def _expected(numel: int, n: int, idx):
     return (acc / n).float()
 
 
-async def _worker_main(profile_path: str | None) -> None:
+async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -> None:
     import logging
 
     import torch
@@ -74,17 +99,17 @@ async def _worker_main(profile_path: str | None) -> None:
     if os.environ.get("P2PT_BENCH_LOG"):
         logging.getLogger("dht").setLevel(logging.INFO)
         logging.getLogger("p2ptrain").setLevel(logging.INFO)
-    host = Host(Identity(), ("127.0.0.1", 0))
+    host = Host(Identity(), (listen_ip, 0))
     await host.start()
-    print(json.dumps({"peer": host.peer_id.to_base58(), "port": host.listen_port}), flush=True)
+    print(json.dumps({"peer": host.peer_id.to_base58(), "port": host.listen_port, "ip": listen_ip}), flush=True)
     loop = asyncio.get_running_loop()
-    readline = lambda: loop.run_in_executor(None, sys.stdin.readline)  # noqa: E731
+    readline = lambda: loop.run_in_executor(None, sys.stdin.readline)
     job = json.loads(await readline())
     if job.get("frame"):  # experiment: cap the stream data frames this member sends and accepts
         import dht.transport
 
         dht.transport.MAX_FRAME_BODY = int(job["frame"])
-    members = tuple(Member(PeerID.from_base58(p), ("127.0.0.1", port)) for p, port in job["members"])
+    members = tuple(Member(PeerID.from_base58(p), (ip, port)) for p, port, ip in job["members"])
     rank, n, numel = job["rank"], len(job["members"]), job["numel"]
     offload = None if job["offload"] == "off" else 1 << 18
     if job.get("kill"):  # the library's default deadlines: how fast a round recovers from a dead member
@@ -147,8 +172,37 @@ def _tcp_sink(port_q) -> None:
     c.close()
 
 
+def _tcp_sink_main(ip: str) -> None:
+    """--tcp-sink: _tcp_sink in a test bed host, its port on stdout (a Queue cannot cross namespaces)."""
+    srv = socket.socket()
+    srv.bind((ip, 0))
+    srv.listen(1)
+    print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
+    c, _ = srv.accept()
+    buf = bytearray(4 * MiB)
+    while c.recv_into(buf):
+        pass
+    c.close()
+
+
+async def _tcp_send(ip: str, port: int, total: int) -> float:
+    """Seconds to write ``total`` bytes as 1 MiB buffers to ``ip:port`` (until closed)."""
+    _r, w = await asyncio.open_connection(ip, port)
+    data = memoryview(bytearray(MiB))
+    t = time.perf_counter()
+    for _ in range(total // MiB):
+        w.write(data)
+        await w.drain()
+    w.close()
+    await w.wait_closed()
+    return time.perf_counter() - t
+
+
 def raw_tcp(total: int) -> float:
-    """Bytes/s of one asyncio stream writing 1 MiB buffers to a reader in another process."""
+    """Bytes/s of one asyncio stream writing 1 MiB buffers to a reader in another process (with
+    --netem: the reader in test bed host 1, the writer in host 0, both processes of their own)."""
+    if _NET.tb is not None:
+        return _raw_tcp_netns(total)
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -157,29 +211,30 @@ def raw_tcp(total: int) -> float:
     p.start()
     port = q.get()
 
-    async def send() -> float:
-        _r, w = await asyncio.open_connection("127.0.0.1", port)
-        data = memoryview(bytearray(MiB))
-        t = time.perf_counter()
-        for _ in range(total // MiB):
-            w.write(data)
-            await w.drain()
-        w.close()
-        await w.wait_closed()
-        return time.perf_counter() - t
-
     _loop_policy()
-    dt = asyncio.run(send())
+    dt = asyncio.run(_tcp_send("127.0.0.1", port, total))
     p.join()
     return total / dt
 
 
-def _gloo_worker(rank: int, n: int, port: int, numel: int, rounds: int, q) -> None:
+def _raw_tcp_netns(total: int) -> float:
+    sink = _NET.popen(1, [sys.executable, __file__, "--tcp-sink", _NET.ip(1)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = json.loads(sink.stdout.readline())["port"]
+        out = subprocess.run(_NET.tb.exec_argv(0, [sys.executable, __file__, "--tcp-send", _NET.ip(1), str(port), str(total)]),
+                             check=True, capture_output=True, text=True, timeout=600).stdout
+        sink.wait(timeout=60)
+        return total / json.loads(out)["dt"]
+    finally:
+        _kill_leftovers([sink])
+
+
+def _gloo_worker(rank: int, n: int, port: int, numel: int, rounds: int, q, master: str = "127.0.0.1") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=n)
     x = torch.randn(numel)
     times = []
     for _ in range(rounds):
@@ -191,7 +246,16 @@ def _gloo_worker(rank: int, n: int, port: int, numel: int, rounds: int, q) -> No
     q.put(times)
 
 
+class _PrintQueue:
+    """_gloo_worker's queue in a test bed host: the times go to stdout as one JSON line."""
+
+    def put(self, obj) -> None:
+        print(json.dumps(obj), flush=True)
+
+
 def gloo(n: int, numel: int, rounds: int) -> float:
+    if _NET.tb is not None:
+        return _gloo_netns(n, numel, rounds)
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -209,6 +273,31 @@ def gloo(n: int, numel: int, rounds: int) -> float:
     return statistics.median(max(ts[i] for ts in per_rank) for i in range(rounds))
 
 
+def _kill_leftovers(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL whoever still runs: these helpers have no stdin to close, and after an error (or
+    Ctrl+C) a gloo rank blocked in C++ would not notice anything gentler."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def _gloo_netns(n: int, numel: int, rounds: int) -> float:
+    """gloo with rank r in test bed host r; the store on host 0 (a fresh namespace: any port is free)."""
+    # TORCH_CPP_LOG_LEVEL: c10d warns that it cannot reverse-resolve the namespace IPs (harmless)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=_NET.tb.hosts[0].ifname, TORCH_CPP_LOG_LEVEL="ERROR")
+    ps = [_NET.popen(r, [sys.executable, __file__, "--gloo-worker",
+                         json.dumps([r, n, 29500, numel, rounds, _NET.ip(0)])], stdout=subprocess.PIPE, text=True, env=env)
+          for r in range(n)]
+    try:
+        per_rank = [json.loads(p.stdout.readline()) for p in ps]
+        for p in ps:
+            p.wait(timeout=60)
+    finally:
+        _kill_leftovers(ps)
+    return statistics.median(max(ts[i] for ts in per_rank) for i in range(rounds))
+
+
 # ---------------------------------------------------------------------- parent
 
 
@@ -216,10 +305,11 @@ def _spawn_ours(n: int, job: dict, profile: str | None = None) -> list[subproces
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     procs = []
     for r in range(n):
-        cmd = [sys.executable, __file__, "--worker"] + (["--profile-out", profile] if profile and r == 0 else [])
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+        cmd = [sys.executable, __file__, "--worker", "--listen-ip", _NET.ip(r)]
+        cmd += ["--profile-out", profile] if profile and r == 0 else []
+        procs.append(_NET.popen(r, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
     hello = [json.loads(p.stdout.readline()) for p in procs]
-    members = [[h["peer"], h["port"]] for h in hello]
+    members = [[h["peer"], h["port"], h["ip"]] for h in hello]
     for r, p in enumerate(procs):
         p.stdin.write(json.dumps(dict(job, members=members, rank=r)) + "\n")
         p.stdin.flush()
@@ -316,18 +406,38 @@ def _line_reader(proc: subprocess.Popen):
     return get
 
 
+# --netem: run _hivemind_allreduce.py with hivemind's DHT listening on this test bed host's IP (the
+# script binds 127.0.0.1, which inside a namespace no other host can reach)
+_HIVEMIND_NETNS = r"""
+import runpy, sys
+ip, script = sys.argv[1], sys.argv[2]
+sys.argv = [script]
+try:
+    import hivemind
+    _init = hivemind.DHT.__init__
+    def _init_on_ip(self, *args, **kwargs):
+        kwargs["host_maddrs"] = [f"/ip4/{ip}/tcp/0"]
+        _init(self, *args, **kwargs)
+    hivemind.DHT.__init__ = _init_on_ip
+except Exception:
+    pass  # the script reports a missing hivemind itself
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def hivemind_rounds(python: str, n: int, numel: int, codec: str, rounds: int, timeout: float = 900) -> list[dict] | str:
     """hivemind's DecentralizedAverager, same N/size/codec: per round {"t", "ok", "err"} or why not."""
     import tempfile
 
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hivemind_allreduce.py")
-    log = tempfile.NamedTemporaryFile("w", prefix="hivemind-bench-", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile("w", prefix="hivemind-bench-", suffix=".log", delete=False)  # noqa: SIM115 (kept: its name is reported)
     procs: list[subprocess.Popen] = []
     try:
         job = {"n": n, "numel": numel, "codec": codec, "rounds": rounds, "peers": [], "tag": os.urandom(4).hex()}
         readers = []
         for r in range(n):
-            p = subprocess.Popen([python, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+            argv = [python, script] if _NET.tb is None else [python, "-c", _HIVEMIND_NETNS, _NET.ip(r), script]
+            p = _NET.popen(r, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
             procs.append(p)
             readers.append(_line_reader(p))
             p.stdin.write(json.dumps(dict(job, rank=r)) + "\n")
@@ -379,22 +489,71 @@ def main() -> None:
     ap.add_argument("--kill-numel", type=int, default=None, help="values per member in kill trials (default --numel)")
     ap.add_argument("--kill-after", type=float, default=None,
                     help="seconds into the round to kill (default 40%% of the measured 'none' round)")
+    ap.add_argument("--netem", metavar="RATE[,DELAY[,LOSS]]",
+                    help="one network namespace per process, links shaped to RATE up and down per host, "
+                         "DELAY one way (e.g. 1gbit or 1gbit,1ms; needs root, DELAY needs netem)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", help=argparse.SUPPRESS)
+    ap.add_argument("--listen-ip", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--tcp-sink", metavar="IP", help=argparse.SUPPRESS)
+    ap.add_argument("--tcp-send", nargs=3, metavar=("IP", "PORT", "BYTES"), help=argparse.SUPPRESS)
+    ap.add_argument("--gloo-worker", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         _loop_policy()
-        asyncio.run(_worker_main(args.profile_out))
+        asyncio.run(_worker_main(args.profile_out, args.listen_ip))
         return
+    if args.tcp_sink:
+        _tcp_sink_main(args.tcp_sink)
+        return
+    if args.tcp_send:
+        _loop_policy()
+        ip, port, total = args.tcp_send
+        print(json.dumps({"dt": asyncio.run(_tcp_send(ip, int(port), int(total)))}), flush=True)
+        return
+    if args.gloo_worker:
+        rank, n, port, numel, rounds, master = json.loads(args.gloo_worker)
+        _gloo_worker(rank, n, port, numel, rounds, _PrintQueue(), master)
+        return
+    if not args.netem:
+        _run(args)
+        return
+    import signal
+
+    from p2ptrain.testbed import Testbed, TestbedError
+
+    rate, delay, loss = (args.netem.split(",") + [None, None])[:3]
+    try:
+        tb = Testbed(max(2, *args.n), rate=rate or None, delay=delay or None, loss=loss or None)
+    except TestbedError as e:
+        sys.exit(f"--netem: {e}")
+    # SIGTERM would skip the finally below: make it an exit, so the namespaces go with us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        _NET.tb = tb
+        _run(args)
+    finally:
+        _NET.tb = None
+        tb.close()
+
+
+def _run(args: argparse.Namespace) -> None:
     nbytes = args.numel * 4
-    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member", flush=True)
+    link = "" if _NET.tb is None else f"; link: {_NET.tb.describe()}"
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member{link}",
+          flush=True)
     rows = []
     kills = {}
     for n in args.n:
         busf = 2 * (n - 1) / n * nbytes
-        tcp = None if args.no_tcp else raw_tcp(min(4 << 30, max(1 << 30, 4 * nbytes)))
+        if _NET.tb is None:
+            tcp = None if args.no_tcp else raw_tcp(min(4 << 30, max(1 << 30, 4 * nbytes)))
+        else:  # ~2 s at the link rate (>= 1 GiB would take 9 s at 1 Gbit/s)
+            rate = _NET.tb.rate_bps or 8e9
+            tcp = None if args.no_tcp else raw_tcp(max(16 * MiB, int(rate / 8 * 2) // MiB * MiB))
         if tcp:
-            print(f"N={n}: raw loopback TCP, one asyncio stream, 1 MiB writes: {tcp / 1e9:.2f} GB/s", flush=True)
+            where = "loopback" if _NET.tb is None else "test bed"
+            print(f"N={n}: raw {where} TCP, one asyncio stream, 1 MiB writes: {tcp / 1e9:.2f} GB/s", flush=True)
         g = None if args.no_gloo else gloo(n, args.numel, args.rounds)
         if g is not None:
             print(f"N={n}: gloo all_reduce: {g:.3f} s/round, bus {busf / g / 1e9:.2f} GB/s", flush=True)
@@ -444,7 +603,7 @@ def main() -> None:
             ks = kill_trials(n, kn, args.kill_trials, after, args.chunk, args.offload)
             kills[n] = ks
             ks_sorted = sorted(ks)
-            p95 = ks_sorted[min(len(ks) - 1, int(round(0.95 * (len(ks) - 1))))]
+            p95 = ks_sorted[min(len(ks) - 1, round(0.95 * (len(ks) - 1)))]
             print(f"N={n} SIGKILL of one member {after:.2f} s into a round: survivors done {p95:.2f} s after the kill "
                   f"(p95 of {len(ks)}; all: {', '.join(f'{k:.2f}' for k in ks)}); target <= 3 s", flush=True)
     _table(rows, kills)

@@ -13,6 +13,7 @@ import collections
 import struct
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from .aio import wait_event
 from .errors import PeerUnreachable, ProtocolError, RPCTimeout
 from .wire import Kind
 
@@ -149,10 +150,8 @@ class Stream:
             yield chunk
 
     async def _wait(self, event: asyncio.Event, timeout: float | None, what: str) -> None:
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            raise RPCTimeout(f"stream {self.protocol!r} with {self.peer_id}: no {what} within {timeout} s") from None
+        if not await wait_event(event, timeout):
+            raise RPCTimeout(f"stream {self.protocol!r} with {self.peer_id}: no {what} within {timeout} s")
 
     # ------------------------------------------------------------------ called by the connection
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from .aio import wait_event
 from .errors import (
     DHTError,
     HandshakeError,
@@ -449,9 +450,7 @@ class Connection(asyncio.BufferedProtocol):
         """Wait until the socket's write buffer is below its high-water mark."""
         if self._write_ok.is_set():
             return
-        try:
-            await asyncio.wait_for(self._write_ok.wait(), timeout)
-        except TimeoutError:
+        if not await wait_event(self._write_ok, timeout):
             raise RPCTimeout(f"peer {self.remote_peer} is not reading (write stalled {timeout} s)") from None
         if self._closed:
             raise PeerUnreachable(f"connection to {self.remote_peer} closed ({self.close_reason})")
@@ -614,6 +613,12 @@ class Host:
 
     def on_request(self, method: str, handler: RequestHandler) -> None:
         self._handlers[method] = handler
+
+    def off_request(self, method: str, handler: RequestHandler | None = None) -> None:
+        """Stop answering ``method`` (only if its handler is still ``handler``, when given: a
+        component closing must not remove what another one registered since)."""
+        if handler is None or self._handlers.get(method) == handler:
+            self._handlers.pop(method, None)
 
     def on_stream(self, protocol: str, handler: StreamHandler) -> None:
         self._stream_handlers[protocol] = handler

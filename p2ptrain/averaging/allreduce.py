@@ -74,6 +74,7 @@ from typing import Any, Callable
 
 import torch
 
+from dht.aio import wait_event
 from dht.errors import DHTError, ProtocolError
 from dht.identity import PeerID
 from dht.stream import Stream
@@ -469,10 +470,7 @@ class _Round:
                 break
             self.changed.clear()
             wake = min(t_join, t_reduce) if missing else t_reduce
-            try:
-                await asyncio.wait_for(self.changed.wait(), max(0.0, wake - now))
-            except TimeoutError:
-                pass
+            await wait_event(self.changed, max(0.0, wake - now))
         self.reduce_closed = True
 
     def _snapshot(self) -> dict:

@@ -125,9 +125,10 @@ class Averager:
                 offset += n
 
     async def step(self, weight: float = 1.0, round_id: str | int | None = None,
-                   timeout: float | None = None) -> StepResult:
+                   timeout: float | None = None, expected: int | None = None) -> StepResult:
         """Average once. Peers meet by ``round_id`` (default: this averager's step counter, so
-        peers that step together meet); ``timeout`` bounds the matchmaking."""
+        peers that step together meet); ``timeout`` bounds the matchmaking; ``expected`` (peers
+        known to come, us included) lets matchmaking stop as soon as they are all there."""
         if not self._started:
             await self.start()
         if not (weight > 0 and weight < float("inf")):
@@ -135,7 +136,7 @@ class Averager:
         rid = str(self._round if round_id is None else round_id)
         self._round += 1
         t0 = time.perf_counter()
-        group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout)
+        group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout, expected)
         t1 = time.perf_counter()
         members = [m.peer_id for m in group.members]
         if group.size == 1:
@@ -173,8 +174,9 @@ class BlockingAverager:
             self._loop.close()
             raise
 
-    def step(self, weight: float = 1.0, round_id: str | int | None = None, timeout: float | None = None) -> StepResult:
-        return self._loop.run(self.averager.step(weight, round_id, timeout))
+    def step(self, weight: float = 1.0, round_id: str | int | None = None, timeout: float | None = None,
+             expected: int | None = None) -> StepResult:
+        return self._loop.run(self.averager.step(weight, round_id, timeout, expected))
 
     def close(self) -> None:
         try:

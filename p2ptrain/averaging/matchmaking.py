@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dht import DHTError, DHTNode, Host, InvalidRecord, PeerID, ProtocolError
+from dht.aio import wait_event
 from dht.routing import Contact
 from dht.storage import Record, owned_name, record_owner, validate_record
 from dht.wire import unpack
@@ -326,8 +327,13 @@ class Matchmaker:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def form_group(self, round_id: str | int, timeout: float) -> Group:
-        """Meet the peers averaging the same round and schema; at most ``timeout`` seconds."""
+    async def form_group(self, round_id: str | int, timeout: float, expected: int | None = None) -> Group:
+        """Meet the peers averaging the same round and schema; at most ``timeout`` seconds.
+
+        ``expected``: how many peers (us included) the caller knows will come, e.g. from the
+        training progress in the DHT. Once that many are seen the gather stops at once instead of
+        waiting out the settle window, which is most of a round's matchmaking time on a quiet swarm.
+        """
         if self._closed:
             raise RuntimeError("matchmaker is closed")
         round_id = str(round_id)
@@ -356,7 +362,7 @@ class Matchmaker:
                 log.debug("round %s: registered in %.3f s", round_id, loop.time() - started)
                 failed: set[PeerID] = set()
                 while group is None and loop.time() < deadline:
-                    view = await self._gather(rnd, me, timeout, deadline, failed)
+                    view = await self._gather(rnd, me, timeout, deadline, failed, expected)
                     if view is None:
                         break
                     attempts += 1
@@ -529,7 +535,7 @@ class Matchmaker:
                 log.warning("%s", message)
 
     async def _gather(self, rnd: _Round, me: Member, timeout: float, deadline: float,
-                      failed: set[PeerID]) -> list[Member] | None:
+                      failed: set[PeerID], expected: int | None = None) -> list[Member] | None:
         """Poll the round's key until the set of candidates settles; None at the deadline alone."""
         loop = asyncio.get_running_loop()
         rnd.lead, rnd.redirect = None, None
@@ -567,7 +573,8 @@ class Matchmaker:
             reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
             view = [me] + [e.member for e in candidates.values()]
             if n >= self.min_group_size:
-                if now - last_growth >= settle or rnd.join_hint.is_set() or now >= deadline - reserve:
+                everyone = expected is not None and n >= expected
+                if now - last_growth >= settle or everyone or rnd.join_hint.is_set() or now >= deadline - reserve:
                     log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
                               rnd.round_id, n, polls, settle, self.latency,
                               ", joined by a peer" if rnd.join_hint.is_set() else "")
@@ -579,10 +586,7 @@ class Matchmaker:
                 wake_at = deadline
             delay = max(0.0, min(period, wake_at - now))
             period = min(period * 1.5, _MAX_POLL, max(settle / 2, _FIRST_POLL))
-            try:
-                await asyncio.wait_for(rnd.join_hint.wait(), delay)
-            except TimeoutError:
-                pass
+            await wait_event(rnd.join_hint, delay)
 
     async def _attempt(self, rnd: _Round, me: Member, view: list[Member], timeout: float,
                        deadline: float, failed: set[PeerID]) -> Group | None:
@@ -613,10 +617,7 @@ class Matchmaker:
             if delay <= 0:
                 break
             lead.wake.clear()
-            try:
-                await asyncio.wait_for(lead.wake.wait(), delay)
-            except TimeoutError:
-                pass
+            await wait_event(lead.wake, delay)
         lead.closed = True
         log.debug("round %s: leading, closed with %d joined of %d expected (+%d unexpected)", rnd.round_id,
                   len(lead.joined), len(lead.expected), len(set(lead.joined) - lead.expected))
@@ -715,9 +716,7 @@ class Matchmaker:
             wait = joiner_deadline - loop.time()
             if wait <= 0:
                 return {"refused": "too late"}
-            try:
-                await asyncio.wait_for(rnd.changed.wait(), wait)
-            except TimeoutError:
+            if not await wait_event(rnd.changed, wait):
                 return {"refused": "too late"}
 
     async def _accept(self, rnd: _Round, lead: _Lead, member: Member, joiner_deadline: float) -> Any:

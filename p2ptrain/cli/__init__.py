@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import demo, dht_cmd
+from . import demo, dht_cmd, peer_cmd
 from .common import EXIT_USAGE, fail, setup_logging
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo.add_parser(sub)
     dht_cmd.add_parser(sub)
+    peer_cmd.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,88 @@
+"""A DHT node for synchronous code: the node runs on the process's background event loop.
+
+Training scripts are ordinary blocking Python; ``DHTNode`` is asyncio. ``DHT`` owns a
+:class:`~p2ptrain.loop.LoopThread` and a started ``DHTNode`` on it, so a script writes::
+
+    dht = p2ptrain.DHT(initial_peers=["/ip4/1.2.3.4/tcp/4001/p2p/12D3Koo..."])
+    opt = DecentralizedOptimizer(torch.optim.AdamW(...), dht=dht, run_id="my-run", ...)
+    ...
+    opt.close(); dht.close()
+
+Several objects (optimizers, averagers) can share one ``DHT``; each schedules its coroutines on
+``dht.loop`` and none of them may block it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dht import DHTConfig, DHTNode, Identity, Multiaddr
+
+from .loop import LoopThread
+
+T = TypeVar("T")
+
+
+class DHT:
+    """A started :class:`dht.DHTNode` on a background loop this object owns.
+
+    ``initial_peers``: multiaddrs (strings or ``Multiaddr``) of peers already in the swarm; none
+    makes this the first peer. ``listen=None`` runs a client-mode node (no inbound connections: it
+    can average but serves nothing). ``key_file``: keep the same PeerID across restarts.
+    """
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str | Multiaddr] = (),
+        *,
+        listen: tuple[str, int] | None = ("127.0.0.1", 0),
+        identity: Identity | None = None,
+        key_file: str | Path | None = None,
+        config: DHTConfig | None = None,
+        announce_host: str | None = None,
+        start_timeout: float = 30.0,
+    ):
+        if identity is None and key_file is not None:
+            identity = Identity.load_or_create(key_file)
+        self.loop = LoopThread("p2ptrain-dht")
+        self.node = DHTNode(identity, listen, config=config, announce_host=announce_host)
+        try:
+            self.loop.run(self.node.start(list(initial_peers)), timeout=start_timeout)
+        except BaseException:
+            self._shutdown()
+            raise
+        self._closed = False
+
+    @property
+    def peer_id(self) -> Any:
+        return self.node.peer_id
+
+    @property
+    def multiaddrs(self) -> list[Multiaddr]:
+        """Full multiaddrs (with ``/p2p/<id>``) other peers can bootstrap from."""
+        return self.node.multiaddrs
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the DHT's loop and wait for it (for code outside the loop)."""
+        return self.loop.run(coro, timeout)
+
+    def _shutdown(self) -> None:
+        try:
+            self.loop.run(self.node.close(), timeout=10)
+        except Exception:  # noqa: BLE001 - closing must not raise over the error that brought us here
+            pass
+        self.loop.close()
+
+    def close(self) -> None:
+        """Leave the swarm and stop the loop (idempotent)."""
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._shutdown()
+
+    def __enter__(self) -> DHT:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

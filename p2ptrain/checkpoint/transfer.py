@@ -1,0 +1,692 @@
+"""Serve state snapshots to peers and download one from several peers at once, verified.
+
+A late joiner must catch up with the swarm: it asks a handful of peers for their current
+manifest, picks the one most of them hold, and pulls disjoint chunk ranges from all of them in
+parallel straight into one preallocated buffer, checking each chunk's blake3 against the
+manifest as it lands. A peer that sends a bad chunk is never asked again; a peer that dies,
+stalls or resets only loses the chunks it had not delivered, which go back to the others.
+
+Wire (on ``dht.transport`` connections):
+
+- RPC ``p2ptrain.state.manifest`` ``{"key": str}`` -> ``None`` or
+  ``{"id": bytes, "size": int, "manifest": bytes | None, "held": [bytes, ...]}``: the latest
+  manifest for ``key`` (inline when it fits an RPC message, else ``None``), and every manifest
+  id still served for the key (the latest first).
+- stream ``p2ptrain.state.manifest/1`` header ``{"key", "id"}`` -> the manifest bytes (for
+  manifests too large for an RPC reply, which is limited to 1 MiB).
+- stream ``p2ptrain.state.chunks/1`` header ``{"key", "id", "first", "count"}`` -> the raw
+  bytes of chunks ``first .. first+count-1``, or a reset if that manifest is no longer held.
+
+The download schedule (``ChunkSchedule``) is sans-IO; ``fetch_state`` is the asyncio shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import blake3
+import torch
+
+from dht.errors import DHTError
+from dht.identity import PeerID
+from dht.stream import Stream
+from dht.transport import Connection, Host
+from dht.wire import MAX_MESSAGE
+
+from .manifest import (
+    DEFAULT_MAX_TOTAL,
+    DIGEST_SIZE,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestError,
+    StateTooLarge,
+    restore,
+)
+
+if TYPE_CHECKING:
+    from typing import Self
+
+log = logging.getLogger("p2ptrain.checkpoint")
+
+MANIFEST_METHOD = "p2ptrain.state.manifest"
+MANIFEST_PROTOCOL = "p2ptrain.state.manifest/1"
+CHUNKS_PROTOCOL = "p2ptrain.state.chunks/1"
+MAX_KEY_LEN = 256
+#: manifests up to this size travel inside the RPC reply; larger ones over a stream
+INLINE_MANIFEST_MAX = MAX_MESSAGE - 4096
+#: at most this many previous manifest ids are listed in a reply
+_MAX_HELD = 8
+
+Address = tuple[str, int]
+Provider = tuple[PeerID, Address | None]
+
+
+class StateTransferError(Exception):
+    """Fetching state failed; the message names the key, the manifest and what went wrong."""
+
+
+class NoProviderError(StateTransferError):
+    """No reachable provider holds the requested state (or a valid manifest for it)."""
+
+
+class ChunksUnavailableError(StateTransferError):
+    """Every provider of the chosen manifest failed before all chunks were verified."""
+
+
+class StateTimeoutError(StateTransferError, TimeoutError):
+    """The fetch did not finish within its timeout."""
+
+
+# ---------------------------------------------------------------------------- serving
+
+
+@dataclass(eq=False)
+class _Snapshot:
+    manifest: Manifest
+    buffer: torch.Tensor
+    view: memoryview
+
+
+def _check_key(key: Any) -> str:
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LEN:
+        raise ValueError(f"state key must be a non-empty str of at most {MAX_KEY_LEN} characters")
+    return key
+
+
+def _check_id(mid: Any) -> bytes:
+    if not isinstance(mid, bytes) or len(mid) != DIGEST_SIZE:
+        raise ValueError(f"manifest id must be {DIGEST_SIZE} bytes")
+    return mid
+
+
+class StateServer:
+    """Serves the snapshots published on this host, per key, to any peer that asks.
+
+    Keeps the latest ``keep`` snapshots per key (default 2: the latest, plus the previous one so
+    downloads that started before a ``publish`` can finish). Chunk streams already running keep
+    their snapshot alive until they finish, whatever is published meanwhile.
+    ``publish`` must be called on the host's event loop (from the training thread, use
+    ``loop.call_soon_threadsafe(server.publish, key, manifest, buffer)``).
+    """
+
+    def __init__(self, host: Host, *, keep: int = 2, write_timeout: float = 30.0):
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        self.host = host
+        self.keep = keep
+        self.write_timeout = write_timeout
+        self._snapshots: dict[str, list[_Snapshot]] = {}
+        self._providers: dict[str, Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]] = {}
+        self._refreshing: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._started = False
+        self._closed = False
+
+    async def start(self) -> None:
+        """Register the RPC and stream handlers on the host."""
+        if self._closed:
+            raise RuntimeError("StateServer is closed")
+        self.host.on_request(MANIFEST_METHOD, self._on_manifest)
+        self.host.on_stream(MANIFEST_PROTOCOL, self._on_manifest_stream)
+        self.host.on_stream(CHUNKS_PROTOCOL, self._on_chunks)
+        self._started = True
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Unregister the handlers, reset the streams being served and drop every snapshot."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self.host.off_stream(MANIFEST_PROTOCOL)
+            self.host.off_stream(CHUNKS_PROTOCOL)
+            self.host.off_request(MANIFEST_METHOD, self._on_manifest)
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._snapshots.clear()
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, key: str, manifest: Manifest, buffer: torch.Tensor) -> None:
+        """Serve ``buffer`` (from ``build_snapshot``) under ``key`` as its latest state.
+
+        The buffer is served as is, never copied or re-hashed here: it must not change afterwards.
+        """
+        if self._closed:
+            raise RuntimeError("StateServer is closed")
+        _check_key(key)
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1 \
+                or buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("buffer must be a contiguous 1-D uint8 CPU tensor (as build_snapshot returns)")
+        if buffer.numel() != manifest.total_size:
+            raise ValueError(f"buffer holds {buffer.numel()} bytes, the manifest describes {manifest.total_size}")
+        snaps = [s for s in self._snapshots.get(key, []) if s.manifest.id != manifest.id]
+        snaps.insert(0, _Snapshot(manifest, buffer, memoryview(buffer.numpy())))
+        self._snapshots[key] = snaps[: self.keep]
+
+    def provide(self, key: str, refresh: Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]) -> None:
+        """Snapshot ``key`` lazily: before answering a manifest request, await ``refresh()``,
+        which returns a new snapshot to publish, or None when the latest one is still current.
+
+        A trainer's state changes every step and a snapshot costs a copy and a hash of all of it,
+        so it is taken only when a peer asks (and at most once at a time, however many ask).
+        """
+        _check_key(key)
+        self._providers[key] = refresh
+
+    async def _refresh(self, key: str) -> None:
+        refresh = self._providers.get(key)
+        if refresh is None:
+            return
+        task = self._refreshing.get(key)
+        if task is None or task.done():
+            async def run() -> None:
+                snap = await refresh()
+                if snap is not None and not self._closed:
+                    self.publish(key, *snap)
+            task = self._refreshing[key] = asyncio.get_running_loop().create_task(run())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        try:
+            await asyncio.shield(task)
+        except Exception as e:  # noqa: BLE001 - serve the previous snapshot rather than fail the request
+            log.warning("could not snapshot %r for a peer: %s", key, e)
+
+    def unpublish(self, key: str) -> None:
+        """Stop serving ``key`` (streams already running finish)."""
+        self._snapshots.pop(key, None)
+
+    def latest(self, key: str) -> Manifest | None:
+        snaps = self._snapshots.get(key)
+        return snaps[0].manifest if snaps else None
+
+    def _find(self, key: str, mid: bytes) -> _Snapshot | None:
+        for s in self._snapshots.get(key, ()):
+            if s.manifest.id == mid:
+                return s
+        return None
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _on_manifest(self, _conn: Connection, args: Any) -> Any:
+        if not isinstance(args, dict):
+            raise TypeError("malformed state request")
+        key = _check_key(args.get("key"))
+        await self._refresh(key)
+        snaps = self._snapshots.get(key)
+        if not snaps or self._closed:
+            return None
+        m = snaps[0].manifest
+        enc = m.encoded
+        return {
+            "id": m.id,
+            "size": len(enc),
+            "manifest": enc if len(enc) <= INLINE_MANIFEST_MAX else None,
+            "held": [s.manifest.id for s in snaps[:_MAX_HELD]],
+        }
+
+    def _own(self) -> asyncio.Task:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        return task
+
+    def _lookup(self, stream: Stream) -> _Snapshot | None:
+        hdr = stream.header
+        try:
+            if not isinstance(hdr, dict):
+                raise TypeError("header must be a map")
+            snap = self._find(_check_key(hdr.get("key")), _check_id(hdr.get("id")))
+        except (TypeError, ValueError) as e:
+            stream.reset(f"malformed header: {e}")
+            return None
+        if snap is None or self._closed:
+            stream.reset("state no longer held")
+        return snap
+
+    async def _on_manifest_stream(self, stream: Stream) -> None:
+        task = self._own()
+        try:
+            snap = self._lookup(stream)
+            if snap is not None:
+                await stream.write(snap.manifest.encoded, timeout=self.write_timeout)
+        finally:
+            self._tasks.discard(task)
+
+    async def _on_chunks(self, stream: Stream) -> None:
+        task = self._own()
+        try:
+            snap = self._lookup(stream)
+            if snap is None:
+                return
+            first, count = stream.header.get("first"), stream.header.get("count")
+            m = snap.manifest
+            if type(first) is not int or type(count) is not int or not (
+                    0 <= first and 1 <= count and first + count <= m.num_chunks):
+                stream.reset(f"chunk range out of bounds (the state has {m.num_chunks} chunks)")
+                return
+            for i in range(first, first + count):
+                await self._before_chunk(stream.header["key"], i)
+                a, b = m.chunk_span(i)
+                await stream.write(snap.view[a:b], timeout=self.write_timeout)
+        finally:
+            self._tasks.discard(task)
+
+    async def _before_chunk(self, key: str, index: int) -> None:
+        """Hook before each chunk is sent (tests override it to simulate slow or dying peers)."""
+
+
+# ---------------------------------------------------------------------------- the schedule (sans-IO)
+
+
+class ChunkSchedule:
+    """Which chunks are still needed and who is fetching what. No IO, no clocks.
+
+    Chunks are handed out as contiguous segments (one stream request each). A provider reports
+    chunks as verified in order; when its request ends early (failure), the unverified rest of
+    its segment goes back to the front of the queue for someone else.
+    """
+
+    def __init__(self, num_chunks: int, segment: int):
+        if segment < 1:
+            raise ValueError("segment must be at least 1 chunk")
+        self.num_chunks = num_chunks
+        self._pending: collections.deque[tuple[int, int]] = collections.deque(
+            (a, min(a + segment, num_chunks)) for a in range(0, num_chunks, segment)
+        )
+        self._active: dict[Any, list[int]] = {}  # provider -> [next unverified chunk, end]
+        self.verified_count = 0
+        self.chunks_from: collections.Counter = collections.Counter()
+
+    @property
+    def complete(self) -> bool:
+        return self.verified_count == self.num_chunks
+
+    @property
+    def idle(self) -> bool:
+        """Nothing left to hand out and nothing in flight: waiting for work is pointless."""
+        return not self._pending and not self._active
+
+    def take(self, provider: Any) -> tuple[int, int] | None:
+        """The next segment [first, end) for ``provider``, or None if none is waiting."""
+        if provider in self._active:
+            raise RuntimeError("provider already has a segment in flight")
+        if not self._pending:
+            return None
+        a, b = self._pending.popleft()
+        self._active[provider] = [a, b]
+        return a, b
+
+    def verified(self, provider: Any, index: int) -> None:
+        seg = self._active[provider]
+        if index != seg[0]:
+            raise RuntimeError(f"chunk {index} verified out of order (expected {seg[0]})")
+        seg[0] += 1
+        self.verified_count += 1
+        self.chunks_from[provider] += 1
+
+    def done(self, provider: Any) -> None:
+        """``provider`` finished its segment (every chunk of it verified)."""
+        a, b = self._active.pop(provider)
+        if a != b:
+            raise RuntimeError(f"segment ended with chunks {a}..{b - 1} unverified")
+
+    def failed(self, provider: Any) -> None:
+        """``provider``'s request ended early: requeue what it did not deliver."""
+        seg = self._active.pop(provider, None)
+        if seg is not None and seg[0] < seg[1]:
+            self._pending.appendleft((seg[0], seg[1]))
+
+    def missing(self) -> list[tuple[int, int]]:
+        """Chunk ranges [first, end) not yet verified (queued or in flight), sorted."""
+        return sorted(list(self._pending) + [(a, b) for a, b in self._active.values() if a < b])
+
+
+def _short(peer: PeerID) -> str:
+    text = str(peer)
+    return text if len(text) <= 16 else f"{text[:6]}..{text[-6:]}"
+
+
+def _ranges(spans: list[tuple[int, int]], limit: int = 4) -> str:
+    text = ", ".join(f"{a}..{b - 1}" if b - a > 1 else str(a) for a, b in spans[:limit])
+    return text + (f" and {len(spans) - limit} more ranges" if len(spans) > limit else "")
+
+
+# ---------------------------------------------------------------------------- fetching
+
+
+@dataclass
+class FetchResult:
+    """What ``fetch_state`` got and from whom."""
+
+    manifest: Manifest
+    buffer: torch.Tensor  # contiguous 1-D uint8, every chunk verified
+    contributors: dict[PeerID, int]  # provider -> chunks it delivered (verified)
+    dropped: dict[PeerID, str] = field(default_factory=dict)  # providers not used or given up on, and why
+    corrupt: set[PeerID] = field(default_factory=set)  # providers that sent bytes failing verification
+    seconds: float = 0.0
+
+    def restore(self, *, copy: bool = False) -> Any:
+        """The state object (tensors are views of ``buffer`` unless ``copy``; see ``manifest.restore``)."""
+        return restore(self.manifest, self.buffer, copy=copy)
+
+
+class _Corrupt(Exception):
+    """The provider sent bytes that fail verification or break the protocol."""
+
+
+class _Fetch:
+    """State of one ``fetch_state`` call; every task it starts lives in its TaskGroup."""
+
+    def __init__(self, host: Host, key: str, providers: list[Provider], *, rpc_timeout: float,
+                 stall_timeout: float, max_total: int, segment_bytes: int):
+        self.host = host
+        self.key = key
+        self.addrs: dict[PeerID, Address | None] = {}
+        for peer, addr in providers:
+            self.addrs.setdefault(peer, addr)
+        self.rpc_timeout = rpc_timeout
+        self.stall_timeout = stall_timeout
+        self.max_total = max_total
+        self.segment_bytes = segment_bytes
+        self.dropped: dict[PeerID, str] = {}
+        self.corrupt: set[PeerID] = set()
+        self.latest: dict[PeerID, bytes] = {}  # provider -> id of its latest manifest
+        self.holders: dict[bytes, list[PeerID]] = collections.defaultdict(list)
+        self.blobs: dict[bytes, bytes] = {}  # manifest id -> verified encoded manifest
+        self.sizes: dict[bytes, int] = {}
+        self.phase = "asking providers for their manifests"
+        self.manifest: Manifest | None = None
+        self.schedule: ChunkSchedule | None = None
+        self._changed = asyncio.Event()
+
+    def drop(self, peer: PeerID, reason: str, *, corrupt: bool = False) -> None:
+        if peer not in self.dropped:
+            log.info("state %r: provider %s %s", self.key, peer, reason)
+        self.dropped.setdefault(peer, reason)
+        if corrupt:
+            self.corrupt.add(peer)
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    # ------------------------------------------------------------------ manifests
+
+    async def probe(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for peer in self.addrs:
+                if peer == self.host.peer_id:
+                    self.drop(peer, "is this host")
+                else:
+                    tg.create_task(self._ask(peer))
+
+    async def _ask(self, peer: PeerID) -> None:
+        try:
+            reply = await self.host.call(peer, self.addrs[peer], MANIFEST_METHOD, {"key": self.key},
+                                         timeout=self.rpc_timeout)
+        except (DHTError, OSError) as e:
+            self.drop(peer, f"unreachable: {e}")
+            return
+        if reply is None:
+            self.drop(peer, f"holds no state for {self.key!r}")
+            return
+        try:
+            if not isinstance(reply, dict):
+                raise TypeError("reply is not a map")
+            mid, size, blob, held = _check_id(reply.get("id")), reply.get("size"), reply.get("manifest"), reply.get("held")
+            if type(size) is not int or not 0 < size <= MAX_MANIFEST_BYTES:
+                raise ValueError(f"bad manifest size {size!r:.20}")
+            if not isinstance(held, list) or len(held) > _MAX_HELD:
+                raise ValueError("bad list of held manifests")
+            held_ids = {_check_id(h) for h in held} | {mid}
+            if blob is not None and (
+                    not isinstance(blob, bytes) or len(blob) != size or blake3.blake3(blob).digest() != mid):
+                raise ValueError("inline manifest does not match its id")
+        except (TypeError, ValueError) as e:
+            self.drop(peer, f"sent a malformed manifest reply: {e}", corrupt=True)
+            return
+        self.latest[peer] = mid
+        self.sizes.setdefault(mid, size)
+        if blob is not None:
+            self.blobs.setdefault(mid, blob)
+        for h in held_ids:
+            self.holders[h].append(peer)
+
+    async def _manifest(self, mid: bytes) -> Manifest | None:
+        """The validated manifest ``mid`` (fetched over a stream if it was not inline), or None."""
+        blob = self.blobs.get(mid)
+        for peer in ([] if blob is not None else list(self.holders.get(mid, ()))):
+            if peer in self.dropped:
+                continue
+            try:
+                blob = await self._download_manifest(peer, mid)
+                break
+            except (DHTError, OSError) as e:
+                self.drop(peer, f"failed to send manifest {mid.hex()[:12]}: {e}")
+            except _Corrupt as e:
+                self.drop(peer, f"sent a bad manifest: {e}", corrupt=True)
+        if blob is None:
+            return None
+        try:
+            return Manifest.from_bytes(blob, max_total=self.max_total)
+        except StateTooLarge as e:  # our limit, not the providers' fault
+            for peer in self.holders.get(mid, ()):
+                self.drop(peer, f"holds state {mid.hex()[:12]} that is too large here: {e}")
+            return None
+        except ManifestError as e:
+            for peer in self.holders.get(mid, ()):
+                self.drop(peer, f"serves an invalid manifest {mid.hex()[:12]}: {e}", corrupt=True)
+            return None
+
+    async def _download_manifest(self, peer: PeerID, mid: bytes) -> bytes:
+        size = self.sizes.get(mid, MAX_MANIFEST_BYTES)
+        conn = await self._connect(peer)
+        stream = await conn.open_stream(MANIFEST_PROTOCOL, {"key": self.key, "id": mid})
+        try:
+            stream.write_eof()
+            out = bytearray()
+            while (piece := await stream.read(self.stall_timeout)) is not None:
+                if len(out) + len(piece) > size:
+                    raise _Corrupt("manifest longer than announced")
+                out += piece
+            blob = bytes(out)
+            if blake3.blake3(blob).digest() != mid:
+                raise _Corrupt("manifest does not match its id")
+            return blob
+        finally:
+            if not stream.closed:
+                stream.reset("done")
+
+    async def choose(self, manifest_id: bytes | None) -> Manifest:
+        """The manifest to download: ``manifest_id`` if given, else the one held (as latest)
+        by the most providers; ties go to the larger ``meta["epoch"]``, then the lowest id."""
+        self.phase = "choosing a manifest"
+        if manifest_id is not None:
+            if not self.holders.get(manifest_id):
+                raise NoProviderError(self._no_provider(f"holds manifest {manifest_id.hex()[:12]}"))
+            m = await self._manifest(manifest_id)
+            if m is None:
+                raise NoProviderError(self._no_provider(f"could supply a valid manifest {manifest_id.hex()[:12]}"))
+            return m
+        votes = collections.Counter(self.latest.values())
+        for count in sorted(set(votes.values()), reverse=True):
+            tied = sorted(mid for mid, c in votes.items() if c == count)
+            found = [m for mid in tied if (m := await self._manifest(mid)) is not None]
+            if found:
+                return min(found, key=lambda m: (-m.epoch, m.id))
+        raise NoProviderError(self._no_provider("holds a valid manifest"))
+
+    def _no_provider(self, what: str) -> str:
+        reasons = "; ".join(f"{_short(p)}: {r}" for p, r in list(self.dropped.items())[:6])
+        return f"none of {len(self.addrs)} providers of state {self.key!r} {what}" + (f" ({reasons})" if reasons else "")
+
+    # ------------------------------------------------------------------ chunks
+
+    async def download(self, m: Manifest, parallel: int | None) -> torch.Tensor:
+        self.manifest = m
+        self.phase = f"downloading manifest {m.id.hex()[:12]}"
+        peers = [p for p in self.holders.get(m.id, ()) if p not in self.dropped]
+        for p, mid in self.latest.items():
+            if p not in peers and p not in self.dropped:
+                self.drop(p, f"holds a different state ({mid.hex()[:12]})")
+        buffer = torch.empty(m.total_size, dtype=torch.uint8)  # size bounded by max_total (from_bytes)
+        n = m.num_chunks
+        per_request = max(1, self.segment_bytes // m.chunk_size)
+        segment = max(1, min(per_request, -(-n // (4 * max(1, len(peers))))))
+        self.schedule = ChunkSchedule(n, segment)
+        if n == 0:
+            return buffer
+        if not peers:
+            raise ChunksUnavailableError(f"no provider left for state {self.key!r} ({m.id.hex()[:12]})")
+        view = memoryview(buffer.numpy())
+        slots = asyncio.Semaphore(parallel or len(peers))
+        async with asyncio.TaskGroup() as tg:
+            for peer in peers:
+                tg.create_task(self._worker(peer, m, view, slots))
+        if not self.schedule.complete:
+            why = "; ".join(f"{_short(p)}: {self.dropped.get(p, '?')}" for p in peers[:6])
+            raise ChunksUnavailableError(
+                f"no provider could supply chunks {_ranges(self.schedule.missing())} of state {self.key!r} "
+                f"({m.id.hex()[:12]}): {why}"
+            )
+        return buffer
+
+    async def _worker(self, peer: PeerID, m: Manifest, view: memoryview, slots: asyncio.Semaphore) -> None:
+        sched = self.schedule
+        assert sched is not None
+        async with slots:
+            while not sched.complete:
+                seg = sched.take(peer)
+                if seg is None:
+                    if sched.idle:
+                        return
+                    await self._changed.wait()
+                    continue
+                try:
+                    await self._fetch_segment(peer, m, view, *seg)
+                    sched.done(peer)
+                except _Corrupt as e:
+                    sched.failed(peer)
+                    self.drop(peer, f"sent bad data: {e}", corrupt=True)
+                    return
+                except (DHTError, OSError) as e:
+                    sched.failed(peer)
+                    self.drop(peer, f"failed mid-transfer: {e}")
+                    return
+                finally:
+                    self._notify()
+
+    async def _connect(self, peer: PeerID) -> Connection:
+        conn = self.host.connection(peer)
+        if conn is not None:
+            return conn
+        addr = self.addrs.get(peer)
+        if addr is None:
+            raise DHTError(f"no connection to {peer} and no address to dial")
+        return await self.host.connect(addr[0], addr[1], peer, timeout=self.rpc_timeout)
+
+    async def _fetch_segment(self, peer: PeerID, m: Manifest, view: memoryview, first: int, end: int) -> None:
+        """Stream chunks [first, end) from ``peer`` into ``view``, verifying each as it completes."""
+        sched = self.schedule
+        assert sched is not None
+        conn = await self._connect(peer)
+        stream = await conn.open_stream(
+            CHUNKS_PROTOCOL, {"key": self.key, "id": m.id, "first": first, "count": end - first}
+        )
+        try:
+            stream.write_eof()  # we send nothing; the stream is done once the provider ends it
+            pos, stop = m.chunk_span(first)[0], m.chunk_span(end - 1)[1]
+            k = first
+            k_start, k_end = m.chunk_span(k)
+            while pos < stop:
+                piece = await stream.read(self.stall_timeout)
+                if piece is None:
+                    raise DHTError(f"stream ended at chunk {k} of {first}..{end - 1}")
+                n = len(piece)
+                if n > stop - pos:
+                    raise _Corrupt(f"sent more bytes than chunks {first}..{end - 1} hold")
+                view[pos : pos + n] = piece
+                pos += n
+                while k_end <= pos and k < end:
+                    if not m.verify_chunk(k, view[k_start:k_end]):
+                        raise _Corrupt(f"chunk {k} does not match its digest")
+                    sched.verified(peer, k)
+                    k += 1
+                    if k < end:
+                        k_start, k_end = m.chunk_span(k)
+            if await stream.read(self.stall_timeout) is not None:
+                raise _Corrupt(f"sent more bytes than chunks {first}..{end - 1} hold")
+        finally:
+            if not stream.closed:
+                stream.reset("fetch ended")
+
+    def timeout_message(self, timeout: float) -> str:
+        where = self.phase
+        if self.schedule is not None and self.manifest is not None:
+            where += f", chunks {_ranges(self.schedule.missing())} of {self.schedule.num_chunks} still missing"
+        return f"fetching state {self.key!r} timed out after {timeout} s while {where}"
+
+
+async def fetch_state(
+    host: Host,
+    key: str,
+    providers: list[Provider],
+    *,
+    manifest_id: bytes | None = None,
+    timeout: float = 30.0,
+    parallel: int | None = None,
+    stall_timeout: float = 10.0,
+    rpc_timeout: float = 5.0,
+    max_total: int = DEFAULT_MAX_TOTAL,
+    segment_bytes: int = 64 << 20,
+) -> FetchResult:
+    """Download the state published under ``key`` from ``providers``, verified chunk by chunk.
+
+    Asks every provider for its manifest (concurrently; unreachable ones are skipped), picks
+    ``manifest_id`` if given, else the manifest the most providers hold as their latest (ties:
+    larger ``meta["epoch"]``, then lowest id), and splits its chunks among all providers holding
+    it, ``parallel`` of them at a time (default: all), ``segment_bytes`` per request at most.
+    A provider whose bytes fail verification is not asked again; one that dies, resets or sends
+    nothing for ``stall_timeout`` seconds loses its unfinished chunks to the others.
+
+    Raises ``NoProviderError``, ``ChunksUnavailableError`` or ``StateTimeoutError`` (all
+    ``StateTransferError``). The state's size is checked against ``max_total`` before the
+    buffer is allocated.
+    """
+    _check_key(key)
+    if manifest_id is not None:
+        _check_id(manifest_id)
+    if parallel is not None and parallel < 1:
+        raise ValueError("parallel must be at least 1")
+    started = time.monotonic()
+    f = _Fetch(host, key, providers, rpc_timeout=min(rpc_timeout, timeout), stall_timeout=stall_timeout,
+               max_total=max_total, segment_bytes=segment_bytes)
+    deadline = asyncio.timeout(timeout)
+    try:
+        async with deadline:
+            await f.probe()
+            m = await f.choose(manifest_id)
+            buffer = await f.download(m, parallel)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        raise StateTimeoutError(f.timeout_message(timeout)) from None
+    assert f.schedule is not None
+    contributors = {p: n for p, n in f.schedule.chunks_from.items() if n}
+    return FetchResult(m, buffer, contributors, f.dropped, f.corrupt, time.monotonic() - started)

@@ -1,0 +1,126 @@
+"""``p2ptrain peer``: join a swarm and train one of the built-in examples until done or Ctrl+C."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from dht import ConfigError, DHTError
+
+from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, bootstrap_addrs, fail, parse_listen
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "peer",
+        help="join a swarm (or start one) and train an example model",
+        description="Join the swarm through a bootstrap peer (or start a new one) and train; shows one "
+        "progress line per second. Ctrl+C leaves cleanly; a second Ctrl+C exits at once.",
+    )
+    p.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
+                   help="peer to join through (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP; "
+                   "none: start a new swarm")
+    p.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
+    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR",
+                   help="address to listen on (default: %(default)s; use /ip4/0.0.0.0/tcp/PORT across machines)")
+    p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: the listen host)")
+    p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
+    p.add_argument("--example", choices=["digits", "char_lm"], default="digits", help="what to train (default: digits)")
+    p.add_argument("--run-id", help="swarm run name (default: derived from the example and its options)")
+    p.add_argument("--mode", choices=["sync", "diloco"], default="sync", help="default: sync")
+    p.add_argument("--epochs", type=int, default=30, help="global epochs to train (default: %(default)s)")
+    p.add_argument("--target-batch-size", type=int, default=512, help="swarm samples per global step (sync)")
+    p.add_argument("--batch-size", type=int, help="samples per local step (default: the example's)")
+    p.add_argument("--local-steps", type=int, default=50, help="local steps per outer round (diloco, default 50)")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16", "int8", "topk"],
+                   help="codec on the wire (default: none for sync, int8 for diloco)")
+    p.add_argument("--lr", type=float, help="inner learning rate (default: the example's)")
+    p.add_argument("--seed", type=int, default=0, help="model init seed, the same on every peer (default 0)")
+    p.add_argument("--data-seed", type=int, help="data order (default: different on every peer)")
+    p.add_argument("--compute-delay", type=float, default=0.0, metavar="S",
+                   help="extra seconds per step, to emulate a bigger model (benchmarks)")
+    p.add_argument("--delay-updates", action="store_true", help="sync: average in the background, apply one epoch late")
+    p.add_argument("--wait-peers", type=int, default=0, metavar="N",
+                   help="wait (up to 60 s) for N peers before training, so a swarm started together trains together")
+    p.add_argument("--json", action="store_true", help="print events as JSON lines on stdout")
+    p.set_defaults(func=main)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from ..run import PeerConfig
+
+    for name in ("epochs", "target_batch_size", "local_steps"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError("--batch-size must be at least 1")
+    if args.compute_delay < 0:
+        raise ConfigError("--compute-delay cannot be negative")
+    listen = parse_listen(args.listen)
+    return PeerConfig(
+        task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
+        target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
+        lr=args.lr, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
+        delay_updates=args.delay_updates, wait_peers=args.wait_peers,
+        bootstrap=[str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)],
+        listen=listen, announce_host=args.announce_host, key_file=args.key_file,
+    )
+
+
+def _printer(as_json: bool):
+    def show(event: dict[str, Any]) -> None:
+        if as_json:
+            print(json.dumps(event), flush=True)
+            return
+        kind = event["event"]
+        if kind == "started":
+            print(f"peer {event['peer_id']} in run {event['run_id']!r} at epoch {event['epoch']}; others join with\n"
+                  f"  p2ptrain peer --bootstrap {event['multiaddrs'][0]}", flush=True)
+        elif kind in ("progress", "done"):
+            loss = "-" if event["loss"] is None else f"{event['loss']:.4f}"
+            line = (f"epoch {event['epoch']:>4}  loss {loss}  peers {event['peers']}  swarm {event['swarm_sps']:>8.0f} "
+                    f"samples/s  local {event['local_sps']:>7.0f}  sent {event['bytes_sent'] / 1e6:.1f} MB  "
+                    f"recv {event['bytes_received'] / 1e6:.1f} MB")
+            print(line if kind == "progress" else f"done: {line}\n  {event['metrics']}", flush=True)
+
+    return show
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    from ..run import run_peer
+
+    stop = threading.Event()
+    presses = 0
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            print("\ninterrupted again: exiting now", file=sys.stderr)
+            import os
+
+            os._exit(EXIT_INTERRUPTED)
+        print("\nstopping after the current step (Ctrl+C again to exit at once)...", file=sys.stderr)
+        stop.set()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    t0 = time.monotonic()
+    try:
+        done = run_peer(cfg, _printer(args.json), stop)
+    except (DHTError, ConfigError) as e:
+        return fail(str(e))
+    except OSError as e:
+        return fail(f"{e.strerror or e} (is the listen address free and valid?)")
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if stop.is_set():
+        print(f"left the swarm after {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        return EXIT_OK
+    return EXIT_OK if done.get("event") == "done" else EXIT_FAILURE

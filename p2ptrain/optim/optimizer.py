@@ -1,0 +1,536 @@
+"""DecentralizedOptimizer: a torch optimizer whose steps are taken by a whole swarm of peers.
+
+It wraps any torch optimizer (the *inner* one) and is used exactly like it::
+
+    opt = DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), dht=dht,
+                                 run_id="digits-mlp", target_batch_size=4096, batch_size_per_step=32)
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+Two modes:
+
+``sync`` (collaborative large-batch training, like one big machine): every ``step()`` only adds
+this peer's gradients (weighted by its batch size) to a local accumulator and tells the swarm, through
+:mod:`~p2ptrain.optim.progress`, how many samples it has. When the swarm together has
+``target_batch_size`` samples, every peer averages its accumulated gradient in a group (weighted by
+samples) and all take the same inner step: the *global epoch* advances together. With
+``delay_updates=True`` the averaging runs in the background while the next epoch's batches are
+computed and its result is applied one step later (no pause; the update is one epoch stale).
+
+``diloco`` (DiLoCo, Douillard et al. 2023): every peer takes ``local_steps`` (H) ordinary inner
+steps, then the peers average their *pseudo-gradient* (outer parameters minus current parameters),
+compressed (``compression``, int8 by default), and apply an outer optimizer (Nesterov SGD) to the
+outer parameters, which every member then continues from. A slow peer is not waited for: once a
+peer of its epoch is ready to average, it stops after its current step and joins with the samples it
+has (weighted accordingly); peers that are not ready within the matchmaking deadline are left out of
+that round.
+
+Peers join and leave at any time; the mechanics of a round are in :mod:`~p2ptrain.averaging`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..averaging import AllReduceConfig, Averager, StepResult
+from ..background import DHT
+from ..checkpoint import StateTransferError
+from .progress import ProgressTracker, SwarmView
+from .state_sync import StateSync
+
+log = logging.getLogger("p2ptrain.optim")
+
+_MODES = ("sync", "diloco")
+
+
+@dataclass
+class OptimizerStats:
+    """What the swarm and this peer have done so far (read it any time, e.g. for a progress line)."""
+
+    epoch: int = 0  # global epoch: optimizer steps the swarm has taken together
+    local_samples: int = 0  # samples this peer accumulated toward the current epoch
+    samples_total: int = 0  # samples this peer processed since it started
+    peers: int = 1  # compatible peers at our epoch, us included
+    swarm_sps: float = 0.0  # samples per second, whole swarm (from the peers' reports)
+    local_sps: float = 0.0
+    rounds: int = 0  # averaging rounds this peer took part in
+    last_group_size: int = 1
+    last_round_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    failed_rounds: int = 0  # rounds that found nobody or lost part of the average
+    state_loads: int = 0  # times this peer downloaded the swarm's state (joining, or after missing rounds)
+    last_state_load_s: float = 0.0
+
+
+class DecentralizedOptimizer(torch.optim.Optimizer):
+    """Makes a swarm of peers train one model; see the module docstring for the two modes.
+
+    ``dht``: a :class:`p2ptrain.DHT` (shared with other components); or ``initial_peers`` to let
+    this optimizer create and own one. ``run_id`` names the training run: only peers with the same
+    run id, model (parameter shapes and dtypes) and ``compression`` ever average together; a peer
+    with another model is reported in the log and in :attr:`mismatches`.
+
+    ``scheduler``: an LR scheduler over *this* optimizer, or a callable ``f(optimizer)`` making one;
+    it is stepped once per global epoch (do not step it yourself).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        run_id: str,
+        dht: DHT | None = None,
+        initial_peers: Sequence[str] = (),
+        target_batch_size: int = 4096,
+        batch_size_per_step: int = 32,
+        mode: str = "sync",
+        local_steps: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        compression: str | None = None,
+        target_group_size: int = 16,
+        delay_updates: bool = False,
+        scheduler: Any = None,
+        matchmaking_timeout: float = 5.0,
+        averaging_timeout: float = 60.0,
+        refresh_period: float = 0.5,
+        bandwidth: float = 1.0,
+        load_state_timeout: float = 60.0,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
+        if not isinstance(run_id, str) or not run_id or len(run_id) > 100 or "/" in run_id:
+            raise ValueError("run_id must be a non-empty string of at most 100 characters without '/'")
+        if target_batch_size < 1 or batch_size_per_step < 1:
+            raise ValueError("target_batch_size and batch_size_per_step must be positive")
+        if mode == "diloco" and local_steps < 1:
+            raise ValueError("local_steps must be at least 1")
+        if dht is not None and initial_peers:
+            raise ValueError("pass either dht= or initial_peers=, not both")
+        # torch.optim.Optimizer's own bookkeeping, without copying the inner param groups
+        self.defaults = optimizer.defaults
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+        self.inner = optimizer
+        self.run_id = run_id
+        self.mode = mode
+        self.target_batch_size = int(target_batch_size)
+        self.batch_size_per_step = int(batch_size_per_step)
+        self.local_steps = int(local_steps)
+        self.delay_updates = delay_updates
+        self.matchmaking_timeout = matchmaking_timeout
+        self.codec = compression or ("int8" if mode == "diloco" else "none")
+        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("the optimizer has no parameters")
+
+        self._owns_dht = dht is None
+        self.dht = dht if dht is not None else DHT(initial_peers)
+        self._loop = self.dht.loop
+        # What we average: gradients (sync) or pseudo-gradients (diloco), fp32 on the CPU where the
+        # wire needs them anyway. Names carry shapes into the schema, so other models never meet us.
+        self._buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        named = [(f"p{i}", b) for i, b in enumerate(self._buffers)]
+        self.averager = Averager(
+            self.dht.node, f"{run_id}/{mode}", named, codec=self.codec, target_group_size=target_group_size,
+            bandwidth=bandwidth, matchmaking_timeout=matchmaking_timeout,
+            allreduce_config=AllReduceConfig(timeout=averaging_timeout),
+        )
+        self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.hash,
+                                       self.target_batch_size if mode == "sync" else 1 << 62,
+                                       refresh=refresh_period)
+        self._grad_acc: list[torch.Tensor] = []
+        if mode == "sync":
+            self._grad_acc = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self._outer: list[torch.Tensor] = []
+        self.outer_optimizer: torch.optim.Optimizer | None = None
+        if mode == "diloco":
+            self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+            self.outer_optimizer = torch.optim.SGD(self._outer, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+
+        self.stats = OptimizerStats()
+        self.epoch = 0
+        self.local_samples = 0
+        self._local_steps_done = 0
+        self._sps = 0.0
+        self._last_step_start: float | None = None
+        self._paused = 0.0  # seconds of this step spent waiting for averaging
+        self._pending: Future[StepResult | None] | None = None  # delayed update in flight
+        self._pending_epoch = -1
+        self._state_lock = threading.Lock()  # held while parameters change (snapshots wait on it)
+        self._closed = False
+        self.load_state_timeout = load_state_timeout
+        self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock)
+        self.scheduler = scheduler(self) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
+        self._loop.run(self._start())
+        view = self.tracker.view
+        if view.epoch > 0:  # the swarm has trained already: start from where it is
+            self._load_state_from_peers(view)
+
+    async def _start(self) -> None:
+        await self.averager.start()
+        await self.state_sync.start()
+        await self.tracker.start()
+
+    def wait_for_peers(self, n: int, timeout: float = 60.0) -> int:
+        """Block until ``n`` compatible peers (us included) are in the swarm or ``timeout`` passes;
+        returns how many there are. For launchers and tests that start a swarm together, so that
+        the first peer does not train alone while the others are still starting."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            view = self._loop.run(self.tracker.wait_fresh(min(max(remaining, 0.0), 0.5)))
+            count = view.num_peers + len(view.behind)
+            if count >= n or remaining <= 0:
+                return count
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer face
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("DecentralizedOptimizer cannot add parameter groups after it was created: "
+                           "every peer must average the same tensors")
+
+    @property
+    def mismatches(self) -> dict[str, str]:
+        """Peers of this run training another model: base58 peer id -> what is different."""
+        out = {str(k): v for k, v in self.tracker.mismatched.items()}
+        out.update(self.averager.matchmaker.mismatches())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"inner": self.inner.state_dict(), "epoch": self.epoch, "mode": self.mode}
+        if self.outer_optimizer is not None:
+            sd["outer"] = self.outer_optimizer.state_dict()
+            sd["outer_params"] = [t.clone() for t in self._outer]
+        if self.scheduler is not None:
+            sd["scheduler"] = self.scheduler.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("mode", self.mode) != self.mode:
+            raise ValueError(f"this state was saved in {state_dict.get('mode')!r} mode, not {self.mode!r}")
+        with self._state_lock:
+            self.inner.load_state_dict(state_dict["inner"])
+            self.epoch = int(state_dict.get("epoch", 0))
+            if self.outer_optimizer is not None and "outer" in state_dict:
+                for dst, src in zip(self._outer, state_dict["outer_params"], strict=True):
+                    dst.copy_(src)
+                self.outer_optimizer.load_state_dict(state_dict["outer"])
+            if self.scheduler is not None and "scheduler" in state_dict:
+                self.scheduler.load_state_dict(state_dict["scheduler"])
+        self.tracker.report(self.epoch, self.local_samples, self._sps)
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:  # type: ignore[override]
+        """Account for one local batch (``batch_size`` samples, default ``batch_size_per_step``)
+        whose gradients are in ``.grad``; take a global step when the swarm is ready for one."""
+        if self._closed:
+            raise RuntimeError("this DecentralizedOptimizer is closed")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        bs = self.batch_size_per_step if batch_size is None else int(batch_size)
+        if bs < 1:
+            raise ValueError("batch_size must be positive")
+        self._measure_throughput(bs)
+        if self.mode == "sync":
+            self._sync_step(bs)
+        else:
+            self._diloco_step(bs)
+        return loss
+
+    def _measure_throughput(self, bs: int) -> None:
+        """Samples/s of the whole training loop (forward, backward, data, our own step) minus our
+        averaging pauses: what the swarm needs to predict when an epoch's batch is complete.
+
+        Measured over full step-to-step cycles; timing only the user's part of the loop would
+        overestimate it badly on a loaded machine and make the swarm close epochs early.
+        """
+        now = time.perf_counter()
+        if self._last_step_start is not None:
+            cycle = max(now - self._last_step_start - self._paused, 1e-6)
+            rate = bs / cycle
+            self._sps = rate if self._sps == 0 else 0.9 * self._sps + 0.1 * rate
+        self._last_step_start = now
+        self._paused = 0.0
+        self.stats.local_sps = self._sps
+        self.stats.samples_total += bs
+
+    # ---- sync
+
+    def _sync_step(self, bs: int) -> None:
+        self._apply_pending(wait=False)
+        for acc, p in zip(self._grad_acc, self.params):
+            if p.grad is not None:
+                acc.add_(p.grad, alpha=bs)
+        self.local_samples += bs
+        self.tracker.report(self.epoch, self.local_samples, self._sps)
+        view = self.tracker.estimate()
+        self._observe(view)
+        if view.epoch > self.epoch:
+            self._fall_behind(view)
+        elif view.reached or view.ready:  # a peer that saw the target reached is waiting for us
+            self._end_sync_epoch(view)
+
+    def _end_sync_epoch(self, view: SwarmView) -> None:
+        if self._pending is not None:
+            self._apply_pending(wait=True)  # at most one round in flight
+        samples = self.local_samples
+        for buf, acc in zip(self._buffers, self._grad_acc):
+            buf.copy_(acc).div_(samples)
+            acc.zero_()
+        epoch = self.epoch
+        self.tracker.report(epoch, samples, self._sps, ready=True)
+        future = self._average(epoch, samples, view)
+        self.epoch += 1
+        self.local_samples = 0
+        self._pending, self._pending_epoch = future, epoch
+        if not self.delay_updates:
+            self._apply_pending(wait=True)
+        self.tracker.report(self.epoch, 0, self._sps)
+
+    def _average(self, epoch: int, samples: int, view: SwarmView) -> Future[StepResult | None]:
+        """Start averaging ``self._buffers`` for ``epoch`` (weighted by ``samples``) on the loop.
+
+        Alone (no other peer has reported recently) there is nobody to meet: the round is skipped
+        rather than waiting out the matchmaking deadline on every epoch.
+        """
+        # peers still reporting the previous epoch are finishing its round and will come; peers
+        # further behind are catching up (they load the state) and will not
+        expected = view.num_peers + sum(1 for p in view.behind if p.epoch == epoch - 1)
+        if expected <= 1:
+            done: Future[StepResult | None] = Future()
+            done.set_result(None)
+            return done
+        return self._loop.submit(self.averager.step(weight=samples, round_id=f"e{epoch}",
+                                                    timeout=self.matchmaking_timeout, expected=expected))
+
+    def _apply_pending(self, wait: bool) -> None:
+        """Take the inner step with the averaged gradients of the round in flight, once it is done."""
+        future = self._pending
+        if future is None or (not wait and not future.done()):
+            return
+        self._pending = None
+        result = self._round_result(future)
+        grads = [p.grad for p in self.params]
+        with self._state_lock:
+            for p, buf in zip(self.params, self._buffers):
+                p.grad = buf.to(device=p.device, dtype=p.dtype, non_blocking=False).view_as(p)
+            self.inner.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        for p, g in zip(self.params, grads):  # the user's current gradients stay as they were
+            p.grad = g
+        self._record(result)
+
+    def _round_result(self, future: Future[StepResult | None]) -> StepResult | None:
+        t0 = time.perf_counter()
+        try:
+            return future.result()
+        except Exception as e:  # noqa: BLE001 - a failed round must not kill training
+            log.warning("averaging round failed (%s: %s); stepping with the local gradients", type(e).__name__, e)
+            self.stats.failed_rounds += 1
+            return None
+        finally:
+            self._paused += time.perf_counter() - t0
+
+    def _fall_behind(self, view: SwarmView) -> None:
+        """The swarm moved past our epoch without us (we missed its rounds): load its state."""
+        log.info("the swarm is at epoch %d, we are at %d: loading its state", view.epoch, self.epoch)
+        self._load_state_from_peers(view)
+
+    # ---- shared state (late join, missed rounds)
+
+    def _shared_state(self) -> tuple[int, dict[str, Any]]:
+        """What every member of a group holds identically after a round (called with the lock)."""
+        state: dict[str, Any] = {}
+        if self.mode == "sync":
+            state["params"] = [p.detach() for p in self.params]
+            state["inner"] = self.inner.state_dict()
+        else:
+            assert self.outer_optimizer is not None
+            state["outer"] = list(self._outer)
+            state["outer_opt"] = self.outer_optimizer.state_dict()
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return self.epoch, state
+
+    def _load_state_from_peers(self, view: SwarmView) -> bool:
+        """Download the state of the most advanced peers and continue from it; on failure, keep
+        ours (and the swarm's epoch number) and say so: training goes on either way."""
+        t0 = time.perf_counter()
+        peers = [p for p in (*view.peers, *view.behind) if p.peer != self.tracker.me.peer]
+        loaded = False
+        try:
+            if not peers:
+                raise StateTransferError("no peer to load it from")
+            result = self._loop.run(self.state_sync.fetch(peers, self.load_state_timeout))
+            epoch = int(result.manifest.meta.get("epoch", view.epoch))
+            self._apply_shared_state(result.restore())
+            loaded = True
+        except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            log.warning("could not load the swarm's state (%s); continuing from our own", e)
+            epoch = view.epoch
+        for acc in self._grad_acc:
+            acc.zero_()
+        self.epoch = max(epoch, self.epoch)
+        self.local_samples = 0
+        self._local_steps_done = 0
+        self.stats.state_loads += int(loaded)
+        self.stats.last_state_load_s = time.perf_counter() - t0
+        self.tracker.report(self.epoch, 0, self._sps)
+        self._paused += time.perf_counter() - t0
+        return loaded
+
+    @torch.no_grad()
+    def _apply_shared_state(self, state: dict[str, Any]) -> None:
+        with self._state_lock:
+            if self.mode == "sync":
+                params = state["params"]
+                if len(params) != len(self.params):
+                    raise ValueError(f"the peers' state has {len(params)} parameters, ours {len(self.params)}")
+                for p, src in zip(self.params, params):
+                    if p.shape != src.shape:
+                        raise ValueError(f"the peers' parameter of shape {list(src.shape)} does not fit ours "
+                                         f"{list(p.shape)}")
+                for p, src in zip(self.params, params):
+                    p.copy_(src)
+                self.inner.load_state_dict(state["inner"])
+            else:
+                assert self.outer_optimizer is not None
+                for dst, src in zip(self._outer, state["outer"], strict=True):
+                    dst.copy_(src)
+                self.outer_optimizer.load_state_dict(state["outer_opt"])
+                for p, outer in zip(self.params, self._outer):
+                    p.copy_(outer)
+            if self.scheduler is not None and "scheduler" in state:
+                self.scheduler.load_state_dict(state["scheduler"])
+
+    # ---- diloco
+
+    def _diloco_step(self, bs: int) -> None:
+        with self._state_lock:
+            self.inner.step()
+        self._local_steps_done += 1
+        self.local_samples += bs
+        view = self.tracker.estimate()
+        self._observe(view)
+        if view.epoch > self.epoch:
+            self._fall_behind(view)
+            return
+        others_ready = any(p.ready and p.peer != self.tracker.me.peer for p in view.peers)
+        if self._local_steps_done >= self.local_steps or others_ready:
+            self._outer_step(view)
+        else:
+            self.tracker.report(self.epoch, self.local_samples, self._sps)
+
+    def _outer_step(self, view: SwarmView) -> None:
+        assert self.outer_optimizer is not None
+        samples = self.local_samples
+        for buf, outer, p in zip(self._buffers, self._outer, self.params):
+            torch.sub(outer, p.detach().to("cpu", torch.float32), out=buf)
+        epoch = self.epoch
+        self.tracker.report(epoch, samples, self._sps, ready=True)
+        result = self._round_result(self._average(epoch, samples, view))
+        with self._state_lock:
+            for outer, buf in zip(self._outer, self._buffers):
+                outer.grad = buf
+            self.outer_optimizer.step()
+            for p, outer in zip(self.params, self._outer):
+                p.copy_(outer)
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.epoch += 1
+        self.local_samples = 0
+        self._local_steps_done = 0
+        self.tracker.report(self.epoch, 0, self._sps)
+        self._record(result)
+
+    # ---- bookkeeping
+
+    def _observe(self, view: SwarmView) -> None:
+        self.stats.peers = view.num_peers
+        self.stats.swarm_sps = view.sps
+        self.stats.epoch = self.epoch
+        self.stats.local_samples = self.local_samples
+
+    def _record(self, result: StepResult | None) -> None:
+        self.stats.epoch = self.epoch
+        self.stats.local_samples = self.local_samples
+        if result is None:
+            return
+        self.stats.rounds += 1
+        self.stats.last_group_size = result.group_size
+        self.stats.last_round_s = result.total_s
+        self.stats.bytes_sent += result.bytes_sent
+        self.stats.bytes_received += result.bytes_received
+        if result.group_size == 1 and self.stats.peers > 1 or result.not_averaged:
+            self.stats.failed_rounds += 1
+        log.debug("epoch %d: averaged with %d peers in %.3f s (matchmaking %.3f s, %d peers seen)", self.epoch,
+                  result.group_size, result.total_s, result.matchmaking_s, self.stats.peers)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Finish (or abandon) the round in flight, leave the swarm; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending is not None:
+            try:
+                self._pending.result(timeout=self.matchmaking_timeout + 5)
+            except Exception:  # noqa: BLE001 - closing: the round's outcome no longer matters
+                self._pending.cancel()
+            self._pending = None
+        try:
+            self._loop.run(self._close(), timeout=15)
+        finally:
+            if self._owns_dht:
+                self.dht.close()
+
+    async def _close(self) -> None:
+        await self.tracker.close()
+        await self.state_sync.close()
+        await self.averager.close()
+
+    def __enter__(self) -> DecentralizedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"DecentralizedOptimizer(mode={self.mode!r}, run_id={self.run_id!r}, epoch={self.epoch}, "
+                f"inner={type(self.inner).__name__})")

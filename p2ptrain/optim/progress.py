@@ -1,0 +1,278 @@
+"""Global training progress through the DHT: who trains, at which epoch, how fast, how far along.
+
+There is no master to count samples, so every peer publishes a small owner-signed record under
+``{run_id}/progress`` (one sub-key per peer) and reads everyone else's. From those records each peer
+computes the same :class:`SwarmView` on its own: the swarm's epoch, the samples accumulated toward
+it (extrapolated to *now* with each peer's measured throughput, so peers agree on when the target is
+reached without reading the DHT on every step), how many peers are at that epoch and which of them
+are ready to average.
+
+``summarize`` is the sans-IO core (plain records in, a view out); :class:`ProgressTracker` is the
+asyncio shell that publishes and polls, refreshing faster as the end of an epoch approaches.
+Records of peers with another model (schema hash) are kept apart: they never count, and each such
+peer is reported once, with what to do about it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from dht import DHTError, DHTNode, InvalidRecord, PeerID, ProtocolError
+from dht.aio import wait_event
+from dht.storage import owned_name, record_owner
+from dht.wire import unpack
+
+log = logging.getLogger("p2ptrain.progress")
+
+_VERSION = 1
+_SUBKEY = b"p"
+_MAX_RECORD = 2048
+_MAX_EXTRAPOLATION = 5.0  # s: never extrapolate a report further than this (clock skew, stalls)
+
+
+@dataclass(frozen=True)
+class PeerReport:
+    """One peer's progress, as it published it."""
+
+    peer: PeerID
+    epoch: int
+    samples: int  # accumulated toward ``epoch`` (sync) or since the last outer step (diloco)
+    sps: float  # samples per second, measured while computing
+    time: float  # unix time of the report
+    schema: str  # hash of the averaged tensors' schema: peers with another one never average with us
+    addr: tuple[str, int] | None = None  # where it serves state; None for client-mode peers
+    ready: bool = False  # waiting to average the end of ``epoch``
+    client: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": _VERSION, "e": self.epoch, "s": self.samples, "sps": self.sps, "t": self.time,
+                "h": self.schema, "a": list(self.addr) if self.addr else None, "r": self.ready,
+                "c": self.client}
+
+
+def parse_report(value: object, owner: PeerID) -> PeerReport | None:
+    """A validated report, or None for anything malformed (a hostile peer may publish anything)."""
+    if not isinstance(value, dict) or value.get("v") != _VERSION:
+        return None
+    e, s, sps, t, h, a = (value.get(k) for k in ("e", "s", "sps", "t", "h", "a"))
+    if not (isinstance(e, int) and 0 <= e < 2**53 and isinstance(s, int) and 0 <= s < 2**53):
+        return None
+    if not (isinstance(sps, (int, float)) and math.isfinite(sps) and 0 <= sps < 1e12):
+        return None
+    if not (isinstance(t, (int, float)) and math.isfinite(t)) or not (isinstance(h, str) and len(h) <= 64):
+        return None
+    addr = None
+    if a is not None:
+        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and len(a[0]) <= 255
+                and isinstance(a[1], int) and 0 < a[1] < 65536):
+            return None
+        addr = (a[0], a[1])
+    return PeerReport(owner, e, s, float(sps), float(t), h, addr, value.get("r") is True, value.get("c") is True)
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """What the swarm looks like from one peer at one moment."""
+
+    epoch: int  # the most advanced epoch among compatible peers (ours included)
+    samples: float  # samples toward finishing ``epoch``, extrapolated to ``now``
+    target: int
+    peers: list[PeerReport] = field(default_factory=list)  # compatible peers at ``epoch``, us included
+    behind: list[PeerReport] = field(default_factory=list)  # compatible peers at an older epoch
+    sps: float = 0.0  # swarm throughput (peers at ``epoch``)
+    now: float = 0.0
+
+    @property
+    def num_peers(self) -> int:
+        return len(self.peers)
+
+    @property
+    def ready(self) -> list[PeerReport]:
+        return [p for p in self.peers if p.ready]
+
+    @property
+    def eta(self) -> float:
+        """Seconds until the target is reached at the current throughput (inf when nobody computes)."""
+        missing = self.target - self.samples
+        if missing <= 0:
+            return 0.0
+        return missing / self.sps if self.sps > 0 else math.inf
+
+    @property
+    def reached(self) -> bool:
+        return self.samples >= self.target
+
+
+def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target: int,
+              stale_after: float) -> SwarmView:
+    """The swarm as seen from ``me`` (whose own report is always fresh).
+
+    Reports older than ``stale_after`` seconds and reports with another schema are ignored. A
+    peer's samples are extrapolated by its throughput since its report (at most a few seconds, so a
+    dead peer stops counting quickly and clock skew cannot run away); a peer that is ``ready`` has
+    stopped computing and is not extrapolated.
+    """
+    latest: dict[PeerID, PeerReport] = {}
+    for r in reports:
+        if r.peer == me.peer or r.schema != me.schema or now - r.time > stale_after:
+            continue
+        if r.peer not in latest or (r.epoch, r.time) > (latest[r.peer].epoch, latest[r.peer].time):
+            latest[r.peer] = r
+    everyone = [me, *latest.values()]
+    epoch = max(r.epoch for r in everyone)
+    at_epoch = [r for r in everyone if r.epoch == epoch]
+    samples = 0.0
+    for r in at_epoch:
+        samples += r.samples
+        if not r.ready and r is not me:
+            samples += r.sps * min(max(0.0, now - r.time), _MAX_EXTRAPOLATION)
+    return SwarmView(
+        epoch=epoch, samples=samples, target=target, peers=at_epoch,
+        behind=[r for r in everyone if r.epoch < epoch], sps=sum(r.sps for r in at_epoch), now=now,
+    )
+
+
+class ProgressTracker:
+    """Publishes this peer's progress and keeps a fresh :class:`SwarmView` of everyone's.
+
+    Lives on the DHT's event loop; the training thread calls :meth:`report` (thread-safe, never
+    blocks) and reads :attr:`view`. The refresh period shrinks as the epoch's end approaches
+    (``min(refresh, eta / 3)``, at least ``min_refresh``), so peers learn that the target was
+    reached within a few tens of milliseconds without polling the DHT all the time.
+    """
+
+    def __init__(self, node: DHTNode, run_id: str, schema: str, target: int, *, refresh: float = 0.5,
+                 min_refresh: float = 0.05, ttl: float | None = None,
+                 on_mismatch: Callable[[PeerID, str], None] | None = None):
+        if target < 1:
+            raise ValueError("target_batch_size must be at least 1")
+        self.node = node
+        self.key = f"{run_id}/progress"
+        self.schema = schema
+        self.target = target
+        self.refresh = refresh
+        self.min_refresh = min_refresh
+        self.ttl = ttl if ttl is not None else max(10.0, 6 * refresh)
+        self._on_mismatch = on_mismatch
+        addr = None if node.client_mode else (node.multiaddrs[0].host, node.multiaddrs[0].port)
+        self._me = PeerReport(node.peer_id, 0, 0, 0.0, time.time(), schema, addr, False, node.client_mode)
+        self._published: PeerReport | None = None
+        self._reports: list[PeerReport] = []
+        self.view = summarize([], self._me, time.time(), target, self.ttl)
+        self.mismatched: dict[PeerID, str] = {}
+        self._wake = asyncio.Event()
+        self._fresh = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---------------------------------------------------------------- lifecycle (on the loop)
+
+    async def start(self) -> None:
+        """Publish our first report and read the swarm once, then keep both fresh."""
+        self._loop = asyncio.get_running_loop()
+        await self._refresh()
+        self._task = self._loop.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # ---------------------------------------------------------------- training thread side
+
+    @property
+    def me(self) -> PeerReport:
+        return self._me
+
+    def report(self, epoch: int, samples: int, sps: float, ready: bool = False) -> None:
+        """Update our progress (any thread). Publishing happens on the next refresh, at once when
+        the epoch or the ready flag changed: other peers wait on those."""
+        old = self._me
+        self._me = replace(old, epoch=epoch, samples=samples, sps=sps, ready=ready, time=time.time())
+        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl)
+        if (epoch, ready) != (old.epoch, old.ready) and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def estimate(self) -> SwarmView:
+        """The view extrapolated to now, from the last reports read (no DHT traffic)."""
+        return summarize(self._reports, self._me, time.time(), self.target, self.ttl)
+
+    # ---------------------------------------------------------------- loop side
+
+    async def refresh_now(self) -> SwarmView:
+        """Publish and read right now (e.g. before deciding to download state)."""
+        await self._refresh()
+        return self.view
+
+    async def wait_fresh(self, timeout: float) -> SwarmView:
+        """Wait for the next completed refresh (at most ``timeout``), then return the view."""
+        self._fresh.clear()
+        self._wake.set()
+        await wait_event(self._fresh, timeout)
+        return self.view
+
+    async def _run(self) -> None:
+        while True:
+            view = self.view
+            period = self.refresh
+            if view.sps > 0 and not view.reached:
+                period = min(period, max(self.min_refresh, view.eta / 3))
+            elif view.reached or view.ready:
+                period = self.min_refresh * 2
+            await wait_event(self._wake, period)
+            self._wake.clear()
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        me = self._me
+        try:
+            if me != self._published:
+                now = time.time()
+                await self.node.store(self.key, me.to_wire(), now + self.ttl, subkey=self.node.owned(_SUBKEY.decode()))
+                self._published = me
+            result = await self.node.lookup_value(self.key, latest=True)
+        except (DHTError, InvalidRecord, OSError) as e:
+            log.debug("progress refresh failed: %s", e)
+            return
+        reports = []
+        for record in result.records:
+            report = self._parse(record)
+            if report is None:
+                continue
+            if report.schema != self.schema and report.peer != self.node.peer_id:
+                self._mismatch(report)
+                continue
+            reports.append(report)
+        self._reports = reports
+        self.view = summarize(reports, self._me, time.time(), self.target, self.ttl)
+        self._fresh.set()
+
+    @staticmethod
+    def _parse(record: Any) -> PeerReport | None:
+        try:
+            if record.subkey is None or len(record.value) > _MAX_RECORD:
+                return None
+            owner = record_owner(record)
+            if owner is None or record.subkey != owned_name(_SUBKEY, owner):
+                return None
+            return parse_report(unpack(record.value, _MAX_RECORD), owner)
+        except (InvalidRecord, ProtocolError):
+            return None
+
+    def _mismatch(self, report: PeerReport) -> None:
+        if report.peer in self.mismatched or len(self.mismatched) >= 1000:
+            return
+        message = (f"peer {report.peer.short()} trains run {self.key.rsplit('/', 1)[0]!r} with a different "
+                   f"model or codec (schema {report.schema}, ours {self.schema}): it will never average "
+                   "with us; give it the same model definition and compression, or another run id")
+        self.mismatched[report.peer] = message
+        log.warning("%s", message)
+        if self._on_mismatch is not None:
+            self._on_mismatch(report.peer, message)

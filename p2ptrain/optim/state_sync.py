@@ -1,0 +1,81 @@
+"""Training state between peers: serve ours, load the swarm's (late join, missed rounds).
+
+Each optimizer serves its *shared* state (what every peer of a group holds identically: the
+parameters, the inner optimizer state in ``sync`` mode, the outer parameters and optimizer in
+``diloco`` mode, the epoch) under ``{run_id}/state``. The snapshot is taken lazily, when a peer
+asks and the epoch moved on since the last one, because it costs a copy and a hash of all of it.
+Since the peers of one epoch hold bit-identical state, their manifests have the same content
+address and a joiner downloads disjoint chunks from several of them at once, each chunk verified
+against the manifest most of them agree on (:mod:`p2ptrain.checkpoint.transfer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dht import Host, PeerID
+
+from ..checkpoint import FetchResult, Manifest, StateServer, build_snapshot, fetch_state
+from .progress import PeerReport
+
+log = logging.getLogger("p2ptrain.optim.state")
+
+#: how many peers a joiner downloads from at once
+MAX_PROVIDERS = 4
+
+
+class StateSync:
+    """Serves ``state()`` (returns ``(epoch, nested state)``; called in a worker thread with
+    ``lock`` held, which the training thread holds while it changes parameters, so a snapshot never
+    mixes two steps) and fetches other peers' state."""
+
+    def __init__(self, host: Host, key: str, state: Callable[[], tuple[int, Any]], lock: threading.Lock):
+        self.host = host
+        self.key = key
+        self._state = state
+        self._lock = lock
+        self._served_epoch: int | None = None
+        self.server = StateServer(host)
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.server.provide(self.key, self._refresh)
+
+    async def close(self) -> None:
+        await self.server.close()
+
+    async def _refresh(self) -> tuple[Manifest, torch.Tensor] | None:
+        loop = asyncio.get_running_loop()
+
+        def take() -> tuple[int, Manifest, torch.Tensor] | None:
+            with self._lock:
+                epoch, state = self._state()
+                if epoch == self._served_epoch:
+                    return None
+                manifest, buffer = build_snapshot(state, meta={"epoch": epoch})  # copies: consistent
+            return epoch, manifest, buffer
+
+        result = await loop.run_in_executor(None, take)
+        if result is None:
+            return None
+        self._served_epoch = result[0]
+        return result[1], result[2]
+
+    async def fetch(self, peers: list[PeerReport], timeout: float) -> FetchResult:
+        """Download the state most of ``peers`` (the most advanced ones first) hold."""
+        best = max(p.epoch for p in peers)
+        candidates = [p for p in peers if p.addr is not None and p.epoch == best]
+        random.shuffle(candidates)
+        providers: list[tuple[PeerID, tuple[str, int] | None]] = [(p.peer, p.addr) for p in candidates[:MAX_PROVIDERS]]
+        result = await fetch_state(self.host, self.key, providers, timeout=timeout)
+        log.info("loaded the swarm's state (epoch %s, %.1f MB) from %d peers in %.2f s",
+                 result.manifest.meta.get("epoch"), result.manifest.total_size / 1e6, len(result.contributors),
+                 result.seconds)
+        return result

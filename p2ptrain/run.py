@@ -1,0 +1,145 @@
+"""One training peer: a task, a DHT node and a DecentralizedOptimizer, run until done or stopped.
+
+The examples, ``p2ptrain peer``/``p2ptrain swarm`` and the benchmarks all train through
+:func:`run_peer`, so what the tests measure is what a person runs. It is the ordinary loop a user
+would write (forward, backward, ``opt.step()``, ``opt.zero_grad()``) plus what a long-running peer
+needs: a stop event (Ctrl+C), periodic progress events, an optional emulated compute delay (to
+measure utilisation as if the model were bigger) and a final evaluation.
+
+Events are plain dicts handed to ``on_event``: ``started`` (peer id, multiaddr), ``progress``
+(about once a second), ``eval`` and ``done``. Callers print them as text, JSON lines or a live view.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .background import DHT
+from .optim import DecentralizedOptimizer
+
+log = logging.getLogger("p2ptrain.run")
+
+Event = dict[str, Any]
+
+
+@dataclass
+class PeerConfig:
+    """Everything a training peer needs; every field has a default that trains the task sensibly."""
+
+    task: str = "digits"
+    task_options: dict[str, Any] = field(default_factory=dict)
+    run_id: str | None = None  # default: the task's signature, so different models never meet
+    mode: str = "sync"
+    compression: str | None = None  # default: none for sync, int8 for diloco
+    target_batch_size: int = 512
+    batch_size: int | None = None  # default: the task's
+    local_steps: int = 50  # diloco H
+    lr: float | None = None  # default: the task's
+    outer_lr: float = 0.7
+    epochs: int = 30  # global epochs (sync) or outer rounds (diloco) to train
+    max_steps: int | None = None  # local steps, as a safety bound
+    seed: int = 0  # model init: must be the same on every peer
+    data_seed: int | None = None  # default: different on every peer
+    compute_delay: float = 0.0  # extra seconds per step, to emulate a bigger model
+    delay_updates: bool = False
+    progress_every: float = 1.0
+    target_group_size: int = 16
+    matchmaking_timeout: float = 5.0
+    wait_peers: int = 0  # wait for this many peers before training (a swarm started together)
+    bootstrap: Sequence[str] = ()
+    listen: tuple[str, int] | None = ("127.0.0.1", 0)
+    announce_host: str | None = None
+    key_file: str | None = None
+
+
+def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None,
+             stop: threading.Event | None = None, dht: DHT | None = None) -> Event:
+    """Train until ``cfg.epochs`` global epochs are done (or ``stop`` is set); returns the ``done``
+    event. ``dht``: an already started node to use (else one is created from ``cfg``)."""
+    from .tasks import get_task
+
+    stop = stop or threading.Event()
+    task = get_task(cfg.task, **cfg.task_options)
+    batch_size = cfg.batch_size or task.default_batch_size
+    own_dht = dht is None
+    if dht is None:
+        dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host)
+    opt: DecentralizedOptimizer | None = None
+    try:
+        model = task.make_model(seed=cfg.seed)
+        opt = DecentralizedOptimizer(
+            task.make_optimizer(model.parameters(), lr=cfg.lr), dht=dht, run_id=cfg.run_id or task.signature,
+            target_batch_size=cfg.target_batch_size, batch_size_per_step=batch_size, mode=cfg.mode,
+            local_steps=cfg.local_steps, outer_lr=cfg.outer_lr, compression=cfg.compression,
+            delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
+            matchmaking_timeout=cfg.matchmaking_timeout,
+        )
+        if cfg.wait_peers > 1:
+            opt.wait_for_peers(cfg.wait_peers)
+        on_event({"event": "started", "peer_id": str(dht.peer_id),
+                  "multiaddrs": [str(a) for a in dht.multiaddrs], "run_id": opt.run_id, "epoch": opt.epoch,
+                  "config": {k: v for k, v in asdict(cfg).items() if k != "bootstrap"}})
+        data_seed = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(dht.peer_id.to_bytes()[-4:], "big")
+        batches = task.batches(batch_size, seed=data_seed)
+        t0 = time.perf_counter()
+        next_report = t0 + cfg.progress_every
+        steps, loss_ewma, start_epoch = 0, math.nan, opt.epoch
+        model.train()
+        while opt.epoch < cfg.epochs and not stop.is_set():
+            if cfg.max_steps is not None and steps >= cfg.max_steps:
+                break
+            x, y = next(batches)
+            loss = task.loss(model, (x, y))
+            loss.backward()
+            if cfg.compute_delay > 0:
+                time.sleep(cfg.compute_delay)
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+            value = float(loss.detach())
+            loss_ewma = value if math.isnan(loss_ewma) else 0.95 * loss_ewma + 0.05 * value
+            now = time.perf_counter()
+            if now >= next_report:
+                next_report = now + cfg.progress_every
+                on_event(_progress(opt, loss_ewma, steps, now - t0))
+        elapsed = time.perf_counter() - t0
+        model.eval()
+        metrics = task.evaluate(model)
+        done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
+                "stopped": stop.is_set(), "epochs_trained": opt.epoch - start_epoch,
+                "params_digest": _digest(model)}
+        on_event(done)
+        return done
+    finally:
+        if opt is not None:
+            opt.close()
+        if own_dht:
+            dht.close()
+
+
+def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: float) -> Event:
+    s = opt.stats
+    return {"event": "progress", "epoch": opt.epoch, "loss": None if math.isnan(loss) else round(loss, 5),
+            "steps": steps, "samples": s.samples_total, "seconds": round(elapsed, 3),
+            "local_sps": round(s.local_sps, 1), "swarm_sps": round(s.swarm_sps, 1), "peers": s.peers,
+            "rounds": s.rounds, "group_size": s.last_group_size, "failed_rounds": s.failed_rounds,
+            "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received}
+
+
+@torch.no_grad()
+def _digest(model: torch.nn.Module) -> str:
+    """A short hash of the parameters: peers that end in the same state print the same digest."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,480 @@
+"""A multi-host test bed on one Linux machine: network namespaces, veth links, a bridge, tc shaping.
+
+Why: on loopback every transfer is CPU-bound (GB/s), so whatever exists for slow links (codecs,
+pipelining, deadlines) cannot show. ``Testbed(n)`` gives each of ``n`` "hosts" a network namespace of
+its own with one veth link into a shared switch, and shapes each link the way a NIC would be::
+
+    with Testbed(2, rate="1gbit") as tb:
+        srv = tb.popen(0, [sys.executable, "server.py", tb.hosts[0].ip])
+        cli = tb.popen(1, [sys.executable, "client.py", tb.hosts[0].ip])
+
+Layout (names carry a unique prefix, ``p2pt-<pid>-<hex>-`` by default, so concurrent runs never meet)::
+
+    <prefix>h0: lo, eth0 10.a.b.1/24 --veth-- p0 \\
+    <prefix>h1: lo, eth0 10.a.b.2/24 --veth-- p1  >- br0, all in namespace <prefix>sw ("the switch")
+    ...                                           /
+
+Both ends of every veth are created directly inside their namespaces, so the root namespace is not
+touched at all (no links, no routes, no qdiscs; the machine's ``lo`` is never shaped) and a run can
+only collide with another through its prefix. The 10.a.b.0/24 subnet is derived from the prefix:
+namespaces are isolated, so a clash would be harmless, but distinct subnets keep logs and captures
+of concurrent runs apart.
+
+Shaping, per host link (``rate`` like tc: ``"1gbit"``, ``"100mbit"``, ``"500kbit"``):
+
+* upload (host ``eth0`` egress): ``tbf rate R``. Measured with one TCP stream: tbf at 1gbit
+  gives 0.95 Gbit/s of goodput (the 1448/1514 framing ceiling is 0.956), at 100mbit 0.095; htb
+  0.937 at 1gbit. tbf also works on kernels built without netem (the one this was written on
+  has only tbf, htb, fifo, ingress/clsact and cls_bpf), so netem's ``rate`` is never used.
+* download (switch port ``p<i>`` egress): ``tbf rate R`` as well: a real NIC is limited both ways;
+  without it, N-1 peers could push (N-1) x R into one host at once.
+* ``delay`` (one way, so the RTT between two hosts is 2 x delay) and ``loss`` go on the download
+  side, on the switch port, via netem with the tbf as its child. On the switch side the packets
+  are already detached from their sending socket; netem on the sender's own egress would hold
+  them against TCP small queues (tcp_limit_output_bytes per socket) and cap throughput at
+  limit/delay. netem's ``limit`` (packets) is sized for n x rate x (delay + 50 ms), since the
+  default 1000 packets silently drops at high rates. Without netem in the kernel: ``delay`` raises
+  :class:`TestbedError`, and ``loss`` falls back to a classic-BPF filter that sends a random
+  fraction of IPv4 packets into an htb class whose fifo holds nothing (i.e. drops them). Either
+  way loss applies per sk_buff, and veth passes TCP as GSO super-packets of up to 64 KiB, so one
+  "lost packet" can be a whole burst of segments.
+
+Every host knows every other host's MAC (static neighbour entries, MACs derived from the subnet):
+no ARP, so the first packet is not delayed and a lost ARP request cannot stall a connection for
+the kernel's 1 s ARP retransmit timer.
+
+Lifetime: :meth:`Testbed.close` (also on ``with`` exit, garbage collection and interpreter exit)
+stops the processes it started, kills anything else still running inside its namespaces (nothing
+there can belong to anyone else) and deletes the namespaces, which destroys the veths and the
+bridge with them. A SIGKILLed owner cannot clean up: :func:`cleanup_stale` removes namespaces left by
+test beds whose owning process is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import Self
+
+log = logging.getLogger("p2ptrain.testbed")
+
+__all__ = ["Host", "Testbed", "TestbedError", "available", "cleanup_stale", "features", "parse_loss",
+           "parse_rate", "parse_time"]
+
+# Every namespace this module makes starts with this; cleanup_stale() never looks at anything else.
+NAME_ROOT = "p2pt-"
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
+_STALE_RE = re.compile(r"^p2pt-(\d+)-")
+_HOST_IF = "eth0"  # inside each host namespace: the only link, named like a real machine's
+_BRIDGE = "br0"  # inside the switch namespace
+
+
+class TestbedError(RuntimeError):
+    """The test bed cannot be built here (not root, no iproute2, a kernel feature missing) or a
+    command failed; the message is one line that says which."""
+
+    __test__ = False  # not a pytest test class, whatever its name says
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of a test bed: ``ns`` is its network namespace, ``ip`` its address on the switch."""
+
+    index: int
+    ns: str
+    ip: str
+    mac: str
+    ifname: str = _HOST_IF
+
+    __test__ = False
+
+
+# ------------------------------------------------------------------------------- parsing
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "kibit": 1024, "mibit": 1024**2, "gibit": 1024**3,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
+
+
+def parse_rate(rate: str) -> float:
+    """Bits per second from a tc-style rate: ``"1gbit"`` -> 1e9. Like tc, ``bps`` means *bytes*/s.
+
+    Why parse at all: tbf's burst and queue sizes and netem's packet limit derive from the rate,
+    and the figure goes to tc as plain ``<n>bit`` so both sides agree on what was meant."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(rate))
+    unit = m.group(2).lower() if m else ""
+    if not m or (unit and unit not in _RATE_UNITS):
+        raise TestbedError(f"bad rate {rate!r}: expected a number and one of {', '.join(_RATE_UNITS)}, e.g. '1gbit'")
+    bps = float(m.group(1)) * _RATE_UNITS[unit or "bit"]
+    if not 8e3 <= bps <= 1e12:
+        raise TestbedError(f"rate {rate!r} out of range (8kbit .. 1tbit)")
+    return bps
+
+
+def parse_time(value: str | float) -> float:
+    """Seconds from ``"1ms"``, ``"250us"``, ``"0.5s"`` or a number of seconds."""
+    if isinstance(value, (int, float)):
+        sec = float(value)
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(2).lower() if m else ""
+        if not m or (unit and unit not in _TIME_UNITS):
+            raise TestbedError(f"bad time {value!r}: expected e.g. '1ms', '250us', '0.1s'")
+        sec = float(m.group(1)) * _TIME_UNITS[unit or "s"]
+    if not 0 <= sec <= 60:
+        raise TestbedError(f"time {value!r} out of range (0 .. 60 s)")
+    return sec
+
+
+def parse_loss(value: str | float) -> float:
+    """A probability from ``"1%"``, ``"0.5%"`` or a fraction like ``0.01``."""
+    try:
+        if isinstance(value, str) and value.strip().endswith("%"):
+            p = float(value.strip()[:-1]) / 100
+        else:
+            p = float(value)
+    except ValueError:
+        raise TestbedError(f"bad loss {value!r}: expected e.g. '1%' or 0.01") from None
+    if not 0 <= p < 1:
+        raise TestbedError(f"loss {value!r} out of range (0 .. <100%)")
+    return p
+
+
+# ------------------------------------------------------------------------------- commands
+
+
+def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 20, stdin: str | None = None
+         ) -> subprocess.CompletedProcess:
+    """Run one iproute2 command; a failure becomes a one-line TestbedError naming the command."""
+    try:
+        res = subprocess.run(list(argv), check=False, capture_output=True, text=True, timeout=timeout, input=stdin)
+    except FileNotFoundError:
+        raise TestbedError(f"{argv[0]!r} not found: install iproute2") from None
+    except subprocess.TimeoutExpired:
+        raise TestbedError(f"timed out after {timeout:.0f} s: {' '.join(argv)}") from None
+    if check and res.returncode != 0:
+        why = " ".join((res.stderr or res.stdout).split()) or f"exit status {res.returncode}"
+        raise TestbedError(f"`{' '.join(argv)}` failed: {why}")
+    return res
+
+
+def _netns_list() -> list[str]:
+    res = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
+
+
+def _netns_pids(ns: str) -> list[int]:
+    res = _run(["ip", "netns", "pids", ns], check=False)
+    return [int(p) for p in res.stdout.split() if p.isdigit()]
+
+
+def _delete_netns(ns: str) -> None:
+    """Kill whatever still runs in ``ns`` (only our processes can be in a namespace we made), then
+    delete it; the kernel destroys its links (and each veth's peer) with it."""
+    for pid in _netns_pids(ns):
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    res = _run(["ip", "netns", "del", ns], check=False)
+    if res.returncode != 0 and ns in _netns_list():
+        log.warning("could not delete network namespace %s: %s", ns, " ".join(res.stderr.split()))
+
+
+def _preflight() -> None:
+    """Raise the one-line reason why no test bed can be built here, before anything is created."""
+    if os.name != "posix" or not os.path.isdir("/proc/self/ns"):
+        raise TestbedError("network namespaces need Linux")
+    if os.geteuid() != 0:
+        raise TestbedError(f"network namespaces need root (CAP_NET_ADMIN); running as uid {os.geteuid()}")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise TestbedError(f"the `{tool}` command is missing: install iproute2")
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> tuple[bool, str, bool]:
+    """(works, reason, netem) from building a throwaway namespace with a veth, a bridge and a tbf."""
+    try:
+        _preflight()
+    except TestbedError as e:
+        return False, str(e), False
+    ns = f"{NAME_ROOT}{os.getpid()}-{secrets.token_hex(2)}-probe"
+    try:
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "-n", ns, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"])
+        _run(["ip", "-n", ns, "link", "add", "name", "pbr", "type", "bridge"])
+        _run(["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1gbit", "burst", "128k",
+              "latency", "10ms"])
+        netem = _run(["tc", "-n", ns, "qdisc", "add", "dev", "pb", "root", "netem", "delay", "1ms"],
+                     check=False).returncode == 0
+        return True, "ok", netem
+    except TestbedError as e:
+        return False, str(e), False
+    finally:
+        _run(["ip", "netns", "del", ns], check=False)
+
+
+def available() -> tuple[bool, str]:
+    """Whether a :class:`Testbed` can be built here (root, iproute2, netns, veth, bridge, tbf),
+    and if not, the one-line reason (for ``pytest.skip``). Probed once per process."""
+    ok, why, _ = _probe()
+    return ok, why
+
+
+def features() -> dict[str, bool]:
+    """What the kernel offers beyond the basics: ``{"netem": bool}``. Without netem, ``delay`` is
+    refused and ``loss`` uses the classic-BPF fallback."""
+    return {"netem": _probe()[2]}
+
+
+def cleanup_stale() -> list[str]:
+    """Delete namespaces named ``p2pt-<pid>-...`` whose owning process ``pid`` is gone (a test bed
+    whose owner was SIGKILLed); returns their names. Beds of live processes are left alone."""
+    removed = []
+    for ns in _netns_list():
+        m = _STALE_RE.match(ns)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+            continue  # the owner lives (or the pid was reused: leaving it is the safe mistake)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        _delete_netns(ns)
+        removed.append(ns)
+    return removed
+
+
+# ------------------------------------------------------------------------------- the test bed
+
+
+def _teardown(procs: list[subprocess.Popen], namespaces: list[str], grace: float) -> None:
+    """Stop ``procs`` (SIGTERM, then SIGKILL after ``grace`` s), then delete ``namespaces``.
+
+    A plain function over plain lists (no reference to the Testbed), so that ``weakref.finalize``
+    can run it at garbage collection or interpreter exit as well as from ``close()``."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            p.terminate()
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.warning("process %d did not die after SIGKILL", p.pid)
+    for ns in reversed(namespaces):  # hosts first, the switch last
+        _delete_netns(ns)
+
+
+class Testbed:
+    """``n_hosts`` network namespaces joined by a switch, each link shaped to ``rate`` both ways.
+
+    Args:
+        n_hosts: how many hosts (1 .. 250: one /24).
+        rate: link rate per host and direction, tc syntax (``"1gbit"``); None: unshaped veth
+            (tens of Gbit/s, CPU-bound like loopback).
+        delay: one-way delay added on the way into each host (RTT = 2 x delay), e.g. ``"1ms"``.
+            Needs netem in the kernel (see :func:`features`).
+        loss: probability that a packet into a host is dropped, e.g. ``"1%"`` (per GSO sk_buff).
+        prefix: namespace name prefix; default ``p2pt-<pid>-<4 hex>-``. Two live test beds must
+            not share one.
+        subnet: first three octets of the hosts' /24 (``"10.77.0"``); default derived from prefix.
+        grace: seconds that started processes get after SIGTERM before SIGKILL, at close.
+
+    ``hosts[i]`` has ``.ns`` and ``.ip``; :meth:`popen` starts a process inside host i;
+    :meth:`close` (or leaving the ``with`` block) removes everything. Construction either completes
+    or cleans up what it made and raises :class:`TestbedError`.
+    """
+
+    __test__ = False
+
+    def __init__(self, n_hosts: int, *, rate: str | None = "1gbit", delay: str | float | None = None,
+                 loss: str | float | None = None, prefix: str | None = None, subnet: str | None = None,
+                 grace: float = 2.0) -> None:
+        if not 1 <= int(n_hosts) <= 250:
+            raise TestbedError(f"n_hosts must be 1 .. 250, not {n_hosts}")
+        self.n_hosts = int(n_hosts)
+        self.rate_bps = parse_rate(rate) if rate else None
+        self.delay_s = parse_time(delay) if delay else 0.0
+        self.loss = parse_loss(loss) if loss else 0.0
+        self.prefix = prefix or f"{NAME_ROOT}{os.getpid()}-{secrets.token_hex(2)}-"
+        if not _PREFIX_RE.match(self.prefix):
+            raise TestbedError(f"bad prefix {self.prefix!r}: 1-40 of [A-Za-z0-9_.-]")
+        self.subnet = subnet or self._subnet_for(self.prefix)
+        if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})", self.subnet) or \
+                any(int(o) > 255 for o in self.subnet.split(".")):
+            raise TestbedError(f"bad subnet {self.subnet!r}: the first three octets, e.g. '10.77.0'")
+        self.switch_ns = f"{self.prefix}sw"
+        octets = [int(o) for o in self.subnet.split(".")]
+        self.hosts = [Host(i, f"{self.prefix}h{i}", f"{self.subnet}.{i + 1}",
+                           "02:{:02x}:{:02x}:{:02x}:00:{:02x}".format(*octets, i + 1)) for i in range(self.n_hosts)]
+        self._procs: list[subprocess.Popen] = []
+        self._namespaces: list[str] = []  # in creation order: the switch first
+        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._namespaces, grace)
+        _preflight()
+        if self.delay_s and not features()["netem"]:
+            raise TestbedError("delay needs netem (CONFIG_NET_SCH_NETEM), which this kernel lacks")
+        try:
+            self._build()
+        except BaseException:  # KeyboardInterrupt included: never leave half a test bed behind
+            self.close()
+            raise
+
+    @staticmethod
+    def _subnet_for(prefix: str) -> str:
+        h = hashlib.blake2b(prefix.encode(), digest_size=2).digest()
+        return f"10.{64 + h[0] % 128}.{h[1]}"
+
+    # ---------------------------------------------------------------- building
+
+    def _add_ns(self, ns: str) -> None:
+        if ns in _netns_list():
+            raise TestbedError(f"network namespace {ns} exists already: another test bed uses prefix {self.prefix!r}")
+        _run(["ip", "netns", "add", ns])
+        self._namespaces.append(ns)
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def _build(self) -> None:
+        sw = self.switch_ns
+        self._add_ns(sw)
+        _run(["ip", "-n", sw, "link", "add", _BRIDGE, "type", "bridge", "stp_state", "0", "forward_delay", "0"])
+        _run(["ip", "-n", sw, "link", "set", _BRIDGE, "up"])
+        for h in self.hosts:
+            self._add_ns(h.ns)
+            port = f"p{h.index}"
+            _run(["ip", "link", "add", "name", h.ifname, "address", h.mac, "netns", h.ns, "type", "veth",
+                  "peer", "name", port, "netns", sw])
+            _run(["ip", "-n", sw, "link", "set", port, "master", _BRIDGE])
+            _run(["ip", "-n", sw, "link", "set", port, "up"])
+            _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", h.ifname])
+            _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"])
+            self._shape(h, port)
+        # Static neighbours: no ARP on the wire, so no first-packet resolution delay, and no lost
+        # ARP request (with ``loss``) stalling a connection for the 1 s ARP retransmit timer.
+        for h in self.hosts:
+            neigh = "".join(f"neigh replace {o.ip} lladdr {o.mac} dev {h.ifname} nud permanent\n"
+                            for o in self.hosts if o is not h)
+            if neigh:
+                _run(["ip", "-n", h.ns, "-batch", "-"], stdin=neigh)
+
+    def _tbf(self) -> list[str]:
+        """tbf arguments for ``rate_bps``: a burst of 1 ms at line rate (at least 16 KiB, so that it
+        holds a few frames at low rates; at >= 1gbit it exceeds 64 KiB and GSO packets pass whole
+        instead of being segmented, which costs CPU) and a queue of 50 ms (at least 1 MiB), about
+        what a NIC ring plus a switch buffer hold."""
+        assert self.rate_bps is not None
+        rate_Bps = self.rate_bps / 8
+        burst = max(16 << 10, int(rate_Bps * 1e-3))
+        limit = max(1 << 20, int(rate_Bps * 0.05)) + burst
+        return ["tbf", "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "limit", str(limit)]
+
+    def _shape(self, h: Host, port: str) -> None:
+        sw = self.switch_ns
+        if self.rate_bps:  # upload
+            _run(["tc", "-n", h.ns, "qdisc", "add", "dev", h.ifname, "root", *self._tbf()])
+        netem = features()["netem"] if (self.delay_s or self.loss) else False
+        if netem:  # download: netem (delay, loss), its child tbf (rate)
+            # netem holds what arrives during `delay` before its child tbf drains it at the rate,
+            # and up to n-1 hosts send into one port at once: size for that, in 1500-byte packets
+            rate_Bps = (self.rate_bps or 10e9) / 8
+            limit = max(1000, int(self.n_hosts * rate_Bps * (self.delay_s + 0.05) / 1500))
+            args = ["netem", "limit", str(limit)]
+            if self.delay_s:
+                args += ["delay", f"{self.delay_s * 1e6:.0f}us"]
+            if self.loss:
+                args += ["loss", f"{self.loss * 100:.6g}%"]
+            _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", "handle", "1:", *args])
+            if self.rate_bps:
+                _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "parent", "1:1", "handle", "10:", *self._tbf()])
+        elif self.loss:  # no netem: htb, default class at the rate, a random share into a dropping class
+            rate = f"{int(self.rate_bps or 100e9)}bit"
+            quantum = "60000"  # above the MTU; r2q's default would warn at high rates
+            tc = ["tc", "-n", sw]
+            _run([*tc, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "10"])
+            _run([*tc, "class", "add", "dev", port, "parent", "1:", "classid", "1:10", "htb", "rate", rate,
+                  "ceil", rate, "quantum", quantum])
+            _run([*tc, "class", "add", "dev", port, "parent", "1:", "classid", "1:20", "htb", "rate", rate,
+                  "ceil", rate, "quantum", quantum])
+            _run([*tc, "qdisc", "add", "dev", port, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0"])
+            # classic BPF: A = random u32 (SKF_AD_RANDOM); A > threshold ? no match : class 1:20
+            threshold = min(2**32 - 1, int(self.loss * 2**32))
+            prog = f"4,32 0 0 {2**32 - 0x1000 + 56},37 0 1 {threshold},6 0 0 0,6 0 0 {2**32 - 1}"
+            _run([*tc, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1", "bpf",
+                  "bytecode", prog, "classid", "1:20"])
+        elif self.rate_bps:  # download
+            _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *self._tbf()])
+
+    # ---------------------------------------------------------------- use
+
+    def describe(self) -> str:
+        """The links in words, for benchmark headers: ``"2 hosts, 1gbit up+down per host, ..."``."""
+        rate = "unshaped veth" if not self.rate_bps else f"{self.rate_bps / 1e9:g} Gbit/s up and down per host (tbf)"
+        parts = [f"{self.n_hosts} netns hosts via a bridge", rate]
+        if self.delay_s:
+            parts.append(f"+{self.delay_s * 1e3:g} ms one way (RTT +{2 * self.delay_s * 1e3:g} ms, netem)")
+        if self.loss:
+            parts.append(f"{self.loss * 100:g}% loss into each host")
+        return ", ".join(parts)
+
+    def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside host ``i`` (``ip netns exec``, which execs in place: the
+        wrapped pid is the command's pid), for callers with their own spawner (asyncio, mp).
+        Processes started that way are not tracked, but close() still kills them with the namespace."""
+        return ["ip", "netns", "exec", self.hosts[i].ns, *map(str, argv)]
+
+    def popen(self, i: int, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` inside host ``i`` (environment, cwd and stdio as ``subprocess.Popen``);
+        tracked: close() sends it SIGTERM, then SIGKILL."""
+        if not self._finalizer.alive:
+            raise TestbedError("this test bed is closed")
+        p = subprocess.Popen(self.exec_argv(i, argv), **popen_kwargs)
+        self._procs.append(p)
+        return p
+
+    def run(self, i: int, argv: Sequence[str], *, check: bool = False, **run_kwargs: Any) -> subprocess.CompletedProcess:
+        """``subprocess.run`` inside host ``i`` (short commands: ``ip addr``, ``ss``...)."""
+        return subprocess.run(self.exec_argv(i, argv), check=check, **run_kwargs)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Stop the processes, delete the namespaces (and with them every link and qdisc). Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Testbed {self.prefix!r} {self.describe()}{' closed' if self.closed else ''}>"

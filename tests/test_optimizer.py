@@ -1,0 +1,261 @@
+"""DecentralizedOptimizer with several peers in one process (threads), on real loopback DHT nodes.
+
+Multi-process swarms (churn, convergence) are in test_optimizer_swarm.py; these check the
+optimizer's contract: the torch optimizer surface, exact equivalence with plain PyTorch when alone,
+bit-identical parameters across the peers of a group, DiLoCo outer steps, late joiners that start
+from the swarm's state, and peers with another model kept apart.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from p2ptrain import DHT, DecentralizedOptimizer
+
+pytestmark = pytest.mark.timeout(90)
+
+W_TRUE = torch.arange(8, dtype=torch.float32).reshape(8, 1) / 8
+
+
+def make_model(seed: int = 0, width: int = 8) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def batch(gen: torch.Generator, bs: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(bs, 8, generator=gen)
+    return x, x @ W_TRUE
+
+
+def eval_loss(model: torch.nn.Module, seed: int = 99) -> float:
+    with torch.no_grad():
+        return float(loss_of(model, batch(torch.Generator().manual_seed(seed), 256)))
+
+
+def loss_of(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = b
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+@pytest.fixture
+def swarm():
+    """Yields a factory of DHT nodes joined to one bootstrap; closes them all."""
+    nodes: list[DHT] = []
+
+    def make() -> DHT:
+        node = DHT([str(nodes[0].multiaddrs[0])] if nodes else [])
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in reversed(nodes):
+        node.close()
+
+
+def train(opt: DecentralizedOptimizer, model: torch.nn.Module, gen: torch.Generator, until_epoch: int,
+          max_steps: int = 2000) -> int:
+    steps = 0
+    while opt.epoch < until_epoch and steps < max_steps:
+        loss_of(model, batch(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+    return steps
+
+
+def in_threads(*fns) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a peer thread hung"
+    if errors:
+        raise errors[0]
+
+
+def test_alone_equals_plain_gradient_accumulation(swarm):
+    """One peer in sync mode is exactly plain PyTorch with gradient accumulation to the target."""
+    model, ref = make_model(), make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="alone",
+                                 target_batch_size=64, batch_size_per_step=16)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    try:
+        for step in range(12):
+            loss_of(model, batch(g1)).backward()
+            opt.step()
+            opt.zero_grad()
+            (loss_of(ref, batch(g2)) / 4).backward()  # 4 micro-batches of 16 make the target 64
+            if step % 4 == 3:
+                ref_opt.step()
+                ref_opt.zero_grad()
+        assert opt.epoch == 3
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    finally:
+        opt.close()
+
+
+def test_two_peers_take_identical_steps(swarm):
+    dhts = [swarm(), swarm()]
+    models = [make_model(), make_model()]
+    opts = [DecentralizedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), dht=d, run_id="pair",
+                                   target_batch_size=128, batch_size_per_step=16) for m, d in zip(models, dhts)]
+    try:
+        assert opts[0].wait_for_peers(2, timeout=20) == 2 and opts[1].wait_for_peers(2, timeout=20) == 2
+        first = eval_loss(models[0])
+        gens = [torch.Generator().manual_seed(10 + i) for i in range(2)]
+        in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 6) for i in range(2)))
+        assert [o.epoch for o in opts] == [6, 6]
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q), "peers of one group must end bit-identical"
+        assert opts[0].stats.rounds >= 5 and opts[0].stats.last_group_size == 2
+        assert opts[0].stats.bytes_sent > 0
+        last = eval_loss(models[0])
+        assert last < first
+    finally:
+        for o in opts:
+            o.close()
+
+
+def test_late_joiner_starts_from_the_swarm_state(swarm):
+    dhts = [swarm(), swarm()]
+    models = [make_model(), make_model()]
+    opts = [DecentralizedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), dht=d, run_id="late",
+                                   target_batch_size=64, batch_size_per_step=16) for m, d in zip(models, dhts)]
+    joiner = None
+    try:
+        opts[0].wait_for_peers(2, timeout=20)
+        opts[1].wait_for_peers(2, timeout=20)
+        gens = [torch.Generator().manual_seed(20 + i) for i in range(2)]
+        in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 4) for i in range(2)))
+        assert opts[0].epoch == opts[1].epoch == 4
+        # the two stop stepping (they keep serving); a new peer, initialised differently, joins
+        late_model = make_model(seed=123)
+        joiner = DecentralizedOptimizer(torch.optim.AdamW(late_model.parameters(), lr=1e-2), dht=swarm(),
+                                        run_id="late", target_batch_size=64, batch_size_per_step=16)
+        assert joiner.epoch == 4
+        assert joiner.stats.state_loads == 1
+        for p, q in zip(late_model.parameters(), models[0].parameters()):
+            assert torch.equal(p, q)
+        s_join, s_ref = joiner.inner.state_dict()["state"], opts[0].inner.state_dict()["state"]
+        for k in s_ref:
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(s_join[k][name], s_ref[k][name])
+    finally:
+        for o in [*opts, joiner]:
+            if o is not None:
+                o.close()
+
+
+def test_diloco_outer_step_keeps_peers_identical(swarm):
+    dhts = [swarm(), swarm()]
+    models = [make_model(), make_model()]
+    start = [p.detach().clone() for p in models[0].parameters()]
+    opts = [DecentralizedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), dht=d, run_id="dl", mode="diloco",
+                                   local_steps=5, batch_size_per_step=16, compression="none")
+            for m, d in zip(models, dhts)]
+    try:
+        opts[0].wait_for_peers(2, timeout=20)
+        opts[1].wait_for_peers(2, timeout=20)
+        gens = [torch.Generator().manual_seed(30 + i) for i in range(2)]
+        in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 3) for i in range(2)))
+        assert [o.epoch for o in opts] == [3, 3]
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q)
+        assert any(not torch.equal(p, s) for p, s in zip(models[0].parameters(), start))
+        assert opts[0].stats.last_group_size == 2
+    finally:
+        for o in opts:
+            o.close()
+
+
+def test_diloco_compresses_pseudo_gradients_by_default(swarm):
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="dlc", mode="diloco")
+    try:
+        assert opt.codec == "int8" and opt.averager.codec_name == "int8"
+    finally:
+        opt.close()
+
+
+def test_other_model_never_averages_and_is_reported(swarm):
+    a_model, b_model = make_model(width=8), make_model(width=8)
+    b_model[0] = torch.nn.Linear(8, 32)  # a different hidden layer on peer b
+    b_model[2] = torch.nn.Linear(32, 1)
+    a = DecentralizedOptimizer(torch.optim.SGD(a_model.parameters(), lr=0.1), dht=swarm(), run_id="mix",
+                               target_batch_size=32, batch_size_per_step=16, refresh_period=0.1)
+    b = DecentralizedOptimizer(torch.optim.SGD(b_model.parameters(), lr=0.1), dht=swarm(), run_id="mix",
+                               target_batch_size=32, batch_size_per_step=16, refresh_period=0.1)
+    try:
+        a.wait_for_peers(2, timeout=2)  # only counts compatible peers: returns after the timeout
+        gens = [torch.Generator().manual_seed(40 + i) for i in range(2)]
+        in_threads(lambda: train(a, a_model, gens[0], 3), lambda: train(b, b_model, gens[1], 3))
+        assert a.stats.rounds == 0 and b.stats.rounds == 0  # nobody compatible: no averaging round
+        assert any("different model" in m for m in a.mismatches.values())
+        assert any("different model" in m for m in b.mismatches.values())
+    finally:
+        a.close()
+        b.close()
+
+
+def test_torch_optimizer_surface(swarm):
+    """param_groups, LR schedulers stepped per global epoch, GradScaler, closures, state_dict."""
+    model = make_model()
+    opt = DecentralizedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="surface", target_batch_size=32,
+        batch_size_per_step=16, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    try:
+        assert isinstance(opt, torch.optim.Optimizer)
+        assert opt.param_groups is opt.inner.param_groups
+        gen = torch.Generator().manual_seed(5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for _ in range(4):  # 2 epochs of 2 steps
+            scaler.scale(loss_of(model, batch(gen))).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert opt.epoch == 2
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+
+        def closure():
+            opt.zero_grad()
+            loss = loss_of(model, batch(gen))
+            loss.backward()
+            return loss
+
+        assert isinstance(opt.step(closure), torch.Tensor)
+        sd = copy.deepcopy(opt.state_dict())
+        assert sd["epoch"] == 2 and "scheduler" in sd
+        opt.load_state_dict(sd)
+        assert opt.epoch == 2
+        with pytest.raises(RuntimeError, match="parameter groups"):
+            opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+    finally:
+        opt.close()
+
+
+def test_bad_arguments_are_clear(swarm):
+    model = make_model()
+    dht = swarm()
+    with pytest.raises(ValueError, match="mode"):
+        DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=dht, run_id="x", mode="fast")
+    with pytest.raises(ValueError, match="run_id"):
+        DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=dht, run_id="a/b")
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        DecentralizedOptimizer(model, dht=dht, run_id="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="codec|compression"):
+        DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=dht, run_id="x", compression="zip")

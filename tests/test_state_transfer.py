@@ -1,0 +1,388 @@
+"""State transfer over real loopback Hosts in one event loop: parallel fetch from several
+providers, corrupt / dying / stalling / hostile providers, manifest choice, timeouts, and the
+sans-IO chunk schedule.
+
+Every test is bounded by ``asyncio.timeout``; no sleeps are used to synchronise (hooks signal
+events); the fixture closes every server and host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from dht.errors import RPCError
+from dht.identity import Identity
+from dht.stream import StreamReset
+from dht.transport import Host
+from p2ptrain.checkpoint import (
+    ChunksUnavailableError,
+    NoProviderError,
+    StateServer,
+    StateTimeoutError,
+    StateTransferError,
+    build_snapshot,
+    fetch_state,
+)
+from p2ptrain.checkpoint.transfer import (
+    CHUNKS_PROTOCOL,
+    INLINE_MANIFEST_MAX,
+    MANIFEST_METHOD,
+    ChunkSchedule,
+)
+
+CHUNK = 64 << 10
+KEY = "run/state"
+
+
+def make_state(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(400_000, generator=g), "b": torch.randn(77, generator=g).to(torch.bfloat16)},
+        "opt": {"state": {0: {"step": torch.tensor(float(seed)), "idx": torch.arange(50_000)}}, "param_groups": []},
+    }
+
+
+def snapshot(seed: int = 0, epoch: int = 1, **meta):
+    return build_snapshot(make_state(seed), {"epoch": epoch, "seed": seed, **meta}, chunk_size=CHUNK)
+
+
+class Blocking(StateServer):
+    """Serves ``before`` chunks in all, then signals ``reached`` and hangs until cancelled."""
+
+    def __init__(self, host: Host, before: int = 0):
+        super().__init__(host)
+        self.before, self.sent, self.reached = before, 0, asyncio.Event()
+
+    async def _before_chunk(self, key: str, index: int) -> None:
+        if self.sent >= self.before:
+            self.reached.set()
+            await asyncio.Event().wait()
+        self.sent += 1
+
+
+class Counting(StateServer):
+    requests = 0
+
+    async def _on_chunks(self, stream) -> None:
+        self.requests += 1
+        await super()._on_chunks(stream)
+
+
+class Swarm:
+    def __init__(self):
+        self.hosts: list[Host] = []
+        self.servers: list[StateServer] = []
+
+    async def host(self) -> Host:
+        h = Host(Identity(), ("127.0.0.1", 0))
+        await h.start()
+        self.hosts.append(h)
+        return h
+
+    async def provider(self, snap=None, cls=StateServer, **kw):
+        """A host serving ``snap`` (manifest, buffer) under KEY; returns (entry, server, host)."""
+        h = await self.host()
+        server = cls(h, **kw)
+        await server.start()
+        self.servers.append(server)
+        if snap is not None:
+            server.publish(KEY, *snap)
+        return (h.peer_id, ("127.0.0.1", h.listen_port)), server, h
+
+    async def close(self):
+        for s in self.servers:
+            await s.close()
+        for h in self.hosts:
+            await h.close()
+
+
+@pytest.fixture
+async def swarm(loop_errors):
+    s = Swarm()
+    yield s
+    await s.close()
+
+
+def check(result, snap):
+    m, buf = snap
+    assert result.manifest.id == m.id
+    assert torch.equal(result.buffer, buf)
+    state, expected = result.restore(), make_state(m.meta["seed"])
+    assert torch.equal(state["model"]["w"], expected["model"]["w"])
+    assert torch.equal(state["model"]["b"], expected["model"]["b"])
+    assert torch.equal(state["opt"]["state"][0]["step"], expected["opt"]["state"][0]["step"])
+    assert torch.equal(state["opt"]["state"][0]["idx"], expected["opt"]["state"][0]["idx"])
+
+
+# ---------------------------------------------------------------------------- happy paths
+
+
+async def test_fetch_from_three_providers_in_parallel(swarm):
+    async with asyncio.timeout(10):
+        snap = snapshot()
+        provs = [(await swarm.provider(snap))[0] for _ in range(3)]
+        me = await swarm.host()
+        res = await fetch_state(me, KEY, provs, timeout=10)
+        check(res, snap)
+        assert set(res.contributors) == {p for p, _ in provs}
+        assert sum(res.contributors.values()) == snap[0].num_chunks
+        assert res.dropped == {} and res.corrupt == set()
+        # parallel=1: one provider streams, the others wait in reserve
+        res = await fetch_state(me, KEY, provs, parallel=1, timeout=10)
+        check(res, snap)
+        assert len(res.contributors) == 1
+
+
+async def test_large_manifest_travels_over_a_stream(swarm):
+    async with asyncio.timeout(10):
+        snap = snapshot(blob=b"\x07" * (INLINE_MANIFEST_MAX + 1000))
+        assert len(snap[0].to_bytes()) > INLINE_MANIFEST_MAX
+        provs = [(await swarm.provider(snap))[0] for _ in range(2)]
+        res = await fetch_state(await swarm.host(), KEY, provs, timeout=10)
+        check(res, snap)
+        assert res.manifest.meta["blob"] == snap[0].meta["blob"]
+
+
+# ---------------------------------------------------------------------------- faulty providers
+
+
+async def test_corrupt_provider_is_detected_refetched_and_reported(swarm):
+    async with asyncio.timeout(10):
+        snap = snapshot()
+        m, buf = snap
+        bad_buf = buf.clone()
+        bad_buf[::CHUNK] ^= 0xFF  # first byte of every chunk flipped
+        good = [(await swarm.provider(snap))[0] for _ in range(2)]
+        bad, bad_server, _ = await swarm.provider((m, bad_buf), cls=Counting)
+        res = await fetch_state(await swarm.host(), KEY, [good[0], bad, good[1]], timeout=10)
+        check(res, snap)
+        assert res.corrupt == {bad[0]}
+        assert bad[0] not in res.contributors and set(res.contributors) == {p for p, _ in good}
+        assert "does not match its digest" in res.dropped[bad[0]]
+        assert bad_server.requests == 1  # never asked again
+
+
+async def test_provider_killed_mid_transfer_others_finish(swarm):
+    async with asyncio.timeout(10):
+        snap = snapshot()
+        good = [(await swarm.provider(snap))[0] for _ in range(2)]
+        dying, server, dying_host = await swarm.provider(snap, cls=Blocking, before=1)
+        task = asyncio.create_task(fetch_state(await swarm.host(), KEY, [dying, *good], timeout=10))
+        await server.reached.wait()  # it has sent one chunk and is in the middle of its segment
+        await dying_host.close()
+        res = await task
+        check(res, snap)
+        assert dying[0] in res.dropped and "failed mid-transfer" in res.dropped[dying[0]]
+        assert res.contributors.get(dying[0], 0) <= 1 and res.corrupt == set()
+
+
+async def test_stalled_provider_loses_its_chunks_to_the_others(swarm):
+    async with asyncio.timeout(10):
+        snap = snapshot()
+        good = (await swarm.provider(snap))[0]
+        stalled, server, _ = await swarm.provider(snap, cls=Blocking)
+        res = await fetch_state(await swarm.host(), KEY, [stalled, good], stall_timeout=0.2, timeout=10)
+        check(res, snap)
+        assert server.reached.is_set() and "no data within" in res.dropped[stalled[0]]
+        assert list(res.contributors) == [good[0]]
+
+
+async def test_hostile_providers_are_dropped(swarm):
+    async with asyncio.timeout(10):
+        snap = snapshot()
+        m, _ = snap
+        good = (await swarm.provider(snap))[0]
+        liars = []
+        replies = [
+            {"id": m.id, "size": 10, "manifest": b"0123456789", "held": []},  # bytes do not match the id
+            "not a map",
+            {"id": b"short", "size": 1, "manifest": None, "held": []},
+        ]
+        for reply in replies:
+            h = await swarm.host()
+
+            async def answer(_conn, _args, reply=reply):
+                return reply
+            h.on_request(MANIFEST_METHOD, answer)
+            liars.append((h.peer_id, ("127.0.0.1", h.listen_port)))
+        # one that announces the real manifest but streams more bytes than it was asked for
+        h = await swarm.host()
+
+        async def manifest(_conn, _args):
+            return {"id": m.id, "size": len(m.to_bytes()), "manifest": m.to_bytes(), "held": [m.id]}
+
+        async def flood(stream):
+            await stream.write(b"\x00" * (stream.header["count"] * CHUNK + 10))
+        h.on_request(MANIFEST_METHOD, manifest)
+        h.on_stream(CHUNKS_PROTOCOL, flood)
+        flooder = (h.peer_id, ("127.0.0.1", h.listen_port))
+        res = await fetch_state(await swarm.host(), KEY, [*liars, flooder, good], timeout=10)
+        check(res, snap)
+        assert res.corrupt == {p for p, _ in liars} | {flooder[0]}
+        assert all("malformed manifest reply" in res.dropped[p] for p, _ in liars)
+        assert "sent more bytes" in res.dropped[flooder[0]] or "does not match" in res.dropped[flooder[0]]
+
+
+async def test_all_providers_fail_raises_naming_missing_chunks(swarm):
+    async with asyncio.timeout(10):
+        snap = snapshot()
+        m, buf = snap
+        bad_buf = buf.clone()
+        bad_buf[-1] ^= 1  # only the last chunk is wrong, everywhere
+        provs = [(await swarm.provider((m, bad_buf)))[0] for _ in range(2)]
+        with pytest.raises(ChunksUnavailableError, match=rf"chunks {m.num_chunks - 1} of state 'run/state'"):
+            await fetch_state(await swarm.host(), KEY, provs, timeout=10)
+
+
+# ---------------------------------------------------------------------------- choosing the manifest
+
+
+async def test_majority_manifest_wins(swarm):
+    async with asyncio.timeout(10):
+        a, b = snapshot(0, epoch=1), snapshot(1, epoch=9)
+        pa = [(await swarm.provider(a))[0] for _ in range(2)]
+        pb = (await swarm.provider(b))[0]
+        res = await fetch_state(await swarm.host(), KEY, [pb, *pa], timeout=10)
+        check(res, a)
+        assert set(res.contributors) == {p for p, _ in pa}
+        assert "holds a different state" in res.dropped[pb[0]]
+
+
+async def test_ties_go_to_the_larger_epoch_then_the_lowest_id(swarm):
+    async with asyncio.timeout(10):
+        a, b = snapshot(0, epoch=3), snapshot(1, epoch=7)
+        provs = [(await swarm.provider(a))[0], (await swarm.provider(b))[0]]
+        me = await swarm.host()
+        assert (await fetch_state(me, KEY, provs, timeout=10)).manifest.id == b[0].id
+        c, d = snapshot(2, epoch=5), snapshot(3, epoch=5)
+        provs = [(await swarm.provider(c))[0], (await swarm.provider(d))[0]]
+        assert (await fetch_state(me, KEY, provs, timeout=10)).manifest.id == min(c[0].id, d[0].id)
+
+
+async def test_pinned_manifest_and_previous_snapshots(swarm):
+    async with asyncio.timeout(10):
+        a, b, c = snapshot(0, epoch=1), snapshot(1, epoch=2), snapshot(2, epoch=3)
+        entry, server, _ = await swarm.provider(a)
+        others = [(await swarm.provider(a))[0] for _ in range(2)]
+        server.publish(KEY, *b)  # a is still held as the previous snapshot
+        me = await swarm.host()
+        res = await fetch_state(me, KEY, [entry, *others], manifest_id=b[0].id, timeout=10)
+        check(res, b)
+        res = await fetch_state(me, KEY, [entry, *others], manifest_id=a[0].id, timeout=10)
+        check(res, a)
+        assert set(res.contributors) == {entry[0], *(p for p, _ in others)}
+        server.publish(KEY, *c)  # keep=2: a is gone from this provider
+        res = await fetch_state(me, KEY, [entry], manifest_id=c[0].id, timeout=10)
+        check(res, c)
+        with pytest.raises(NoProviderError, match="holds manifest"):
+            await fetch_state(me, KEY, [entry], manifest_id=a[0].id, timeout=10)
+
+
+# ---------------------------------------------------------------------------- errors and timeouts
+
+
+async def test_no_provider_with_the_state_fails_fast_and_clearly(swarm):
+    async with asyncio.timeout(10):
+        empty = (await swarm.provider())[0]
+        dead_host = await swarm.host()
+        dead = (dead_host.peer_id, ("127.0.0.1", dead_host.listen_port))
+        await dead_host.close()
+        me = await swarm.host()
+        t0 = time.monotonic()
+        with pytest.raises(NoProviderError) as info:
+            await fetch_state(me, KEY, [empty, dead], timeout=5)
+        assert time.monotonic() - t0 < 3
+        msg = str(info.value)
+        assert "'run/state'" in msg and "holds no state" in msg and "unreachable" in msg
+        with pytest.raises(StateTransferError, match="none of 0 providers"):
+            await fetch_state(me, KEY, [], timeout=5)
+        # a state larger than the caller accepts: refused before allocation, not blamed on the peer
+        entry = (await swarm.provider(snapshot()))[0]
+        with pytest.raises(NoProviderError, match="too large here"):
+            await fetch_state(me, KEY, [entry], max_total=1 << 20, timeout=5)
+
+
+async def test_timeout_is_a_clear_error_within_the_deadline(swarm):
+    async with asyncio.timeout(10):
+        stalled = (await swarm.provider(snapshot(), cls=Blocking))[0]
+        t0 = time.monotonic()
+        with pytest.raises(StateTimeoutError, match="timed out after 0.3 s while downloading .* still missing"):
+            await fetch_state(await swarm.host(), KEY, [stalled], stall_timeout=30, timeout=0.3)
+        assert time.monotonic() - t0 < 1.3
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+async def test_server_rejects_bad_requests_and_closes_cleanly(swarm):
+    async with asyncio.timeout(10):
+        snap = snapshot()
+        entry, server, host = await swarm.provider(snap)
+        me = await swarm.host()
+        with pytest.raises(RPCError, match="malformed"):
+            await me.call(entry[0], entry[1], MANIFEST_METHOD, ["not", "a", "map"])
+        with pytest.raises(RPCError, match="state key"):
+            await me.call(entry[0], entry[1], MANIFEST_METHOD, {"key": "x" * 1000})
+        assert await me.call(entry[0], entry[1], MANIFEST_METHOD, {"key": "other"}) is None
+        conn = me.connection(entry[0])
+        m = snap[0]
+        for header, why in [
+            ("junk", "malformed header"),
+            ({"key": KEY, "id": b"\x00" * 32, "first": 0, "count": 1}, "no longer held"),
+            ({"key": KEY, "id": m.id, "first": m.num_chunks, "count": 1}, "out of bounds"),
+            ({"key": KEY, "id": m.id, "first": 0, "count": 0}, "out of bounds"),
+            ({"key": KEY, "id": m.id, "first": "0", "count": 1}, "out of bounds"),
+        ]:
+            stream = await conn.open_stream(CHUNKS_PROTOCOL, header)
+            with pytest.raises(StreamReset, match=why):
+                await stream.read(5)
+        # close() cancels a stream it is serving and unregisters its handlers
+        blocking = Blocking(host)
+        await server.close()
+        await blocking.start()
+        blocking.publish(KEY, *snap)
+        stream = await conn.open_stream(CHUNKS_PROTOCOL, {"key": KEY, "id": m.id, "first": 0, "count": 2})
+        await blocking.reached.wait()
+        await blocking.close()
+        with pytest.raises(StreamReset):
+            await stream.read(5)
+        with pytest.raises(RPCError, match="unknown method"):
+            await me.call(entry[0], entry[1], MANIFEST_METHOD, {"key": KEY})
+        with pytest.raises(RuntimeError, match="closed"):
+            server.publish(KEY, *snap)
+        with pytest.raises(ValueError, match="buffer holds"):
+            StateServer(host).publish(KEY, snap[0], snap[1][:-1])
+
+
+# ---------------------------------------------------------------------------- the schedule (sans-IO)
+
+
+def test_chunk_schedule_hands_out_segments_and_requeues_failures():
+    s = ChunkSchedule(10, 4)
+    assert s.take("a") == (0, 4) and s.take("b") == (4, 8) and s.take("c") == (8, 10)
+    s.verified("a", 0)
+    s.verified("a", 1)
+    s.failed("a")  # 2..3 back at the front
+    assert s.missing() == [(2, 4), (4, 8), (8, 10)]
+    with pytest.raises(RuntimeError, match="out of order"):
+        s.verified("b", 5)
+    for i in range(4, 8):
+        s.verified("b", i)
+    s.done("b")
+    assert s.take("b") == (2, 4)
+    s.failed("c")
+    s.failed("c")  # idempotent
+    assert not s.idle and not s.complete
+    for i in (2, 3):
+        s.verified("b", i)
+    s.done("b")
+    assert s.take("b") == (8, 10)
+    s.verified("b", 8)
+    s.verified("b", 9)
+    s.done("b")
+    assert s.complete and s.idle and s.take("a") is None
+    assert dict(s.chunks_from) == {"a": 2, "b": 8}
