@@ -53,6 +53,7 @@ class PeerConfig:
     progress_every: float = 1.0
     target_group_size: int = 16
     matchmaking_timeout: float = 5.0
+    threads: int | None = None  # torch intra-op threads (default: torch's); 1 when many peers share a machine
     wait_peers: int = 0  # wait for this many peers before training (a swarm started together)
     bootstrap: Sequence[str] = ()
     listen: tuple[str, int] | None = ("127.0.0.1", 0)
@@ -67,6 +68,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
     from .tasks import get_task
 
     stop = stop or threading.Event()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     task = get_task(cfg.task, **cfg.task_options)
     batch_size = cfg.batch_size or task.default_batch_size
     own_dht = dht is None
@@ -82,11 +85,12 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
             matchmaking_timeout=cfg.matchmaking_timeout,
         )
-        if cfg.wait_peers > 1:
-            opt.wait_for_peers(cfg.wait_peers)
         on_event({"event": "started", "peer_id": str(dht.peer_id),
                   "multiaddrs": [str(a) for a in dht.multiaddrs], "run_id": opt.run_id, "epoch": opt.epoch,
+                  "state_loads": opt.stats.state_loads,
                   "config": {k: v for k, v in asdict(cfg).items() if k != "bootstrap"}})
+        if cfg.wait_peers > 1:
+            opt.wait_for_peers(cfg.wait_peers)
         data_seed = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(dht.peer_id.to_bytes()[-4:], "big")
         batches = task.batches(batch_size, seed=data_seed)
         t0 = time.perf_counter()
@@ -131,7 +135,7 @@ def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: flo
             "steps": steps, "samples": s.samples_total, "seconds": round(elapsed, 3),
             "local_sps": round(s.local_sps, 1), "swarm_sps": round(s.swarm_sps, 1), "peers": s.peers,
             "rounds": s.rounds, "group_size": s.last_group_size, "failed_rounds": s.failed_rounds,
-            "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received}
+            "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "state_loads": s.state_loads}
 
 
 @torch.no_grad()

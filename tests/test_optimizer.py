@@ -131,6 +131,30 @@ def test_two_peers_take_identical_steps(swarm):
             o.close()
 
 
+def test_state_averaging_reunites_diverged_peers(swarm):
+    """Peers that start (or drifted) apart end identical after a state-averaging round."""
+    dhts = [swarm(), swarm()]
+    models = [make_model(seed=1), make_model(seed=2)]
+    assert not torch.equal(next(models[0].parameters()), next(models[1].parameters()))
+    opts = [DecentralizedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), dht=d, run_id="reunite",
+                                   target_batch_size=64, batch_size_per_step=16, average_state_every=2)
+            for m, d in zip(models, dhts)]
+    try:
+        opts[0].wait_for_peers(2, timeout=20)
+        opts[1].wait_for_peers(2, timeout=20)
+        gens = [torch.Generator().manual_seed(50 + i) for i in range(2)]
+        in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 2) for i in range(2)))
+        assert opts[0].stats.state_rounds == 1 == opts[1].stats.state_rounds
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q)
+        s0, s1 = opts[0].inner.state_dict()["state"], opts[1].inner.state_dict()["state"]
+        for k in s0:
+            assert torch.equal(s0[k]["exp_avg"], s1[k]["exp_avg"])
+    finally:
+        for o in opts:
+            o.close()
+
+
 def test_late_joiner_starts_from_the_swarm_state(swarm):
     dhts = [swarm(), swarm()]
     models = [make_model(), make_model()]

@@ -69,6 +69,7 @@ class Averager:
         bandwidth: float = 1.0,
         matchmaking_timeout: float = 5.0,
         allreduce_config: AllReduceConfig | None = None,
+        service: AllReduceService | None = None,
     ):
         if isinstance(tensors, Mapping):
             named = list(tensors.items())
@@ -89,18 +90,23 @@ class Averager:
         self.matchmaking_timeout = matchmaking_timeout
         self.matchmaker = Matchmaker(dht, prefix, self.schema, target_group_size=target_group_size,
                                      min_group_size=min_group_size, bandwidth=bandwidth)
-        self.service = AllReduceService(dht.host, allreduce_config)
+        # One all-reduce service per host serves every averager on it (it owns the stream
+        # protocol); an averager given one shares it and leaves its lifetime to the owner.
+        self._owns_service = service is None
+        self.service = service if service is not None else AllReduceService(dht.host, allreduce_config)
         self._flat = torch.empty(self.schema.numel, dtype=torch.float32)
         self._round = 0
         self._started = False
 
     async def start(self) -> None:
-        await self.service.start()
+        if self._owns_service:
+            await self.service.start()
         self._started = True
 
     async def close(self) -> None:
         await self.matchmaker.close()
-        await self.service.close()
+        if self._owns_service:
+            await self.service.close()
 
     async def __aenter__(self) -> Averager:
         await self.start()

@@ -47,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delay-updates", action="store_true", help="sync: average in the background, apply one epoch late")
     p.add_argument("--wait-peers", type=int, default=0, metavar="N",
                    help="wait (up to 60 s) for N peers before training, so a swarm started together trains together")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch threads for this peer (default: torch's; use 1 when several peers share a machine)")
     p.add_argument("--json", action="store_true", help="print events as JSON lines on stdout")
     p.set_defaults(func=main)
 
@@ -59,6 +61,8 @@ def _config(args: argparse.Namespace) -> Any:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError("--batch-size must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError("--threads must be at least 1")
     if args.compute_delay < 0:
         raise ConfigError("--compute-delay cannot be negative")
     listen = parse_listen(args.listen)
@@ -66,7 +70,7 @@ def _config(args: argparse.Namespace) -> Any:
         task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
         lr=args.lr, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
-        delay_updates=args.delay_updates, wait_peers=args.wait_peers,
+        delay_updates=args.delay_updates, wait_peers=args.wait_peers, threads=args.threads,
         bootstrap=[str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)],
         listen=listen, announce_host=args.announce_host, key_file=args.key_file,
     )

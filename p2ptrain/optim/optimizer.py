@@ -70,6 +70,7 @@ class OptimizerStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     failed_rounds: int = 0  # rounds that found nobody or lost part of the average
+    state_rounds: int = 0  # rounds that averaged the parameters and optimizer state themselves
     state_loads: int = 0  # times this peer downloaded the swarm's state (joining, or after missing rounds)
     last_state_load_s: float = 0.0
 
@@ -108,6 +109,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         refresh_period: float = 0.5,
         bandwidth: float = 1.0,
         load_state_timeout: float = 60.0,
+        average_state_every: int = 5,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -177,6 +179,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._pending_epoch = -1
         self._state_lock = threading.Lock()  # held while parameters change (snapshots wait on it)
         self._closed = False
+        self.average_state_every = average_state_every
+        self._state_averager: Averager | None = None
+        self._state_shapes: list[Any] = []
+        self._last_expected = 1
         self.load_state_timeout = load_state_timeout
         self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock)
         self.scheduler = scheduler(self) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
@@ -330,6 +336,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         # peers still reporting the previous epoch are finishing its round and will come; peers
         # further behind are catching up (they load the state) and will not
         expected = view.num_peers + sum(1 for p in view.behind if p.epoch == epoch - 1)
+        self._last_expected = expected
         if expected <= 1:
             done: Future[StepResult | None] = Future()
             done.set_result(None)
@@ -354,6 +361,56 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         for p, g in zip(self.params, grads):  # the user's current gradients stay as they were
             p.grad = g
         self._record(result)
+        self._maybe_average_state(self._pending_epoch)
+
+    # ---- periodic state averaging
+
+    def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What peers must agree on beyond one step: the parameters (the outer ones in diloco) and
+        the floating-point optimizer state of the same shape (momenta, Adam moments)."""
+        if self.mode == "sync":
+            params, opt = self.params, self.inner
+        else:
+            assert self.outer_optimizer is not None
+            params, opt = self._outer, self.outer_optimizer
+        named = [(f"p{i}", p.data) for i, p in enumerate(params)]
+        for i, p in enumerate(params):
+            for k, v in sorted(opt.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
+                    named.append((f"s{i}.{k}", v))
+        return named
+
+    def _maybe_average_state(self, epoch: int) -> bool:
+        """Every ``average_state_every`` epochs, average the state itself, equally weighted.
+
+        Gradient rounds keep a group's members bit-identical, but once the swarm splits into
+        several groups (a late matchmaker, churn, more peers than ``target_group_size``) the groups
+        drift apart for good; averaging the state brings them back together.
+        """
+        k = self.average_state_every
+        if not k or (epoch + 1) % k or self._last_expected <= 1:
+            return False
+        named = self._state_tensors()
+        shapes = [(n, t.shape, t.dtype) for n, t in named]
+        if self._state_averager is None or self._state_shapes != shapes:
+            if self._state_averager is not None:
+                self._loop.run(self._state_averager.close())
+            self._state_averager = Averager(
+                self.dht.node, f"{self.run_id}/{self.mode}/state", named, codec="none",
+                target_group_size=self.averager.matchmaker.target_group_size,
+                matchmaking_timeout=self.matchmaking_timeout, service=self.averager.service,
+            )
+            self._state_shapes = shapes
+        with self._state_lock:
+            future = self._loop.submit(self._state_averager.step(weight=1.0, round_id=f"s{epoch}",
+                                                                 timeout=self.matchmaking_timeout,
+                                                                 expected=self._last_expected))
+            result = self._round_result(future)
+        if result is not None:
+            self.stats.state_rounds += 1
+            self.stats.bytes_sent += result.bytes_sent
+            self.stats.bytes_received += result.bytes_received
+        return result is not None and result.group_size > 1
 
     def _round_result(self, future: Future[StepResult | None]) -> StepResult | None:
         t0 = time.perf_counter()
@@ -391,18 +448,21 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Download the state of the most advanced peers and continue from it; on failure, keep
         ours (and the swarm's epoch number) and say so: training goes on either way."""
         t0 = time.perf_counter()
-        peers = [p for p in (*view.peers, *view.behind) if p.peer != self.tracker.me.peer]
+        providers = self.state_sync.choose([p for p in (*view.peers, *view.behind) if p.peer != self.tracker.me.peer])
         loaded = False
+        epoch = self.epoch
         try:
-            if not peers:
-                raise StateTransferError("no peer to load it from")
-            result = self._loop.run(self.state_sync.fetch(peers, self.load_state_timeout))
+            if not providers:
+                raise StateTransferError("no peer serves it")
+            result = self._loop.run(self.state_sync.fetch(providers, self.load_state_timeout))
             epoch = int(result.manifest.meta.get("epoch", view.epoch))
             self._apply_shared_state(result.restore())
             loaded = True
         except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
-            log.warning("could not load the swarm's state (%s); continuing from our own", e)
-            epoch = view.epoch
+            # Peers whose state we cannot get do not get to set our epoch either: a peer that
+            # trained alone and left (its record lingers) must not drag the swarm along.
+            self.tracker.ignore([p.peer for p in providers])
+            log.warning("could not load the swarm's state (%s); continuing from our own at epoch %d", e, self.epoch)
         for acc in self._grad_acc:
             acc.zero_()
         self.epoch = max(epoch, self.epoch)
@@ -475,8 +535,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.epoch += 1
         self.local_samples = 0
         self._local_steps_done = 0
-        self.tracker.report(self.epoch, 0, self._sps)
         self._record(result)
+        if self._maybe_average_state(epoch):
+            with self._state_lock:
+                for p, outer in zip(self.params, self._outer):
+                    p.copy_(outer)
+        self.tracker.report(self.epoch, 0, self._sps)
 
     # ---- bookkeeping
 
@@ -521,6 +585,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self.dht.close()
 
     async def _close(self) -> None:
+        if self._state_averager is not None:
+            await self._state_averager.close()
         await self.tracker.close()
         await self.state_sync.close()
         await self.averager.close()

@@ -49,11 +49,12 @@ class PeerReport:
     addr: tuple[str, int] | None = None  # where it serves state; None for client-mode peers
     ready: bool = False  # waiting to average the end of ``epoch``
     client: bool = False
+    left: bool = False  # said goodbye: no longer counts, whatever its record's expiry
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": _VERSION, "e": self.epoch, "s": self.samples, "sps": self.sps, "t": self.time,
                 "h": self.schema, "a": list(self.addr) if self.addr else None, "r": self.ready,
-                "c": self.client}
+                "c": self.client, "l": self.left}
 
 
 def parse_report(value: object, owner: PeerID) -> PeerReport | None:
@@ -73,7 +74,8 @@ def parse_report(value: object, owner: PeerID) -> PeerReport | None:
                 and isinstance(a[1], int) and 0 < a[1] < 65536):
             return None
         addr = (a[0], a[1])
-    return PeerReport(owner, e, s, float(sps), float(t), h, addr, value.get("r") is True, value.get("c") is True)
+    return PeerReport(owner, e, s, float(sps), float(t), h, addr, value.get("r") is True, value.get("c") is True,
+                      value.get("l") is True)
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class SwarmView:
 
 
 def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target: int,
-              stale_after: float) -> SwarmView:
+              stale_after: float, ignored: Iterable[PeerID] = ()) -> SwarmView:
     """The swarm as seen from ``me`` (whose own report is always fresh).
 
     Reports older than ``stale_after`` seconds and reports with another schema are ignored. A
@@ -119,8 +121,9 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
     stopped computing and is not extrapolated.
     """
     latest: dict[PeerID, PeerReport] = {}
+    skip = set(ignored)
     for r in reports:
-        if r.peer == me.peer or r.schema != me.schema or now - r.time > stale_after:
+        if r.peer == me.peer or r.schema != me.schema or now - r.time > stale_after or r.left or r.peer in skip:
             continue
         if r.peer not in latest or (r.epoch, r.time) > (latest[r.peer].epoch, latest[r.peer].time):
             latest[r.peer] = r
@@ -166,6 +169,7 @@ class ProgressTracker:
         self._reports: list[PeerReport] = []
         self.view = summarize([], self._me, time.time(), target, self.ttl)
         self.mismatched: dict[PeerID, str] = {}
+        self._ignored: dict[PeerID, float] = {}  # peer -> monotonic time until which it is left out
         self._wake = asyncio.Event()
         self._fresh = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -179,11 +183,32 @@ class ProgressTracker:
         await self._refresh()
         self._task = self._loop.create_task(self._run())
 
-    async def close(self) -> None:
+    async def close(self, goodbye_timeout: float = 2.0) -> None:
+        """Stop refreshing and tell the swarm we left (best effort, bounded), so that nobody
+        counts on us, or takes our epoch for the swarm's, until our record expires."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+            self._me = replace(self._me, left=True, time=time.time())
+            try:
+                async with asyncio.timeout(goodbye_timeout):
+                    await self.node.store(self.key, self._me.to_wire(), time.time() + self.ttl,
+                                          subkey=self.node.owned(_SUBKEY.decode()))
+            except (TimeoutError, DHTError, InvalidRecord, OSError) as e:
+                log.debug("could not say goodbye: %s", e)
+
+    def ignore(self, peers: Iterable[PeerID], seconds: float | None = None) -> None:
+        """Leave ``peers`` out of the view for a while (e.g. they claim an epoch whose state they
+        do not serve); any thread."""
+        until = time.monotonic() + (self.ttl if seconds is None else seconds)
+        for peer in peers:
+            self._ignored[peer] = until
+        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
+
+    def _ignored_now(self) -> list[PeerID]:
+        now = time.monotonic()
+        return [p for p, until in list(self._ignored.items()) if until > now]
 
     # ---------------------------------------------------------------- training thread side
 
@@ -196,13 +221,13 @@ class ProgressTracker:
         the epoch or the ready flag changed: other peers wait on those."""
         old = self._me
         self._me = replace(old, epoch=epoch, samples=samples, sps=sps, ready=ready, time=time.time())
-        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl)
+        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
         if (epoch, ready) != (old.epoch, old.ready) and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def estimate(self) -> SwarmView:
         """The view extrapolated to now, from the last reports read (no DHT traffic)."""
-        return summarize(self._reports, self._me, time.time(), self.target, self.ttl)
+        return summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
 
     # ---------------------------------------------------------------- loop side
 
@@ -251,7 +276,7 @@ class ProgressTracker:
                 continue
             reports.append(report)
         self._reports = reports
-        self.view = summarize(reports, self._me, time.time(), self.target, self.ttl)
+        self.view = summarize(reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
         self._fresh.set()
 
     @staticmethod

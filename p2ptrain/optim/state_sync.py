@@ -68,13 +68,21 @@ class StateSync:
         self._served_epoch = result[0]
         return result[1], result[2]
 
-    async def fetch(self, peers: list[PeerReport], timeout: float) -> FetchResult:
-        """Download the state most of ``peers`` (the most advanced ones first) hold."""
-        best = max(p.epoch for p in peers)
-        candidates = [p for p in peers if p.addr is not None and p.epoch == best]
+    @staticmethod
+    def choose(peers: list[PeerReport]) -> list[PeerReport]:
+        """Up to ``MAX_PROVIDERS`` of the most advanced ``peers`` that serve (have an address)."""
+        serving = [p for p in peers if p.addr is not None]
+        if not serving:
+            return []
+        best = max(p.epoch for p in serving)
+        candidates = [p for p in serving if p.epoch == best]
         random.shuffle(candidates)
-        providers: list[tuple[PeerID, tuple[str, int] | None]] = [(p.peer, p.addr) for p in candidates[:MAX_PROVIDERS]]
-        result = await fetch_state(self.host, self.key, providers, timeout=timeout)
+        return candidates[:MAX_PROVIDERS]
+
+    async def fetch(self, providers: list[PeerReport], timeout: float) -> FetchResult:
+        """Download the state most of ``providers`` hold, from all of them at once."""
+        wire: list[tuple[PeerID, tuple[str, int] | None]] = [(p.peer, p.addr) for p in providers]
+        result = await fetch_state(self.host, self.key, wire, timeout=timeout)
         log.info("loaded the swarm's state (epoch %s, %.1f MB) from %d peers in %.2f s",
                  result.manifest.meta.get("epoch"), result.manifest.total_size / 1e6, len(result.contributors),
                  result.seconds)

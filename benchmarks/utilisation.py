@@ -1,0 +1,328 @@
+"""Swarm utilisation: samples/s of N peers (real processes) against N x one peer alone, same run.
+
+    python benchmarks/utilisation.py                       # 4 peers, 50 ms steps: sync, sync --delay-updates, diloco
+    python benchmarks/utilisation.py --modes sync --epochs 20 --target-batch-size 4096
+
+Every peer is ``p2ptrain peer --json --example digits --compute-delay D --wait-peers N`` (the CLI path,
+through ``benchmarks/_peer_instr.py``, which only adds timing lines: when each peer's epoch changed,
+its sample and CPU counters then, and the detail of every averaging round). The emulated compute is a
+sleep, so N processes on a 2-core box are not CPU-bound by it; what they do burn is reported (CPU %).
+
+Baseline: one peer alone (no one to average with, so no rounds) with the same delay and batch, run
+before and after the swarms; the ratio uses their mean. A plain torch loop (forward, backward,
+sleep, AdamW step; no p2ptrain) is printed for scale.
+
+Swarm samples/s: from the peers' own counters over a steady-state window, from the moment each peer
+entered epoch ``--skip`` (default 1: the first epoch, start-up included, is over) to the moment it
+entered the last epoch: the sum over peers of (samples processed in the window / its length).
+
+Targets (issue): sync >= 90% of N x baseline, diloco >= 95%. For each mode the table decomposes the
+loss: compute efficiency (a peer's samples/s while outside ``step()`` pauses vs the baseline; CPU
+contention shows here) and the pause fraction (time spent inside ``step()`` for averaging), then
+per-round figures: matchmaking s, all-reduce s, the lag between the first and the last peer noticing
+the epoch was over, samples per epoch vs the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _procs import Children, loadavg, sigterm_as_exit  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEER = os.path.join(HERE, "_peer_instr.py")
+TARGETS = {"sync": 0.90, "sync-delay": 0.90, "diloco": 0.95}
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _peer_argv(mode: str, a: argparse.Namespace, target: int, epochs: int, wait: int, boot: str | None,
+               seed: int) -> list[str]:
+    argv = [sys.executable, PEER, "peer", "--json", "--example", "digits", "--compute-delay", str(a.compute_delay),
+            "--target-batch-size", str(target), "--epochs", str(epochs), "--batch-size", str(a.batch_size),
+            "--data-seed", str(seed), "--mode", "diloco" if mode == "diloco" else "sync",
+            "--local-steps", str(a.local_steps)]
+    if mode == "sync-delay":
+        argv.append("--delay-updates")
+    if wait > 1:
+        argv += ["--wait-peers", str(wait)]
+    if boot:
+        argv += ["--bootstrap", boot]
+    else:
+        argv += ["--bootstrap-file", os.devnull]
+    return argv
+
+
+def run_swarm(mode: str, n: int, a: argparse.Namespace, target: int, epochs: int, timeout: float) -> dict:
+    """Start n peers (peer 0 first, the others bootstrap from it); collect their events until all
+    are done (or ``timeout``); return the per-peer event lists and CPU usage."""
+    load0 = os.getloadavg()[0]
+    env = dict(os.environ)
+    if a.torch_threads:
+        env["OMP_NUM_THREADS"] = str(a.torch_threads)
+    with Children(f"util-{mode}") as kids:
+        kids.spawn("p0", _peer_argv(mode, a, target, epochs, n, None, 0), env=env)
+        _, _, ev = kids.wait_for(lambda name, e: name == "p0" and e.get("event") == "started", timeout=60)
+        boot = ev["multiaddrs"][0]
+        for i in range(1, n):
+            kids.spawn(f"p{i}", _peer_argv(mode, a, target, epochs, n, boot, i), env=env)
+        names = [f"p{i}" for i in range(n)]
+        done: set[str] = set()
+        t_end = time.monotonic() + timeout
+        timed_out = False
+        try:
+            while len(done) < n:
+                left = t_end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                name, _, _ = kids.wait_for(lambda nm, e: e.get("event") in ("done", "_eof") and nm not in done,
+                                           timeout=left)
+                done.add(name)
+        except TimeoutError:
+            timed_out = True
+            print(f"  {mode}: timed out after {timeout:.0f} s; stopping the peers and using what they reported",
+                  flush=True)
+        rcs = kids.wait_exit(names, 20)
+        events = {nm: list(kids.kids[nm].events) for nm in names}
+        logs = {nm: kids.kids[nm].stderr_tail(8) for nm in names}
+    bad = {nm: rc for nm, rc in rcs.items() if rc not in (0,)}
+    if bad:
+        print(f"  {mode}: peers exited with {bad}", flush=True)
+        for nm in bad:
+            print(f"  --- {nm} stderr tail ---\n{logs[nm]}", flush=True)
+    return {"mode": mode, "events": events, "timed_out": timed_out, "load0": load0, "load1": os.getloadavg()[0],
+            "target": target}
+
+
+def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
+    """Steady-state figures of one swarm run (see the module docstring)."""
+    per_peer = []
+    rounds: dict[int, list[dict]] = {}
+    results: dict[int, list[dict]] = {}
+    for name, evs in run["events"].items():
+        epochs = {}
+        steps = {}
+        for _, e in evs:
+            kind = e.get("event")
+            if kind == "epoch" and not e.get("init"):
+                epochs.setdefault(e["epoch"], e)
+            elif kind == "steps":
+                steps[e["epoch"]] = e
+            elif kind == "round":
+                rounds.setdefault(e["epoch"], []).append(dict(e, peer=name))
+            elif kind == "result":
+                results.setdefault(e["epoch"], []).append(dict(e, peer=name))
+        done = [e for _, e in evs if e.get("event") == "done"]
+        per_peer.append({"name": name, "epochs": epochs, "steps": steps, "done": done[0] if done else None})
+    # the window: [enter epoch `skip`, enter the last epoch every peer reached]
+    last = min((max(p["epochs"]) if p["epochs"] else -1) for p in per_peer)
+    if last <= skip:
+        return {"error": f"not enough epochs (last common epoch {last}, skip {skip})"}
+    sps, comp_sps, pause_frac, cpu_pct, windows = [], [], [], [], []
+    for p in per_peer:
+        a, b = p["epochs"][skip], p["epochs"][last]
+        dt = b["t"] - a["t"]
+        ds = b["samples"] - a["samples"]
+        sps.append(ds / dt)
+        windows.append(dt)
+        cpu_pct.append(100 * (b["cpu"] - a["cpu"]) / dt)
+        ins = sum(p["steps"][e]["in_step"] for e in range(skip, last) if e in p["steps"])
+        outs = sum(p["steps"][e]["out_step"] for e in range(skip, last) if e in p["steps"])
+        pause_frac.append(ins / dt)
+        comp_sps.append(ds / outs if outs > 0 else float("nan"))
+    swarm = sum(sps)
+    n = len(per_peer)
+    epoch_len = _med(windows) / (last - skip)
+    # per round (epochs in the window)
+    mm, ar, pause, spread, samples, group, failed, skipped, enter_to_avg = [], [], [], [], [], [], 0, 0, []
+    for e in range(skip, last):
+        recs = rounds.get(e, [])
+        res = results.get(e, [])
+        merged = recs
+        if res:  # delay-updates: results come separately; pair them by peer
+            by_peer = {r["peer"]: r for r in res}
+            merged = [dict(r, **by_peer.get(r["peer"], {})) for r in recs]
+        if not merged:
+            continue
+        enters = [r["t_enter"] for r in merged]
+        spread.append(max(enters) - min(enters))
+        for r in merged:
+            pause.append(r.get("pause", float("nan")))
+            if "mm" in r:
+                mm.append(r["mm"])
+                ar.append(r["ar"])
+                group.append(r["group"])
+                if r["group"] < n or r.get("not_averaged") or r.get("failed"):
+                    failed += 1
+            elif r.get("skipped"):
+                skipped += 1
+            if "t_avg_start" in r:
+                enter_to_avg.append(r["t_avg_start"] - r["t_enter"])
+        weights = [r["weight"] for r in merged if "weight" in r]
+        samples.append(max(weights) if weights else sum(r["local"] for r in merged))
+    target = run["target"] if run["mode"] != "diloco" else None
+    out = {
+        "mode": run["mode"], "n": n, "swarm_sps": swarm, "per_peer_sps": sps, "window_s": _med(windows),
+        "epochs": (skip, last), "epoch_s": epoch_len, "compute_sps": _med(comp_sps), "pause_frac": _med(pause_frac),
+        "cpu_pct": _med(cpu_pct), "mm": mm, "ar": ar, "pause": pause, "spread": spread, "samples": samples,
+        "group": group, "failed": failed, "skipped": skipped, "target": target, "enter_to_avg": enter_to_avg,
+        "load": (run["load0"], run["load1"]), "timed_out": run["timed_out"],
+        "state_loads": max((p["done"] or {}).get("state_loads", 0) for p in per_peer),
+        "accuracy": [(p["done"] or {}).get("metrics", {}).get("accuracy") for p in per_peer],
+        "digests": {(p["done"] or {}).get("params_digest") for p in per_peer},
+    }
+    if baseline_sps:
+        out["ratio"] = swarm / (n * baseline_sps)
+        out["compute_ratio"] = out["compute_sps"] / baseline_sps
+    return out
+
+
+def baseline_peer(a: argparse.Namespace) -> dict:
+    """One peer alone, same delay and batch: its samples/s between entering epoch 1 and the last."""
+    run = run_swarm("sync", 1, a, a.baseline_target, a.baseline_epochs, timeout=a.timeout)
+    run["mode"] = "baseline"
+    res = analyse(run, 1, None)
+    return res
+
+
+def plain_loop(a: argparse.Namespace, seconds: float) -> float:
+    """A plain torch loop, no p2ptrain: forward, backward, sleep(delay), AdamW step, zero_grad."""
+    import torch
+
+    from p2ptrain.tasks import get_task
+
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
+    task = get_task("digits")
+    model = task.make_model(0)
+    opt = task.make_optimizer(model.parameters())
+    batches = task.batches(a.batch_size, seed=0)
+    for _ in range(5):
+        task.loss(model, next(batches)).backward()
+        opt.step()
+        opt.zero_grad()
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < seconds:
+        task.loss(model, next(batches)).backward()
+        time.sleep(a.compute_delay)
+        opt.step()
+        opt.zero_grad()
+        n += a.batch_size
+    del torch
+    return n / (time.perf_counter() - t0)
+
+
+def _fmt_dist(xs: list[float], unit: str = "s", scale: float = 1.0, digits: int = 3) -> str:
+    if not xs:
+        return "-"
+    xs = sorted(x * scale for x in xs)
+    p90 = xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
+    return f"{statistics.median(xs):.{digits}f} (p90 {p90:.{digits}f}, max {xs[-1]:.{digits}f}){unit}"
+
+
+def report(res: dict, base: float) -> None:
+    m = res["mode"]
+    print(f"\n[{m}] {res['n']} peers, epochs {res['epochs'][0]}..{res['epochs'][1]} "
+          f"(window {res['window_s']:.1f} s, {res['epoch_s']:.2f} s per epoch), "
+          f"load {res['load'][0]:.2f} -> {res['load'][1]:.2f}", flush=True)
+    print(f"  swarm {res['swarm_sps']:.0f} samples/s = {res['ratio'] * 100:.1f}% of {res['n']} x {base:.0f}"
+          f"  (per peer: {', '.join(f'{s:.0f}' for s in res['per_peer_sps'])})")
+    print(f"  = compute efficiency {res['compute_ratio'] * 100:.1f}% (samples/s outside step() pauses: "
+          f"{res['compute_sps']:.0f} vs {base:.0f} alone) x {100 * (1 - res['pause_frac']):.1f}% not paused "
+          f"(time inside step(): {100 * res['pause_frac']:.1f}%); CPU per peer {res['cpu_pct']:.0f}%")
+    print(f"  step() pause per round       {_fmt_dist(res['pause'])}")
+    print(f"  matchmaking per round        {_fmt_dist(res['mm'])}")
+    print(f"  all-reduce per round         {_fmt_dist(res['ar'])}")
+    print(f"  first->last peer ending epoch {_fmt_dist(res['spread'])}")
+    if res["target"]:
+        over = [s - res["target"] for s in res["samples"]]
+        print(f"  samples per epoch vs target {res['target']}: {_fmt_dist(over, ' samples', digits=0)} "
+              f"(median {100 * _med(over) / res['target']:+.1f}%)")
+    else:
+        print(f"  samples per outer round: {_fmt_dist(res['samples'], ' samples', digits=0)}")
+    print(f"  group sizes {sorted(set(res['group']))}, rounds short of all peers/failed: {res['failed']}, "
+          f"skipped (alone): {res['skipped']}, state loads: {res['state_loads']}, "
+          f"final accuracy {', '.join(f'{x:.3f}' for x in res['accuracy'] if x is not None)}, "
+          f"param digests: {len(res['digests'])} distinct", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", default=["sync", "sync-delay", "diloco"], choices=list(TARGETS))
+    ap.add_argument("--compute-delay", type=float, default=0.05)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--target-batch-size", type=int, default=8192,
+                    help="sync: samples per global epoch (default 8192: ~3.3 s epochs at 4 x ~620 samples/s)")
+    ap.add_argument("--epochs", type=int, default=12, help="global epochs (sync) / outer rounds (diloco) per run")
+    ap.add_argument("--local-steps", type=int, default=50, help="diloco H (default 50: ~2.6 s rounds)")
+    ap.add_argument("--skip", type=int, default=1, help="epochs excluded at the start (start-up)")
+    ap.add_argument("--baseline-target", type=int, default=2048, help="the lone peer's epoch size (~3.3 s alone)")
+    ap.add_argument("--baseline-epochs", type=int, default=5)
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="OMP_NUM_THREADS for every peer and the baselines (default 1; 0: torch's default, "
+                         "one per core, whose spinning workers cost ~20x the CPU of this tiny model when "
+                         "4 processes share 2 cores)")
+    ap.add_argument("--save", metavar="FILE", help="write every peer's raw events of every run here (JSON)")
+    ap.add_argument("--timeout", type=float, default=150, help="seconds per swarm run before it is stopped")
+    a = ap.parse_args()
+    sigterm_as_exit()
+    t_start = time.monotonic()
+    print(f"{loadavg()}; {a.peers} peers, digits MLP, batch {a.batch_size}, compute delay "
+          f"{a.compute_delay * 1000:.0f} ms (sleep), sync target {a.target_batch_size}, diloco H={a.local_steps}, "
+          f"torch threads {a.torch_threads or 'default'}",
+          flush=True)
+    plain = plain_loop(a, 4.0)
+    print(f"plain torch loop (no p2ptrain): {plain:.0f} samples/s ({loadavg()})", flush=True)
+    b0 = baseline_peer(a)
+    if "error" in b0:
+        sys.exit(f"baseline failed: {b0['error']}")
+    print(f"baseline, one peer alone: {b0['swarm_sps']:.0f} samples/s (CPU {b0['cpu_pct']:.0f}%, "
+          f"load {b0['load'][0]:.2f} -> {b0['load'][1]:.2f})", flush=True)
+    runs = []
+    for mode in a.modes:
+        print(f"running {mode} ({loadavg()})...", flush=True)
+        runs.append(run_swarm(mode, a.peers, a, a.target_batch_size, a.epochs, a.timeout))
+    b1 = baseline_peer(a)
+    if "error" in b1:
+        sys.exit(f"baseline failed: {b1['error']}")
+    print(f"baseline again, one peer alone: {b1['swarm_sps']:.0f} samples/s (CPU {b1['cpu_pct']:.0f}%, "
+          f"load {b1['load'][0]:.2f} -> {b1['load'][1]:.2f})", flush=True)
+    base = (b0["swarm_sps"] + b1["swarm_sps"]) / 2
+    if a.save:
+        import json
+
+        with open(a.save, "w") as f:
+            json.dump([{k: v for k, v in r.items()} for r in runs], f)
+    results = []
+    for run in runs:
+        res = analyse(run, a.skip, base)
+        if "error" in res:
+            print(f"\n[{run['mode']}] {res['error']}", flush=True)
+            continue
+        results.append(res)
+        report(res, base)
+    print(f"\nbaseline {base:.0f} samples/s per peer (runs: {b0['swarm_sps']:.0f}, {b1['swarm_sps']:.0f}); "
+          f"plain torch loop {plain:.0f}; {loadavg()}; total {time.monotonic() - t_start:.0f} s")
+    print(f"\n  mode        peers  swarm sps  ideal sps  ratio   target  pass  compute eff  paused  "
+          f"pause/round  mm/round  ar/round  load")
+    for r in results:
+        t = TARGETS[r["mode"]]
+        ideal = r["n"] * base
+        print(f"  {r['mode']:<10}  {r['n']:5d}  {r['swarm_sps']:9.0f}  {ideal:9.0f}  {100 * r['ratio']:5.1f}%  "
+              f"{100 * t:5.0f}%  {'yes' if r['ratio'] >= t else 'NO':>4}  {100 * r['compute_ratio']:10.1f}%  "
+              f"{100 * r['pause_frac']:5.1f}%  {_med(r['pause']):10.3f}s  {_med(r['mm']):7.3f}s  "
+              f"{_med(r['ar']):7.3f}s  {r['load'][0]:.2f}->{r['load'][1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

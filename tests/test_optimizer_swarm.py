@@ -1,0 +1,141 @@
+"""Real training swarms: ``p2ptrain peer`` processes on 127.0.0.1 training the digits example.
+
+* four peers started together reach the accuracy target and really average (bytes, rounds);
+* churn: one peer is SIGKILLed mid-training and a new one joins; the joiner starts from the
+  swarm's epoch and state (not from scratch), and everyone still reaches the target;
+* Ctrl+C (SIGINT) leaves a running peer cleanly with exit code 0.
+
+Events are read from each peer's JSON lines on stdout; every wait is bounded and every process is
+killed at the end whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+ACCURACY = 0.95
+
+
+class Peer:
+    """One ``p2ptrain peer --json`` process and a thread that queues its events."""
+
+    def __init__(self, *args: str):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "peer", "--json", "--threads", "1", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.events.put(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+
+    def wait_for(self, predicate, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"peer {self.proc.pid}: no matching event within {timeout} s; "
+                                     f"last events {self.seen[-3:]}, stderr {''.join(self.stderr)[-2000:]}")
+            try:
+                event = self.events.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            self.seen.append(event)
+            if predicate(event):
+                return event
+
+    def done(self, timeout: float) -> dict[str, Any]:
+        event = self.wait_for(lambda e: e["event"] == "done", timeout)
+        assert self.proc.wait(timeout=30) == 0, "".join(self.stderr)[-2000:]
+        return event
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def peers(child_pids):
+    before = child_pids()
+    started: list[Peer] = []
+
+    def start(*args: str) -> Peer:
+        peer = Peer(*args)
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        peer.kill()
+    assert child_pids() <= before, "a peer process outlived the test"
+
+
+def start_swarm(peers, n: int, *args: str) -> tuple[list[Peer], str]:
+    first = peers("--data-seed", "0", "--wait-peers", str(n), *args)
+    addr = first.wait_for(lambda e: e["event"] == "started", 60)["multiaddrs"][0]
+    rest = [peers("--bootstrap", addr, "--data-seed", str(i), "--wait-peers", str(n), *args) for i in range(1, n)]
+    return [first, *rest], addr
+
+
+def test_four_peers_reach_the_accuracy_target_together(peers):
+    swarm, _ = start_swarm(peers, 4, "--epochs", "50")
+    results = [p.done(timeout=180) for p in swarm]
+    for r in results:
+        assert r["epoch"] == 50
+        assert r["metrics"]["accuracy"] >= ACCURACY, results
+        assert r["rounds"] >= 25, "the peers must have averaged most epochs together"
+        assert r["bytes_sent"] > 0 and r["bytes_received"] > 0
+        assert r["group_size"] >= 2
+    digests = [r["params_digest"] for r in results]
+    assert max(digests.count(d) for d in digests) >= 2, "peers of a group end with identical parameters"
+
+
+def test_churn_a_peer_dies_and_a_new_one_catches_up(peers):
+    # a 30 ms emulated compute step keeps the run long enough (~15 s) to kill and join in the middle
+    args = ("--epochs", "60", "--compute-delay", "0.03")
+    swarm, addr = start_swarm(peers, 4, *args)
+    swarm[0].wait_for(lambda e: e["event"] == "progress" and e["epoch"] >= 10, 120)
+    victim = swarm.pop()
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    assert all(p.proc.poll() is None for p in swarm), "the swarm finished before the churn: make the run longer"
+    joiner = peers("--bootstrap", addr, "--data-seed", "9", *args)
+    started = joiner.wait_for(lambda e: e["event"] == "started", 60)
+    assert started["epoch"] >= 10, "the joiner must start at the swarm's epoch, not from scratch"
+    assert started["state_loads"] == 1, f"the joiner must load the swarm's state first: {''.join(joiner.stderr)}"
+    results = [p.done(timeout=200) for p in [*swarm, joiner]]
+    for r in results:
+        assert r["epoch"] == 60
+        assert r["metrics"]["accuracy"] >= ACCURACY, results
+
+
+def test_sigint_leaves_cleanly(peers):
+    peer = peers("--epochs", "100000", "--compute-delay", "0.01")
+    peer.wait_for(lambda e: e["event"] == "progress", 60)
+    t0 = time.monotonic()
+    peer.proc.send_signal(signal.SIGINT)
+    done = peer.wait_for(lambda e: e["event"] == "done", 30)
+    assert peer.proc.wait(timeout=30) == 0
+    assert done["epoch"] < 100000
+    assert time.monotonic() - t0 < 15
+    assert "Traceback" not in "".join(peer.stderr)
