@@ -143,6 +143,7 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
     epoch_len = _med(windows) / (last - skip)
     # per round (epochs in the window)
     mm, ar, pause, spread, samples, group, failed, skipped, enter_to_avg = [], [], [], [], [], [], 0, 0, []
+    to_group, group_to_done, mm_last, h_done = [], [], [], []
     for e in range(skip, last):
         recs = rounds.get(e, [])
         res = results.get(e, [])
@@ -154,6 +155,16 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
             continue
         enters = [r["t_enter"] for r in merged]
         spread.append(max(enters) - min(enters))
+        formed = [r["t_avg_start"] + r["mm"] for r in merged if "mm" in r]
+        finished = [r["t_avg_done"] for r in merged if "t_avg_done" in r]
+        if formed and len(merged) == n:
+            to_group.append(max(formed) - min(enters))
+            group_to_done.append(max(finished) - max(formed))
+            latest = max(merged, key=lambda r: r["t_enter"])
+            if "mm" in latest:
+                mm_last.append(latest["mm"])
+        if run["mode"] == "diloco":
+            h_done.extend(r.get("local_steps_done", 0) for r in merged)
         for r in merged:
             pause.append(r.get("pause", float("nan")))
             if "mm" in r:
@@ -173,7 +184,8 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
         "mode": run["mode"], "n": n, "swarm_sps": swarm, "per_peer_sps": sps, "window_s": _med(windows),
         "epochs": (skip, last), "epoch_s": epoch_len, "compute_sps": _med(comp_sps), "pause_frac": _med(pause_frac),
         "cpu_pct": _med(cpu_pct), "mm": mm, "ar": ar, "pause": pause, "spread": spread, "samples": samples,
-        "group": group, "failed": failed, "skipped": skipped, "target": target, "enter_to_avg": enter_to_avg,
+        "group": group, "failed": failed, "to_group": to_group, "group_to_done": group_to_done,
+        "mm_last": mm_last, "h_done": h_done, "skipped": skipped, "target": target, "enter_to_avg": enter_to_avg,
         "load": (run["load0"], run["load1"]), "timed_out": run["timed_out"],
         "state_loads": max((p["done"] or {}).get("state_loads", 0) for p in per_peer),
         "accuracy": [(p["done"] or {}).get("metrics", {}).get("accuracy") for p in per_peer],
@@ -243,13 +255,18 @@ def report(res: dict, base: float) -> None:
     print(f"  matchmaking per round        {_fmt_dist(res['mm'])}")
     print(f"  all-reduce per round         {_fmt_dist(res['ar'])}")
     print(f"  first->last peer ending epoch {_fmt_dist(res['spread'])}")
+    print(f"  first peer ending -> every group formed {_fmt_dist(res['to_group'])}; "
+          f"then -> every peer's all-reduce done {_fmt_dist(res['group_to_done'])}")
+    print(f"  matchmaking of the last peer to arrive (nobody left to wait for) {_fmt_dist(res['mm_last'])}")
+    if res["h_done"]:
+        print(f"  local steps per peer per outer round: {_fmt_dist(res['h_done'], '', digits=0)}")
     if res["target"]:
         over = [s - res["target"] for s in res["samples"]]
         print(f"  samples per epoch vs target {res['target']}: {_fmt_dist(over, ' samples', digits=0)} "
               f"(median {100 * _med(over) / res['target']:+.1f}%)")
     else:
         print(f"  samples per outer round: {_fmt_dist(res['samples'], ' samples', digits=0)}")
-    print(f"  group sizes {sorted(set(res['group']))}, rounds short of all peers/failed: {res['failed']}, "
+    print(f"  group sizes {sorted(set(res['group']))}, peer-rounds short of all peers or failed: {res['failed']}, "
           f"skipped (alone): {res['skipped']}, state loads: {res['state_loads']}, "
           f"final accuracy {', '.join(f'{x:.3f}' for x in res['accuracy'] if x is not None)}, "
           f"param digests: {len(res['digests'])} distinct", flush=True)
