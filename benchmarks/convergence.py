@@ -610,8 +610,9 @@ def main() -> None:
     ap.add_argument("--target-batch-size", type=int, help="sync and hivemind (default: digits 512, char_lm 256)")
     ap.add_argument("--local-steps", type=int, default=50, help="DiLoCo H (default 50)")
     ap.add_argument("--compression", default="int8", help="DiLoCo pseudo-gradient codec (default int8)")
-    ap.add_argument("--runs", nargs="+", default=["sync", "diloco", "hivemind"],
-                    choices=["sync", "diloco", "hivemind"], help="swarm runs (the baseline always runs)")
+    ap.add_argument("--runs", nargs="*", default=["sync", "diloco", "hivemind"],
+                    choices=["sync", "diloco", "hivemind"],
+                    help="swarm runs (default: all three; hivemind only with --hivemind-python); the baseline always runs")
     ap.add_argument("--simulate", action="store_true", help="also DiLoCo simulated in-process (int8 and fp32)")
     ap.add_argument("--no-large-batch", action="store_true", help="skip the batch=target-batch-size baseline")
     ap.add_argument("--hivemind-python", metavar="PY", help="interpreter with hivemind 1.1.12 (numpy<2.4)")

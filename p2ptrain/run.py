@@ -54,6 +54,7 @@ class PeerConfig:
     target_group_size: int = 16
     matchmaking_timeout: float = 5.0
     threads: int | None = None  # torch intra-op threads (default: torch's); 1 when many peers share a machine
+    save: str | None = None  # write the final model here (safetensors), atomically
     wait_peers: int = 0  # wait for this many peers before training (a swarm started together)
     bootstrap: Sequence[str] = ()
     listen: tuple[str, int] | None = ("127.0.0.1", 0)
@@ -120,6 +121,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
                 "stopped": stop.is_set(), "epochs_trained": opt.epoch - start_epoch,
                 "params_digest": _digest(model)}
+        if cfg.save:
+            done["saved"] = save_model(model, cfg.save, {"run_id": opt.run_id, "epoch": str(opt.epoch)})
         on_event(done)
         return done
     finally:
@@ -136,6 +139,31 @@ def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: flo
             "local_sps": round(s.local_sps, 1), "swarm_sps": round(s.swarm_sps, 1), "peers": s.peers,
             "rounds": s.rounds, "group_size": s.last_group_size, "failed_rounds": s.failed_rounds,
             "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "state_loads": s.state_loads}
+
+
+def save_model(model: torch.nn.Module, path: str, metadata: dict[str, str]) -> str:
+    """Write ``model``'s state dict as safetensors, atomically: a reader (or a crash) never sees a
+    half-written file. Returns the path."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    target = os.path.abspath(path)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".p2ptrain-", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a model file is not a secret
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return target
 
 
 @torch.no_grad()

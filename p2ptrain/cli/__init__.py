@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import demo, dht_cmd, peer_cmd
+from . import demo, dht_cmd, peer_cmd, swarm_cmd
 from .common import EXIT_USAGE, fail, setup_logging
 
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     dht_cmd.add_parser(sub)
     peer_cmd.add_parser(sub)
+    swarm_cmd.add_parser(sub)
     return parser
 
 

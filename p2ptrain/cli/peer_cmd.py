@@ -30,10 +30,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="address to listen on (default: %(default)s; use /ip4/0.0.0.0/tcp/PORT across machines)")
     p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: the listen host)")
     p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
+    add_training_args(p)
+    p.add_argument("--json", action="store_true", help="print events as JSON lines on stdout")
+    p.set_defaults(func=main)
+
+
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """What to train and how: the same flags for ``p2ptrain peer`` and ``p2ptrain swarm``."""
     p.add_argument("--example", choices=["digits", "char_lm"], default="digits", help="what to train (default: digits)")
     p.add_argument("--run-id", help="swarm run name (default: derived from the example and its options)")
     p.add_argument("--mode", choices=["sync", "diloco"], default="sync", help="default: sync")
-    p.add_argument("--epochs", type=int, default=30, help="global epochs to train (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=40, help="global epochs to train (default: %(default)s)")
     p.add_argument("--target-batch-size", type=int, default=512, help="swarm samples per global step (sync)")
     p.add_argument("--batch-size", type=int, help="samples per local step (default: the example's)")
     p.add_argument("--local-steps", type=int, default=50, help="local steps per outer round (diloco, default 50)")
@@ -49,8 +56,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="wait (up to 60 s) for N peers before training, so a swarm started together trains together")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch threads for this peer (default: torch's; use 1 when several peers share a machine)")
-    p.add_argument("--json", action="store_true", help="print events as JSON lines on stdout")
-    p.set_defaults(func=main)
+    p.add_argument("--save", metavar="PATH", help="write the trained model there at the end (safetensors, atomic)")
+
+
+def training_argv(args: argparse.Namespace) -> list[str]:
+    """The training flags of ``args`` as a command line again (for the peers a swarm starts)."""
+    out: list[str] = []
+    for action in _TRAINING_ACTIONS:
+        value = getattr(args, action.dest)
+        if value is None or value is False or value == action.default:
+            continue
+        out.append(action.option_strings[0])
+        if value is not True:
+            out.append(str(value))
+    return out
+
+
+def _collect_training_actions() -> list[argparse.Action]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_training_args(parser)
+    return list(parser._actions)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -70,7 +95,7 @@ def _config(args: argparse.Namespace) -> Any:
         task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
         lr=args.lr, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
-        delay_updates=args.delay_updates, wait_peers=args.wait_peers, threads=args.threads,
+        delay_updates=args.delay_updates, wait_peers=args.wait_peers, threads=args.threads, save=args.save,
         bootstrap=[str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)],
         listen=listen, announce_host=args.announce_host, key_file=args.key_file,
     )
@@ -128,3 +153,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"left the swarm after {time.monotonic() - t0:.1f} s", file=sys.stderr)
         return EXIT_OK
     return EXIT_OK if done.get("event") == "done" else EXIT_FAILURE
+
+
+_TRAINING_ACTIONS = _collect_training_actions()

@@ -1,0 +1,250 @@
+"""``p2ptrain swarm``: a whole local swarm in one command — a bootstrap peer and N training peers,
+each its own process on 127.0.0.1, shown in one live view; Ctrl+C stops them all cleanly.
+
+The peers are ordinary ``p2ptrain peer --json`` processes (the launcher reads their event lines),
+so the swarm exercises exactly what a person runs on several machines. The bootstrap peer is a
+DHT-only ``p2ptrain dht`` process: any training peer may die without taking the swarm's entry
+point with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dht import ConfigError
+from dht.swarmproc import die_with_parent
+
+from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, fail
+from .peer_cmd import add_training_args, training_argv
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "swarm",
+        help="start a local swarm (a bootstrap peer and N training peers) and show its progress",
+        description="Start a bootstrap peer and N training peers as local processes on 127.0.0.1, train the "
+        "example together and show one combined view. Ends with the trained model written to --out. "
+        "Ctrl+C stops every peer cleanly; a second Ctrl+C kills them at once.",
+    )
+    p.add_argument("--peers", type=int, default=4, help="training peers (default: %(default)s)")
+    p.add_argument("--out", default="p2ptrain-out", metavar="DIR",
+                   help="where the trained model is written (default: %(default)s)")
+    add_training_args(p)
+    p.add_argument("--json", action="store_true", help="print the peers' events as JSON lines instead of a live view")
+    p.set_defaults(func=main)
+
+
+class _Child:
+    """A child process whose stdout lines land in a shared queue as (index, line)."""
+
+    def __init__(self, index: int, argv: list[str], events: queue.Queue):
+        self.index = index
+        # Own session: the terminal's Ctrl+C reaches the launcher only, which stops the peers in
+        # order; PDEATHSIG: if the launcher itself is killed, no peer outlives it.
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                                     preexec_fn=die_with_parent)
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(events,), daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def _pump(self, events: queue.Queue) -> None:
+        for line in self.proc.stdout:
+            events.put((self.index, line))
+        events.put((self.index, None))
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def _start_bootstrap(events: queue.Queue, timeout: float = 60.0) -> tuple[_Child, str]:
+    child = _Child(-1, [sys.executable, "-m", "p2ptrain", "dht", "run", "--listen", "/ip4/127.0.0.1/tcp/0"], events)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            index, line = events.get(timeout=0.5)
+        except queue.Empty:
+            if child.proc.poll() is not None:
+                break
+            continue
+        if index == -1 and line and line.startswith("/ip4/"):
+            return child, line.strip()
+    child.signal(signal.SIGKILL)
+    raise ConfigError(f"the bootstrap peer did not start: {''.join(child.stderr)[-500:]}")
+
+
+def main(args: argparse.Namespace) -> int:
+    if not 1 <= args.peers <= 64:
+        raise ConfigError("--peers must be between 1 and 64")
+    events: queue.Queue = queue.Queue()
+    children: list[_Child] = []
+    stopping = {"presses": 0}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stopping["presses"] += 1
+        if stopping["presses"] > 1:
+            for c in children:
+                c.signal(signal.SIGKILL)
+            print("\ninterrupted again: killed every peer", file=sys.stderr)
+            os._exit(EXIT_INTERRUPTED)
+        print("\nstopping every peer (Ctrl+C again to kill them)...", file=sys.stderr)
+        for c in children:
+            c.signal(signal.SIGINT)
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        boot, addr = _start_bootstrap(events)
+        children.append(boot)
+        threads = max(1, (os.cpu_count() or 1) // args.peers)
+        forwarded = training_argv(args)
+        if args.threads is None:
+            forwarded += ["--threads", str(threads)]
+        if args.wait_peers == 0:
+            forwarded += ["--wait-peers", str(args.peers)]
+        out = Path(args.out)
+        for i in range(args.peers):
+            argv = [sys.executable, "-m", "p2ptrain", "peer", "--json", "--bootstrap", addr, *forwarded]
+            if i == 0 and not args.save:
+                argv += ["--save", str(out / f"{args.example}-model.safetensors")]
+            if args.data_seed is None:
+                argv += ["--data-seed", str(i)]
+            children.append(_Child(i, argv, events))
+        view = _View(args.peers, args.json, addr)
+        code = _follow(children, events, view)
+    finally:
+        for c in children:
+            c.signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        for c in children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.signal(signal.SIGKILL)
+                c.proc.wait()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return EXIT_INTERRUPTED if stopping["presses"] and code != EXIT_OK else code
+
+
+def _follow(children: list[_Child], events: queue.Queue, view: _View) -> int:
+    """Show events until every training peer has exited; the exit code sums up theirs."""
+    open_streams = {c.index for c in children if c.index >= 0}
+    with view:
+        while open_streams:
+            try:
+                index, line = events.get(timeout=0.5)
+            except queue.Empty:
+                view.refresh()
+                continue
+            if index < 0:
+                continue
+            if line is None:
+                open_streams.discard(index)
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            view.update(index, event)
+    failed = []
+    for c in children:
+        if c.index < 0:
+            continue
+        if c.proc.wait() != 0:
+            failed.append(c)
+    view.summary()
+    for c in failed:
+        tail = "".join(c.stderr).strip().splitlines()[-1:] or ["(no output)"]
+        fail(f"peer {c.index} exited with code {c.proc.returncode}: {tail[0]}")
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+class _View:
+    """One live table of the peers (rich), or their events as JSON lines."""
+
+    def __init__(self, n: int, as_json: bool, addr: str):
+        self.n = n
+        self.as_json = as_json
+        self.addr = addr
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.t0 = time.monotonic()
+        self._live: Any = None
+
+    def __enter__(self) -> _View:
+        if not self.as_json:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = Console(stderr=False)
+            console.print(f"swarm of {self.n} peers, bootstrap {self.addr}")
+            self._live = Live(self._table(), console=console, refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self._table())
+            self._live.__exit__(*exc)
+
+    def update(self, index: int, event: dict[str, Any]) -> None:
+        if self.as_json:
+            print(json.dumps({"peer": index, **event}), flush=True)
+            return
+        self.rows.setdefault(index, {}).update(event)
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._table())
+
+    def _table(self) -> Any:
+        from rich.table import Table
+
+        swarm_sps = max((r.get("swarm_sps", 0) for r in self.rows.values()), default=0)
+        epoch = max((r.get("epoch", 0) for r in self.rows.values()), default=0)
+        t = Table(title=f"epoch {epoch}   swarm {swarm_sps:,.0f} samples/s   {time.monotonic() - self.t0:.0f} s",
+                  title_justify="left")
+        for col in ("peer", "epoch", "loss", "samples/s", "group", "sent MB", "test"):
+            t.add_column(col, justify="left" if col == "test" else "right", no_wrap=True)
+        for i in range(self.n):
+            r = self.rows.get(i, {})
+            kind = r.get("event")
+            test = _metrics(r.get("metrics", {})) if kind == "done" else ("starting" if kind is None else "training")
+            loss = r.get("loss")
+            t.add_row(str(i), str(r.get("epoch", "")), "" if loss is None else f"{loss:.3f}",
+                      f"{r.get('local_sps', 0):,.0f}", str(r.get("group_size", "")),
+                      f"{r.get('bytes_sent', 0) / 1e6:.1f}", test)
+        return t
+
+    def summary(self) -> None:
+        if self.as_json:
+            return
+        print()
+        saved = [r["saved"] for r in self.rows.values() if r.get("saved")]
+        digests = {r.get("params_digest") for r in self.rows.values() if r.get("event") == "done"}
+        if len(digests) == 1:
+            print("every peer ended with the same parameters")
+        elif digests:
+            print(f"the peers ended in {len(digests)} different states (a final round may have split the swarm)")
+        for path in saved:
+            print(f"trained model: {path}")
+
+
+def _metrics(metrics: dict[str, float]) -> str:
+    names = {"accuracy": "acc", "perplexity": "ppl", "loss": "loss"}
+    return " ".join(f"{names.get(k, k)} {v:.1%}" if k == "accuracy" else f"{names.get(k, k)} {v:.3f}"
+                    for k, v in metrics.items())

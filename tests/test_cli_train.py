@@ -1,0 +1,83 @@
+"""The training commands driven as a person drives them: ``p2ptrain peer`` and ``p2ptrain swarm``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+CLI = [sys.executable, "-m", "p2ptrain"]
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_help_mentions_the_training_commands():
+    out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "peer" in out.stdout and "swarm" in out.stdout
+    for cmd in ("peer", "swarm"):
+        out = subprocess.run([*CLI, cmd, "--help"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and "--example" in out.stdout and "--epochs" in out.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["peer", "--epochs", "0"], "--epochs must be at least 1"),
+    (["peer", "--bootstrap", "/ip4/1.2.3/tcp/1"], "1.2.3"),
+    (["peer", "--listen", "/dns4/example.com/tcp/1"], "listen on an IP address"),
+    (["peer", "--threads", "0"], "--threads"),
+    (["swarm", "--peers", "0"], "--peers"),
+])
+def test_bad_config_is_one_line_error(args, needle):
+    out = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert needle in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_unreachable_bootstrap_is_one_line_error():
+    out = subprocess.run([*CLI, "peer", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWBtg3aaGc3bB8PxW4hbMHHzqDtdqdyiAMtoWDjuhzZAXv"],
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode == 1
+    assert "bootstrap" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_swarm_trains_and_writes_the_model(tmp_path, child_pids):
+    before = child_pids()
+    out = subprocess.run([*CLI, "swarm", "--peers", "2", "--epochs", "12", "--json", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    done = [e for e in events if e["event"] == "done"]
+    assert sorted(e["peer"] for e in done) == [0, 1]
+    assert all(e["epoch"] == 12 and e["rounds"] > 0 for e in done)
+    model = tmp_path / "digits-model.safetensors"
+    assert model.exists() and model.stat().st_size > 10_000
+    from safetensors.torch import load_file
+
+    assert any(k.endswith("weight") for k in load_file(str(model)))
+    assert child_pids() <= before
+
+
+def test_swarm_stops_cleanly_on_sigint(tmp_path, child_pids):
+    before = child_pids()
+    proc = subprocess.Popen([*CLI, "swarm", "--peers", "2", "--epochs", "100000", "--compute-delay", "0.01",
+                             "--json", "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if '"progress"' in line:
+                break
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
+        assert time.monotonic() - t0 < 30
+        assert "Traceback" not in err
+        assert sum('"done"' in line for line in rest.splitlines()) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert child_pids() <= before  # the launcher waited for every peer before exiting
