@@ -103,6 +103,8 @@ def peer_argv(a: argparse.Namespace, rank: int, boot: str | None, join: bool, wa
         argv.append("--join")
     if wait:
         argv += ["--wait-peers", str(wait)]
+    if a.log:
+        argv += ["--log", a.log]
     return argv
 
 
@@ -126,6 +128,7 @@ def main() -> None:
     ap.add_argument("--stay", type=int, default=2, help="epochs each joiner trains before leaving")
     ap.add_argument("--warm-epochs", type=int, default=2, help="epochs the providers train before the first join")
     ap.add_argument("--tcp-repeats", type=int, default=3)
+    ap.add_argument("--log", help="log level for the peers' p2ptrain/dht loggers (their stderr, kept in a temp dir)")
     ap.add_argument("--save", metavar="FILE", help="write every process's events here (JSON)")
     ap.add_argument("--timeout", type=float, default=240, help="seconds for the whole swarm part")
     a = ap.parse_args()
@@ -149,6 +152,7 @@ def main() -> None:
     digests: dict[str, dict] = {}
     deadline = time.monotonic() + a.timeout
     with Children("late-join", grace=15) as kids:
+        print(f"peer logs: {kids.logdir}", flush=True)
         rss = RssSampler(kids)
         try:
             prov = [f"p{i}" for i in range(a.providers)]
@@ -246,8 +250,10 @@ def main() -> None:
             print(f"         further state loads: {[round(x.get('seconds', 0), 3) for x in j['fetches'][1:]]} s")
     if served:
         sv = [s["seconds"] for s in served]
-        print(f"  provider snapshots (copy + hash of {nbytes / MiB:.0f} MiB under the state lock, on request): "
-              f"{len(sv)}, median {statistics.median(sv):.3f} s, max {max(sv):.3f} s")
+        bv = [s["build"] for s in served if s.get("build") is not None]
+        print(f"  provider snapshots on request: {len(sv)}, request -> snapshot ready median {statistics.median(sv):.3f} s "
+              f"(max {max(sv):.3f}); of which build_snapshot (copy + hash of {nbytes / MiB:.0f} MiB, state lock held) "
+              f"median {statistics.median(bv) if bv else float('nan'):.3f} s")
     if joins:
         ctor = [j["timeline"]["ctor"] for j in joins]
         ret = [j["timeline"]["to_step_return"] for j in joins]
