@@ -46,6 +46,7 @@ import torch
 from ..averaging import AllReduceConfig, Averager, StepResult
 from ..background import DHT
 from ..checkpoint import StateTransferError
+from ..compression import get_codec
 from .progress import ProgressTracker, SwarmView
 from .state_sync import StateSync
 
@@ -144,6 +145,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if not self.params:
             raise ValueError("the optimizer has no parameters")
 
+        get_codec(self.codec)  # a typo fails here, with the list of codecs, before any network starts
         self._owns_dht = dht is None
         self.dht = dht if dht is not None else DHT(initial_peers)
         self._loop = self.dht.loop
@@ -186,7 +188,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.load_state_timeout = load_state_timeout
         self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock)
         self.scheduler = scheduler(self) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
-        self._loop.run(self._start())
+        try:
+            self._loop.run(self._start())
+        except BaseException:
+            self._closed = True
+            self._loop.run(self._close(), timeout=15)
+            if self._owns_dht:
+                self.dht.close()
+            raise
         view = self.tracker.view
         if view.epoch > 0:  # the swarm has trained already: start from where it is
             self._load_state_from_peers(view)

@@ -1,0 +1,77 @@
+"""The sans-IO core of global progress: report parsing (hostile input) and the swarm view."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dht import Identity
+from p2ptrain.optim.progress import PeerReport, parse_report, summarize
+
+PEERS = [Identity().peer_id for _ in range(4)]
+NOW = 1_000_000.0
+
+
+def report(i: int, epoch: int = 3, samples: int = 100, sps: float = 50.0, age: float = 0.0, **kw) -> PeerReport:
+    return PeerReport(PEERS[i], epoch, samples, sps, NOW - age, kw.pop("schema", "abc"), ("127.0.0.1", 4000 + i), **kw)
+
+
+def test_report_round_trips_through_the_wire_form():
+    r = report(1, ready=True)
+    assert parse_report(r.to_wire(), r.peer) == r
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda w: w.update(v=2), lambda w: w.update(e=-1), lambda w: w.update(e=1.5), lambda w: w.update(s="many"),
+    lambda w: w.update(sps=float("nan")), lambda w: w.update(sps=-1), lambda w: w.update(t=float("inf")),
+    lambda w: w.update(h="x" * 65), lambda w: w.update(a=["127.0.0.1", 70000]), lambda w: w.update(a="host:1"),
+    lambda w: w.pop("e"),
+])
+def test_malformed_reports_are_rejected(mutate):
+    wire = report(0).to_wire()
+    mutate(wire)
+    assert parse_report(wire, PEERS[0]) is None
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=6)))
+def test_parse_report_never_raises(value):
+    result = parse_report(value, PEERS[0])
+    assert result is None or isinstance(result, PeerReport)
+
+
+def test_view_sums_the_current_epoch_and_extrapolates_by_throughput():
+    me = report(0, samples=100, sps=0)
+    others = [report(1, samples=200, sps=100, age=0.5), report(2, samples=50, sps=10, age=1.0, ready=True)]
+    view = summarize(others, me, NOW, target=1000, stale_after=10)
+    # peer 1 computed for 0.5 s at 100/s since its report; peer 2 is ready: not extrapolated
+    assert view.samples == pytest.approx(100 + 200 + 50 + 50)
+    assert view.num_peers == 3 and [p.peer for p in view.ready] == [PEERS[2]]
+    assert view.eta == pytest.approx((1000 - 400) / 110)
+
+
+def test_view_follows_the_most_advanced_epoch_and_lists_those_behind():
+    me = report(0, epoch=3)
+    view = summarize([report(1, epoch=4, samples=10), report(2, epoch=3)], me, NOW, 100, 10)
+    assert view.epoch == 4 and view.samples == pytest.approx(10 + 50 * 0)  # age 0: no extrapolation
+    assert {p.peer for p in view.behind} == {PEERS[0], PEERS[2]}
+
+
+def test_stale_left_ignored_and_other_schemas_do_not_count():
+    me = report(0, epoch=1, samples=0, sps=0)
+    others = [report(1, epoch=9, age=60), report(2, epoch=9, left=True), report(3, epoch=9, schema="other")]
+    view = summarize(others, me, NOW, 100, stale_after=10)
+    assert view.epoch == 1 and view.num_peers == 1
+    view = summarize([report(1, epoch=9)], me, NOW, 100, 10, ignored=[PEERS[1]])
+    assert view.epoch == 1
+
+
+def test_extrapolation_is_bounded():
+    """A peer that stopped reporting (crashed, clock skew) cannot make the target look reached."""
+    me = report(0, samples=0, sps=0)
+    view = summarize([report(1, samples=0, sps=1000, age=9)], me, NOW, 100_000, stale_after=10)
+    assert view.samples <= 1000 * 5
+    assert not view.reached and math.isfinite(view.eta)
