@@ -74,6 +74,8 @@ def main() -> None:
         matchmaking_time=float(job.get("matchmaking_time", 1.0)),
         averaging_timeout=float(job.get("averaging_timeout", 30.0)),
         load_state_timeout=60.0, use_local_updates=False, verbose=False,
+        # hivemind warns (possible matchmaking deadlocks) unless request_timeout < matchmaking_time
+        averager_opts={"request_timeout": min(3.0, float(job.get("matchmaking_time", 1.0)) / 2)},
     )
     state_loads = 0
     original_load = opt.load_state_from_peers

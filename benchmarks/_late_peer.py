@@ -67,8 +67,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s.%(msecs)03d %(threadName)s %(name)s %(levelname)s: %(message)s",
                         datefmt="%H:%M:%S")
-    for name in ("p2ptrain", "dht"):
-        logging.getLogger(name).setLevel(a.log.upper())
+    for i, item in enumerate(a.log.split(",")):  # "INFO" or "INFO,p2ptrain.matchmaking=DEBUG"
+        if "=" in item:
+            name, level = item.split("=", 1)
+            logging.getLogger(name).setLevel(level.upper())
+        elif i == 0:
+            for name in ("p2ptrain", "dht"):
+                logging.getLogger(name).setLevel(item.upper())
 
     t_proc = time.perf_counter()
     import blake3
@@ -94,6 +99,8 @@ def main() -> None:
             rec.update(error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
             fetches.append(rec)
             raise
+        rec.update(phases=dict(phases))
+        phases.clear()
         rec.update(seconds=time.perf_counter() - t0, fetch_seconds=res.seconds, manifest=res.manifest.id.hex(),
                    epoch=res.manifest.meta.get("epoch"), bytes=res.manifest.total_size, chunks=res.manifest.num_chunks,
                    contributors={str(k)[-8:]: v for k, v in res.contributors.items()},
@@ -124,6 +131,24 @@ def main() -> None:
     ss.build_snapshot = build_snapshot
 
     ss.StateSync.fetch = fetch
+
+    # phases of the fetch (probe = every provider's manifest, i.e. its snapshot; download = the chunks)
+    from p2ptrain.checkpoint import transfer as tr
+
+    phases: dict[str, float] = {}
+
+    def timed(name, fn):
+        async def wrapper(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return await fn(self, *args, **kwargs)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    for _name in ("probe", "choose", "download"):
+        if hasattr(tr._Fetch, _name):
+            setattr(tr._Fetch, _name, timed(_name, getattr(tr._Fetch, _name)))
     ss.StateSync._refresh = refresh
 
     marks: dict[str, float] = {}
@@ -159,6 +184,9 @@ def main() -> None:
         quit_now.set()  # EOF: the benchmark is gone
 
     threading.Thread(target=read_stdin, daemon=True).start()
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: quit_now.set())  # the benchmark stops us: leave cleanly
 
     torch.manual_seed(1234)
     model = torch.nn.Sequential(*[torch.nn.Linear(a.width, a.width, bias=False) for _ in range(a.layers)])
@@ -184,7 +212,6 @@ def main() -> None:
             opt.wait_for_peers(a.wait_peers)
         loaded_epoch = opt.epoch
         check = None
-        step_call = step_ret = None
         steps = 0
         epoch = opt.epoch
         max_step = 0.0
@@ -198,7 +225,6 @@ def main() -> None:
             max_step = max(max_step, s1 - s0)
             steps += 1
             if steps == 1 and a.join:
-                step_call, step_ret = s0, s1
                 # the loaded state, byte for byte: a snapshot of ours must have the id we downloaded
                 # (valid while no update was applied since: sync mode changes parameters only at an epoch end)
                 if opt.epoch == loaded_epoch and opt.stats.state_loads == 1:
@@ -233,7 +259,7 @@ def main() -> None:
         if finish_at[0] is not None and opt.epoch >= finish_at[0] and not quit_now.is_set():
             h = blake3.blake3(max_threads=blake3.blake3.AUTO)
             for p in params:
-                h.update(p.detach().contiguous().numpy())
+                h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy())
             emit({"event": "digest", "epoch": opt.epoch, "digest": h.hexdigest()[:16],
                   "state_loads": opt.stats.state_loads})
     finally:

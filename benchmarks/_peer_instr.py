@@ -113,6 +113,15 @@ def _install() -> None:
             _wait_result(rec)
             _emit(rec)
 
+        def _maybe_average_state(self, epoch):  # periodic parameter/state averaging, where the optimizer has it
+            t0 = time.perf_counter()
+            rounds0 = self.stats.state_rounds
+            out = super()._maybe_average_state(epoch)
+            dt = time.perf_counter() - t0
+            if self.stats.state_rounds != rounds0 or dt > 0.01:
+                _emit({"event": "state_round", "epoch": epoch, "seconds": dt, "averaged": bool(out), "t": time.time()})
+            return out
+
         def _average(self, epoch, samples, view):
             t_start = time.time()
             fut = super()._average(epoch, samples, view)

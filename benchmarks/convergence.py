@@ -64,7 +64,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # digits: 1437 training images; 64k samples = ~45 passes; the baseline is at ~97% long before
     "digits": {"samples": 64000, "batch_size": 32, "lr": None, "target_batch_size": 512},
     # char_lm: 421k-parameter transformer; batch 8 keeps the number of steps up on a 2-core machine
-    "char_lm": {"samples": 16000, "batch_size": 8, "lr": None, "target_batch_size": 256},
+    "char_lm": {"samples": 16000, "batch_size": 8, "lr": None, "target_batch_size": 64},
 }
 
 
@@ -490,7 +490,7 @@ def table(task_name: str, rows: list[tuple[Result, dict[str, float] | None]], nu
         check = []
         if len(res.peers) > 1:
             check.append(f"digests {digest_check(res)}")
-        if ref is not None and key in ref and res.name.startswith("diloco"):
+        if ref is not None and key in ref and res.name.startswith(("diloco", "sim")):
             within = (res.metrics[key] >= ref[key] * 0.98) if larger else (res.metrics[key] <= ref[key] * 1.02)
             check.append(f"2% {'ok' if within else 'MISSED'}")
             if ratio is not None:
@@ -553,16 +553,19 @@ def bench_task(task_name: str, args: argparse.Namespace, logdir: str) -> None:
         print_peers(r)
     sims: list[Result] = []
     if args.simulate:
-        for codec in ("int8", "none"):
-            print(f"  simulated diloco ({codec}) in this process ...; {load()}", flush=True)
-            m, s, samples = simulate_diloco(task, P, bs, lr, diloco_epochs, h, codec)
-            sims.append(Result(f"diloco-sim {codec}", m, samples, s, s))
+        # the swarm's settings; then one change at a time: the codec, the outer momentum
+        for codec, momentum in ((args.compression, 0.9), ("none", 0.9), (args.compression, 0.0)):
+            label = f"sim {codec} mom {momentum:g}"
+            print(f"  simulated diloco ({label}) in this process ...; {load()}", flush=True)
+            m, s, samples = simulate_diloco(task, P, bs, lr, diloco_epochs, h, codec, outer_momentum=momentum)
+            sims.append(Result(label, m, samples, s, s))
 
     # the baselines last: evaluated at N and at every swarm's actual total
     base_n_steps = max(1, n // bs)
     actual = {name: r.samples for name, r in results.items() if r.samples}
-    eval_steps = {base_n_steps} | {max(1, round(s / bs)) for s in actual.values()} | {
-        max(1, round(s.samples / bs)) for s in sims}
+    cap = 4 * base_n_steps  # a run that overshot N by more than 4x is compared at 4 N
+    eval_steps = {base_n_steps} | {min(cap, max(1, round(s / bs))) for s in actual.values()} | {
+        min(cap, max(1, round(s.samples / bs))) for s in sims}
     print(f"  baseline: 1 process, batch {bs}, up to {max(eval_steps)} steps ...; {load()}", flush=True)
     t0 = time.monotonic()
     evals, secs, _ = plain_loop(task, bs, lr, max(eval_steps), eval_steps)
@@ -572,7 +575,7 @@ def bench_task(task_name: str, args: argparse.Namespace, logdir: str) -> None:
                   steps_per_peer=steps_n)
 
     def ref_for(samples: int) -> dict[str, float]:
-        return evals[max(1, round(samples / bs))]
+        return evals[min(max(1, round(samples / bs)), max(eval_steps))]
 
     rows: list[tuple[Result, dict[str, float] | None]] = [(base, None)]
     if "sync" in runs and not args.no_large_batch:
@@ -589,8 +592,21 @@ def bench_task(task_name: str, args: argparse.Namespace, logdir: str) -> None:
         rows.append((s, ref_for(s.samples)))
     table(task_name, rows, numel, P)
     notes = [f"{name} trained {r.samples} samples ({(r.samples / n - 1) * 100:+.1f}% vs N): compared with the "
-             f"baseline at {round(r.samples / bs) * bs} samples ({_fmt_metrics(ref_for(r.samples))})"
+             f"baseline at {min(cap, round(r.samples / bs)) * bs} samples ({_fmt_metrics(ref_for(r.samples))})"
              for name, r in results.items() if r.samples and round(r.samples / bs) != base_n_steps]
+    for name, codec in (("sync", "none"), ("diloco", args.compression)):
+        r = results.get(name)
+        if r is None or not r.peers or not r.bytes_sent:
+            continue
+        from p2ptrain.compression import get_codec
+
+        rounds = sum(p["rounds"] for p in r.peers) / len(r.peers)
+        ar = rounds * 2 * (P - 1) / P * get_codec(codec).encoded_nbytes(numel)
+        fp32 = 2 * (P - 1) / P * 4 * numel * r.steps_per_peer
+        notes.append(f"{name}: of the {fmt_bytes(r.bytes_sent)} sent per peer, the {codec} all-reduce of "
+                     f"{rounds:.1f} rounds is ~{fmt_bytes(ar)} (ratio to fp32-every-step on that alone "
+                     f"{fp32 / ar:.0f}x); the other {fmt_bytes(max(0.0, r.bytes_sent - ar))} "
+                     f"({max(0.0, 1 - ar / r.bytes_sent) * 100:.0f}%) is other averaging (state rounds)")
     for line in notes:
         print(f"  note: {line}")
     print(f"  logs: {logdir}", flush=True)
@@ -607,7 +623,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, help="total samples per run (default: digits 64000, char_lm 16000)")
     ap.add_argument("--batch-size", type=int, help="samples per local step (default: digits 32, char_lm 8)")
     ap.add_argument("--lr", type=float, help="inner learning rate, baseline included (default: the task's)")
-    ap.add_argument("--target-batch-size", type=int, help="sync and hivemind (default: digits 512, char_lm 256)")
+    ap.add_argument("--target-batch-size", type=int, help="sync and hivemind (default: digits 512, char_lm 64)")
     ap.add_argument("--local-steps", type=int, default=50, help="DiLoCo H (default 50)")
     ap.add_argument("--compression", default="int8", help="DiLoCo pseudo-gradient codec (default int8)")
     ap.add_argument("--runs", nargs="*", default=["sync", "diloco", "hivemind"],

@@ -202,7 +202,10 @@ def main() -> None:
                 left.discard(n)
                 if e.get("event") == "digest":
                     digests[n] = e
-            kids.wait_exit(active, 30)
+            rcs = kids.wait_exit(active, 30)
+            for n, rc in rcs.items():
+                if rc != 0:
+                    print(f"  {n} exited with {rc}:\n{kids.kids[n].stderr_tail(8)}", flush=True)
         except (TimeoutError, RuntimeError) as e:
             print(f"swarm part failed: {e}", flush=True)
             for n, c in kids.kids.items():
@@ -244,6 +247,13 @@ def main() -> None:
         print(f"  {j['trial']:5d}  {j['loaded_epoch']:5d}  {tl['start']:10.3f}s  {fetch_s:6.3f}s  {tl['apply']:6.3f}s  "
               f"{tl['ctor']:22.3f}s  {tl['to_step_call']:12.3f}s  {tl['to_step_return']:14.3f}s  "
               f"{tl['ctor'] / TARGET_S:9.2f}x  {cstr:<40}  {fetch_s / tcp_s:12.2f}x  {j['state_loads']:5d}  {cstate}")
+        if f.get("phases"):
+            ph = f["phases"]
+            print(f"         fetch phases: providers' manifests (their snapshots) {ph.get('probe', 0):.3f} s, "
+                  f"choose {ph.get('choose', 0):.3f} s, chunks {ph.get('download', 0):.3f} s "
+                  f"({nbytes / max(ph.get('download', 0), 1e-9) / 1e9:.2f} GB/s = "
+                  f"{tcp_s / max(ph.get('download', 0), 1e-9):.2f}x raw TCP); "
+                  f"before the fetch {tl['ctor_to_start'] + tl['start']:.3f} s (buffers, DHT progress read)")
         if f.get("dropped"):
             print(f"         dropped providers: {f['dropped']}")
         if len(j["fetches"]) > 1:
@@ -272,4 +282,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted: every child process was stopped", file=sys.stderr)
+        sys.exit(130)

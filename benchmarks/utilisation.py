@@ -107,6 +107,7 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
     per_peer = []
     rounds: dict[int, list[dict]] = {}
     results: dict[int, list[dict]] = {}
+    state_rounds: list[dict] = []
     for name, evs in run["events"].items():
         epochs = {}
         steps = {}
@@ -120,6 +121,8 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
                 rounds.setdefault(e["epoch"], []).append(dict(e, peer=name))
             elif kind == "result":
                 results.setdefault(e["epoch"], []).append(dict(e, peer=name))
+            elif kind == "state_round":
+                state_rounds.append(dict(e, peer=name))
         done = [e for _, e in evs if e.get("event") == "done"]
         per_peer.append({"name": name, "epochs": epochs, "steps": steps, "done": done[0] if done else None})
     # the window: [enter epoch `skip`, enter the last epoch every peer reached]
@@ -185,7 +188,8 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
         "epochs": (skip, last), "epoch_s": epoch_len, "compute_sps": _med(comp_sps), "pause_frac": _med(pause_frac),
         "cpu_pct": _med(cpu_pct), "mm": mm, "ar": ar, "pause": pause, "spread": spread, "samples": samples,
         "group": group, "failed": failed, "to_group": to_group, "group_to_done": group_to_done,
-        "mm_last": mm_last, "h_done": h_done, "skipped": skipped, "target": target, "enter_to_avg": enter_to_avg,
+        "mm_last": mm_last, "h_done": h_done,
+        "state_s": [r["seconds"] for r in state_rounds if skip <= r["epoch"] < last], "skipped": skipped, "target": target, "enter_to_avg": enter_to_avg,
         "load": (run["load0"], run["load1"]), "timed_out": run["timed_out"],
         "state_loads": max((p["done"] or {}).get("state_loads", 0) for p in per_peer),
         "accuracy": [(p["done"] or {}).get("metrics", {}).get("accuracy") for p in per_peer],
@@ -258,6 +262,9 @@ def report(res: dict, base: float) -> None:
     print(f"  first peer ending -> every group formed {_fmt_dist(res['to_group'])}; "
           f"then -> every peer's all-reduce done {_fmt_dist(res['group_to_done'])}")
     print(f"  matchmaking of the last peer to arrive (nobody left to wait for) {_fmt_dist(res['mm_last'])}")
+    if res["state_s"]:
+        print(f"  periodic state averaging (inside step()): {len(res['state_s'])} peer-rounds, "
+              f"{_fmt_dist(res['state_s'])}")
     if res["h_done"]:
         print(f"  local steps per peer per outer round: {_fmt_dist(res['h_done'], '', digits=0)}")
     if res["target"]:
@@ -330,8 +337,8 @@ def main() -> None:
         report(res, base)
     print(f"\nbaseline {base:.0f} samples/s per peer (runs: {b0['swarm_sps']:.0f}, {b1['swarm_sps']:.0f}); "
           f"plain torch loop {plain:.0f}; {loadavg()}; total {time.monotonic() - t_start:.0f} s")
-    print(f"\n  mode        peers  swarm sps  ideal sps  ratio   target  pass  compute eff  paused  "
-          f"pause/round  mm/round  ar/round  load")
+    print("\n  mode        peers  swarm sps  ideal sps  ratio   target  pass  compute eff  paused  "
+          "pause/round  mm/round  ar/round  load")
     for r in results:
         t = TARGETS[r["mode"]]
         ideal = r["n"] * base
@@ -342,4 +349,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted: every child process was stopped", file=sys.stderr)
+        sys.exit(130)

@@ -8,6 +8,8 @@ measure utilisation as if the model were bigger) and a final evaluation.
 
 Events are plain dicts handed to ``on_event``: ``started`` (peer id, multiaddr), ``progress``
 (about once a second), ``eval`` and ``done``. Callers print them as text, JSON lines or a live view.
+``on_round`` (optional) gets one dict per averaging round this peer took part in (or that failed),
+for metrics and round logs: see :func:`_round_record`.
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ class PeerConfig:
 
 
 def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None,
-             stop: threading.Event | None = None, dht: DHT | None = None) -> Event:
+             stop: threading.Event | None = None, dht: DHT | None = None,
+             on_round: Callable[[Event], None] | None = None) -> Event:
     """Train until ``cfg.epochs`` global epochs are done (or ``stop`` is set); returns the ``done``
-    event. ``dht``: an already started node to use (else one is created from ``cfg``)."""
+    event. ``dht``: an already started node to use (else one is created from ``cfg``).
+    ``on_round``: called in the training thread after each step that finished averaging rounds."""
     from .tasks import get_task
 
     stop = stop or threading.Event()
@@ -97,6 +101,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         t0 = time.perf_counter()
         next_report = t0 + cfg.progress_every
         steps, loss_ewma, start_epoch = 0, math.nan, opt.epoch
+        seen = _round_counters(opt.stats)
         model.train()
         while opt.epoch < cfg.epochs and not stop.is_set():
             if cfg.max_steps is not None and steps >= cfg.max_steps:
@@ -109,6 +114,9 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             opt.step()
             opt.zero_grad()
             steps += 1
+            if on_round is not None and _round_counters(opt.stats) != seen:
+                on_round(_round_record(opt, seen))
+                seen = _round_counters(opt.stats)
             value = float(loss.detach())
             loss_ewma = value if math.isnan(loss_ewma) else 0.95 * loss_ewma + 0.05 * value
             now = time.perf_counter()
@@ -138,7 +146,28 @@ def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: flo
             "steps": steps, "samples": s.samples_total, "seconds": round(elapsed, 3),
             "local_sps": round(s.local_sps, 1), "swarm_sps": round(s.swarm_sps, 1), "peers": s.peers,
             "rounds": s.rounds, "group_size": s.last_group_size, "failed_rounds": s.failed_rounds,
-            "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "state_loads": s.state_loads}
+            "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "state_loads": s.state_loads,
+            "local_samples": s.local_samples, "round_s": round(s.last_round_s, 4), "state_rounds": s.state_rounds,
+            "dht_peers": len(opt.dht.node.routing)}
+
+
+def _round_counters(s: Any) -> tuple[int, int, int, int, int]:
+    return s.rounds, s.failed_rounds, s.state_rounds, s.bytes_sent, s.bytes_received
+
+
+def _round_record(opt: DecentralizedOptimizer, before: tuple[int, int, int, int, int]) -> Event:
+    """What the step that just returned did in averaging, from the optimizer's counters: the
+    rounds it finished (normally one), their group size and seconds, the bytes they moved, and how
+    many failed (a failed round that raised has no group size or duration: those are None)."""
+    s = opt.stats
+    rounds, failed, state_rounds, sent, received = before
+    ok = s.rounds - rounds
+    return {"event": "round", "t": round(time.time(), 3), "peer_id": str(opt.dht.peer_id), "run_id": opt.run_id,
+            "epoch": opt.epoch, "rounds": ok, "group_size": s.last_group_size if ok else None,
+            "seconds": round(s.last_round_s, 4) if ok else None, "bytes_sent": s.bytes_sent - sent,
+            "bytes_received": s.bytes_received - received, "failures": s.failed_rounds - failed,
+            "state_rounds": s.state_rounds - state_rounds, "peers": s.peers, "samples": s.samples_total,
+            "total_rounds": s.rounds, "total_failures": s.failed_rounds}
 
 
 def save_model(model: torch.nn.Module, path: str, metadata: dict[str, str]) -> str:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import demo, dht_cmd, peer_cmd, swarm_cmd
+from . import demo, dht_cmd, peer_cmd, status_cmd, swarm_cmd
 from .common import EXIT_USAGE, fail, setup_logging
 
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     dht_cmd.add_parser(sub)
     peer_cmd.add_parser(sub)
+    status_cmd.add_parser(sub)
     swarm_cmd.add_parser(sub)
     return parser
 
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     from dht import ConfigError
 
     try:
+        if hasattr(args, "config"):  # peer, swarm: flags > $P2PTRAIN_* > --config file > defaults
+            from ..config import apply_config
+
+            apply_config(args, build_parser, sys.argv[1:] if argv is None else argv)
         return args.func(args)
     except ConfigError as e:
         return fail(str(e), EXIT_USAGE)

@@ -31,12 +31,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: the listen host)")
     p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
     add_training_args(p)
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0: any free port, printed at start)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics server binds (default: %(default)s; 0.0.0.0 lets a remote "
+                   "Prometheus scrape it)")
+    p.add_argument("--round-log", metavar="PATH", help="append one JSON line per averaging round to this file")
     p.add_argument("--json", action="store_true", help="print events as JSON lines on stdout")
     p.set_defaults(func=main)
 
 
 def add_training_args(p: argparse.ArgumentParser) -> None:
     """What to train and how: the same flags for ``p2ptrain peer`` and ``p2ptrain swarm``."""
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML file of options, keys named like the long flags (target_batch_size = 512); "
+                   "flags beat $P2PTRAIN_<FLAG> variables (P2PTRAIN_EPOCHS=50), which beat the file")
     p.add_argument("--example", choices=["digits", "char_lm"], default="digits", help="what to train (default: digits)")
     p.add_argument("--run-id", help="swarm run name (default: derived from the example and its options)")
     p.add_argument("--mode", choices=["sync", "diloco"], default="sync", help="default: sync")
@@ -60,11 +69,20 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
 
 
 def training_argv(args: argparse.Namespace) -> list[str]:
-    """The training flags of ``args`` as a command line again (for the peers a swarm starts)."""
+    """The training flags of ``args`` as a command line again (for the peers a swarm starts).
+
+    Values come from flags, ``P2PTRAIN_*`` variables or a config file alike (already merged into
+    ``args``); one that a variable also sets is always passed, so the child's flag beats the
+    variable it inherits, as the parent's did."""
+    import os
+
     out: list[str] = []
     for action in _TRAINING_ACTIONS:
+        if action.dest == "config":
+            continue
         value = getattr(args, action.dest)
-        if value is None or value is False or value == action.default:
+        inherited = f"P2PTRAIN_{action.dest.upper()}" in os.environ
+        if value is None or value is False or (value == action.default and not inherited):
             continue
         out.append(action.option_strings[0])
         if value is not True:
@@ -79,8 +97,6 @@ def _collect_training_actions() -> list[argparse.Action]:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from ..run import PeerConfig
-
     for name in ("epochs", "target_batch_size", "local_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -90,14 +106,18 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--threads must be at least 1")
     if args.compute_delay < 0:
         raise ConfigError("--compute-delay cannot be negative")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
     listen = parse_listen(args.listen)
+    bootstrap = [str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)]
+    from ..run import PeerConfig  # torch: only once the options are known to be good
+
     return PeerConfig(
         task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
         lr=args.lr, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
         delay_updates=args.delay_updates, wait_peers=args.wait_peers, threads=args.threads, save=args.save,
-        bootstrap=[str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)],
-        listen=listen, announce_host=args.announce_host, key_file=args.key_file,
+        bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
     )
 
 
@@ -110,6 +130,8 @@ def _printer(as_json: bool):
         if kind == "started":
             print(f"peer {event['peer_id']} in run {event['run_id']!r} at epoch {event['epoch']}; others join with\n"
                   f"  p2ptrain peer --bootstrap {event['multiaddrs'][0]}", flush=True)
+            if event.get("metrics_url"):
+                print(f"metrics at {event['metrics_url']}", flush=True)
         elif kind in ("progress", "done"):
             loss = "-" if event["loss"] is None else f"{event['loss']:.4f}"
             line = (f"epoch {event['epoch']:>4}  loss {loss}  peers {event['peers']}  swarm {event['swarm_sps']:>8.0f} "
@@ -122,7 +144,42 @@ def _printer(as_json: bool):
 
 def main(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    from ..metrics import PeerMetrics, RoundLog
+
+    round_log = RoundLog.open(args.round_log) if args.round_log else None  # ConfigError when it cannot
+    metrics = PeerMetrics() if args.metrics_port is not None else None
+    try:
+        if metrics is not None:
+            try:
+                metrics.serve(args.metrics_port, args.metrics_host)
+            except OSError as e:
+                return fail(f"--metrics-port {args.metrics_port}: cannot serve metrics on "
+                            f"{args.metrics_host}:{args.metrics_port}: {e.strerror or e} (another peer or exporter "
+                            "on it? pick another port, or 0 for any free one)")
+        return _train(args, cfg, metrics, round_log)
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if round_log is not None:
+            round_log.close()
+
+
+def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> int:
     from ..run import run_peer
+
+    show = _printer(args.json)
+    round_hooks = [h for h in (metrics and metrics.on_round, round_log and round_log.write) if h]
+
+    def on_event(event: dict[str, Any]) -> None:
+        if metrics is not None:
+            metrics.on_event(event)
+            if event["event"] == "started":
+                event = {**event, "metrics_url": metrics.url}
+        show(event)
+
+    def on_round(record: dict[str, Any]) -> None:
+        for hook in round_hooks:
+            hook(record)
 
     stop = threading.Event()
     presses = 0
@@ -141,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     try:
-        done = run_peer(cfg, _printer(args.json), stop)
+        done = run_peer(cfg, on_event, stop, on_round=on_round if round_hooks else None)
     except (DHTError, ConfigError) as e:
         return fail(str(e))
     except OSError as e:

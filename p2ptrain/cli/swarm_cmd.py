@@ -52,7 +52,7 @@ class _Child:
         # Own session: the terminal's Ctrl+C reaches the launcher only, which stops the peers in
         # order; PDEATHSIG: if the launcher itself is killed, no peer outlives it.
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                                     env=_child_env(), start_new_session=True,
                                      preexec_fn=die_with_parent)
         self.stderr: list[str] = []
         threading.Thread(target=self._pump, args=(events,), daemon=True).start()
@@ -69,6 +69,14 @@ class _Child:
                 self.proc.send_signal(sig)
             except ProcessLookupError:
                 pass
+
+
+def _child_env() -> dict[str, str]:
+    """The launcher's environment without ``P2PTRAIN_*``: the launcher already turned those into
+    flags, and settings such as a key file or a metrics port must not reach every peer at once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def _start_bootstrap(events: queue.Queue, timeout: float = 60.0) -> tuple[_Child, str]:

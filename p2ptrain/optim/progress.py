@@ -78,6 +78,20 @@ def parse_report(value: object, owner: PeerID) -> PeerReport | None:
                       value.get("l") is True)
 
 
+def parse_record(record: Any) -> PeerReport | None:
+    """The report in a DHT record under ``{run_id}/progress``, or None unless it is a well-formed
+    report under its owner's own sub-key (nobody can speak for another peer)."""
+    try:
+        if record.subkey is None or len(record.value) > _MAX_RECORD:
+            return None
+        owner = record_owner(record)
+        if owner is None or record.subkey != owned_name(_SUBKEY, owner):
+            return None
+        return parse_report(unpack(record.value, _MAX_RECORD), owner)
+    except (InvalidRecord, ProtocolError):
+        return None
+
+
 @dataclass(frozen=True)
 class SwarmView:
     """What the swarm looks like from one peer at one moment."""
@@ -268,7 +282,7 @@ class ProgressTracker:
             return
         reports = []
         for record in result.records:
-            report = self._parse(record)
+            report = parse_record(record)
             if report is None:
                 continue
             if report.schema != self.schema and report.peer != self.node.peer_id:
@@ -278,18 +292,6 @@ class ProgressTracker:
         self._reports = reports
         self.view = summarize(reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
         self._fresh.set()
-
-    @staticmethod
-    def _parse(record: Any) -> PeerReport | None:
-        try:
-            if record.subkey is None or len(record.value) > _MAX_RECORD:
-                return None
-            owner = record_owner(record)
-            if owner is None or record.subkey != owned_name(_SUBKEY, owner):
-                return None
-            return parse_report(unpack(record.value, _MAX_RECORD), owner)
-        except (InvalidRecord, ProtocolError):
-            return None
 
     def _mismatch(self, report: PeerReport) -> None:
         if report.peer in self.mismatched or len(self.mismatched) >= 1000:
