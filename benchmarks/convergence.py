@@ -1,10 +1,10 @@
 """Convergence at equal samples: one plain torch process vs a swarm of p2ptrain peers (sync, DiLoCo)
 vs hivemind.Optimizer, on the built-in tasks, with every baseline measured in the same run.
 
-    python benchmarks/convergence.py --task digits                 # ~1-2 min on 2 cores
-    python benchmarks/convergence.py --task char_lm                # ~4-5 min on 2 cores
-    python benchmarks/convergence.py --task both --hivemind-python /tmp/hmvenv/bin/python
-    python benchmarks/convergence.py --task digits --runs diloco --simulate   # DiLoCo ablations
+    python benchmarks/convergence.py --task digits     # baseline, sync, diloco: ~1.5 min on 2 busy cores
+    python benchmarks/convergence.py --task char_lm    # ~5 min
+    python benchmarks/convergence.py --task digits --runs hivemind --hivemind-python /tmp/hmvenv/bin/python
+    python benchmarks/convergence.py --task char_lm --runs --simulate    # baseline + DiLoCo ablations only
 
 Runs, each trained on the same total number of samples N (``--samples``):
 
@@ -23,9 +23,10 @@ Runs, each trained on the same total number of samples N (``--samples``):
 * ``hivemind``: with ``--hivemind-python``, hivemind.Optimizer (its collaborative mode: gradients
   averaged every T samples, the equivalent of ``sync``) in ``--peers`` processes of that
   interpreter (``benchmarks/_hivemind_optimizer.py``), same task, batch, lr and N.
-* ``--simulate``: DiLoCo in this one process (P replicas in turn, every round exact and complete,
-  int8 or fp32 pseudo-gradients): what the algorithm itself gives at these settings, without
-  networking, staleness or stragglers. It tells a gap that is DiLoCo's from one that is the trainer's.
+* ``--simulate``: DiLoCo in this one process (P replicas in turn, every round exact and complete):
+  with the swarm's settings, then with fp32 pseudo-gradients, then without outer momentum. What the
+  algorithm itself gives, without networking, staleness or stragglers: it tells a gap that is
+  DiLoCo's from one that is the trainer's, and which knob it comes from.
 
 Printed: final accuracy (digits) / loss / perplexity (char_lm), the delta vs the baseline at the
 same samples (%), swarm samples/s (sum of the peers' samples / the slowest peer's training time),
@@ -146,7 +147,8 @@ class Lines:
 
 
 def child_env(threads: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "P2PTRAIN_BOOTSTRAP"}
+    # no P2PTRAIN_* (bootstrap peers, flags): the benchmark says everything on the command line
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")}
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return env
@@ -642,9 +644,11 @@ def main() -> None:
         ap.error("--peers must be at least 1")
     logdir = args.logs or tempfile.mkdtemp(prefix="p2ptrain-convergence-")
     os.makedirs(logdir, exist_ok=True)
-    # SIGTERM/SIGHUP become an exception, so that the finally below stops every child
+    # SIGTERM/SIGHUP become an exception, so that the finally below stops every child; SIGINT is
+    # KeyboardInterrupt even where the shell started us with it ignored (a background job)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _f: sys.exit(128 + signum))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.monotonic()
     try:
         for name in (["digits", "char_lm"] if args.task == "both" else [args.task]):

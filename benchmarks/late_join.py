@@ -237,10 +237,12 @@ def main() -> None:
         if "own_manifest" in check:
             same_epoch = [s for s in served if s["epoch"] == check["own_epoch"]]
             ids = {s["manifest"] for s in same_epoch}
-            ok = check["own_manifest"] == f.get("manifest") and ids == {check["own_manifest"]}
-            cstate = (f"{'IDENTICAL' if ok else 'DIFFERENT'} (own snapshot {check['own_manifest'][:10]} vs fetched "
-                      f"{str(f.get('manifest'))[:10]}, {len(same_epoch)} served at epoch {check['own_epoch']}: "
-                      f"{len(ids)} distinct id)")
+            same = check["own_manifest"] == f.get("manifest")
+            agree = ids == {check["own_manifest"]}
+            cstate = (f"joiner {'==' if same else '!='} fetched ({check['own_manifest'][:10]} vs "
+                      f"{str(f.get('manifest'))[:10]}); providers at epoch {check['own_epoch']}: "
+                      f"{len(same_epoch)} snapshots, {len(ids)} distinct id"
+                      + ("" if agree else " (the PROVIDERS DISAGREE: the swarm had diverged)"))
         else:
             cstate = check.get("skipped", "-")
         fetch_s = f.get("seconds", float("nan"))

@@ -284,3 +284,46 @@ def test_bad_arguments_are_clear(swarm):
         DecentralizedOptimizer(model, dht=dht, run_id="x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="codec|compression"):
         DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=dht, run_id="x", compression="zip")
+
+
+def test_a_snapshot_taken_mid_round_is_labelled_with_the_updates_it_holds(swarm):
+    """A state request during an averaging round must not get the old parameters labelled with
+    the new epoch (a joiner would then stay one update behind for good)."""
+    from concurrent.futures import Future
+
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="race",
+                                 target_batch_size=16, batch_size_per_step=16)
+    round_started, release = threading.Event(), threading.Event()
+
+    def slow_average(epoch, samples, view):
+        future: Future = Future()
+        round_started.set()
+        threading.Thread(target=lambda: (release.wait(10), future.set_result(None))).start()
+        return future
+
+    opt._average = slow_average  # the round is held open until the snapshot was taken
+    snaps = []
+
+    def snapshot():
+        round_started.wait(10)
+        with opt._state_lock:
+            epoch, state = opt._shared_state()
+            snaps.append((epoch, state["params"][0].clone()))
+        release.set()
+
+    t = threading.Thread(target=snapshot)
+    t.start()
+    try:
+        before = next(model.parameters()).detach().clone()
+        loss_of(model, batch(torch.Generator().manual_seed(1))).backward()
+        opt.step()
+        t.join(10)
+        epoch, params = snaps[0]
+        assert opt.epoch == 1
+        assert epoch == 0 and torch.equal(params, before), "the mid-round snapshot holds epoch 0's state"
+        with opt._state_lock:
+            assert opt._shared_state()[0] == 1
+    finally:
+        release.set()
+        opt.close()

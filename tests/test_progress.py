@@ -75,3 +75,14 @@ def test_extrapolation_is_bounded():
     view = summarize([report(1, samples=0, sps=1000, age=9)], me, NOW, 100_000, stale_after=10)
     assert view.samples <= 1000 * 5
     assert not view.reached and math.isfinite(view.eta)
+
+
+def test_peers_just_past_the_previous_round_count_toward_the_new_epoch():
+    """After a round, the others' reports still say the old epoch for a moment; they are computing
+    for the new one already, and short epochs would overshoot their target if they did not count."""
+    me = report(0, epoch=4, samples=32, sps=100)
+    others = [report(1, epoch=3, samples=500, sps=100, age=2.0), report(2, epoch=3, samples=500, sps=100, age=0.1, ready=True)]
+    view = summarize(others, me, NOW, 1000, 10, epoch_started=NOW - 0.5)
+    # peer 1: 0.5 s at 100/s since our epoch began; peer 2 is still in the old round: nothing
+    assert view.samples == pytest.approx(32 + 50)
+    assert summarize(others, me, NOW, 1000, 10).samples == pytest.approx(32)

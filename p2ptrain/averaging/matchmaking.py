@@ -553,10 +553,12 @@ class Matchmaker:
             entries = await self._read(rnd, deadline)
             now, now_wall = loop.time(), time.time()
             grew = False
+            finished = 0
             for peer, entry in entries.items():
                 if peer == me.peer_id or peer in failed:
                     continue
                 if entry.done:  # grouped already, or gave up (records expire shortly after)
+                    finished += 1
                     # Peers we saw as candidates stay in the view while it settles, so that every
                     # peer plans over the same set even after the first groups closed.
                     continue
@@ -582,6 +584,11 @@ class Matchmaker:
                 wake_at = min(last_growth + settle, deadline - reserve)
             else:
                 if now >= deadline:
+                    return None
+                if expected is not None and not candidates and finished + 1 >= expected:
+                    # everyone we were told to expect has grouped (or given up) without us:
+                    # nobody is left to meet, so do not wait out the deadline
+                    log.debug("round %s: the %d other expected peers are done; nobody left", rnd.round_id, finished)
                     return None
                 wake_at = deadline
             delay = max(0.0, min(period, wake_at - now))

@@ -13,6 +13,8 @@ be canonical (re-encoding gives the same bytes), so equal ids mean equal manifes
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -231,7 +233,7 @@ def hash_chunks(buffer: torch.Tensor, chunk_size: int) -> bytes:
 
 def build_snapshot(
     obj: Any, meta: dict | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-    max_total: int = DEFAULT_MAX_TOTAL,
+    max_total: int = DEFAULT_MAX_TOTAL, lock: AbstractContextManager[Any] | None = None,
 ) -> tuple[Manifest, torch.Tensor]:
     """Copy every tensor of ``obj`` once into one new buffer and describe it.
 
@@ -240,19 +242,23 @@ def build_snapshot(
     mutating ``obj``'s tensors while peers download the snapshot, which must not change under
     them. Call it between optimizer steps (in the training thread), then hand the result to the
     event loop (``StateServer.publish``). GPU tensors are copied straight into the buffer.
+
+    ``lock``: held while ``obj`` is read and copied, released before the hashing (the slower
+    half), so a trainer that holds it while changing parameters waits for the copy only.
     """
-    skeleton, tensors = flatten(obj)
-    specs = tensor_specs(skeleton)
-    entries, total = layout(specs)
-    if total > max_total:
-        raise StateTooLarge(f"state of {total} bytes exceeds the {max_total}-byte limit")
-    buffer = torch.empty(total, dtype=torch.uint8)
-    pos = 0
-    for t, e in zip(tensors, entries):
-        if e.nbytes:
-            buffer[pos : e.offset].zero_()  # alignment padding: never leak stale process memory
-            _typed(buffer, e).copy_(t.detach())
-            pos = e.offset + e.nbytes
+    with lock if lock is not None else nullcontext():
+        skeleton, tensors = flatten(obj() if callable(obj) else obj)
+        specs = tensor_specs(skeleton)
+        entries, total = layout(specs)
+        if total > max_total:
+            raise StateTooLarge(f"state of {total} bytes exceeds the {max_total}-byte limit")
+        buffer = torch.empty(total, dtype=torch.uint8)
+        pos = 0
+        for t, e in zip(tensors, entries):
+            if e.nbytes:
+                buffer[pos : e.offset].zero_()  # alignment padding: never leak stale process memory
+                _typed(buffer, e).copy_(t.detach())
+                pos = e.offset + e.nbytes
     m = Manifest(skeleton, tuple(entries), chunk_size, hash_chunks(buffer, chunk_size), dict(meta or {}), max_total)
     return m, buffer
 

@@ -56,6 +56,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", choices=["none", "fp16", "bf16", "int8", "topk"],
                    help="codec on the wire (default: none for sync, int8 for diloco)")
     p.add_argument("--lr", type=float, help="inner learning rate (default: the example's)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer Nesterov SGD learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer momentum (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="model init seed, the same on every peer (default 0)")
     p.add_argument("--data-seed", type=int, help="data order (default: different on every peer)")
     p.add_argument("--compute-delay", type=float, default=0.0, metavar="S",
@@ -115,7 +117,7 @@ def _config(args: argparse.Namespace) -> Any:
     return PeerConfig(
         task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
-        lr=args.lr, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
+        lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
         delay_updates=args.delay_updates, wait_peers=args.wait_peers, threads=args.threads, save=args.save,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
     )

@@ -74,6 +74,7 @@ class OptimizerStats:
     state_rounds: int = 0  # rounds that averaged the parameters and optimizer state themselves
     state_loads: int = 0  # times this peer downloaded the swarm's state (joining, or after missing rounds)
     last_state_load_s: float = 0.0
+    last_state_providers: int = 0  # peers the last state download came from (in parallel)
 
 
 class DecentralizedOptimizer(torch.optim.Optimizer):
@@ -110,7 +111,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         refresh_period: float = 0.5,
         bandwidth: float = 1.0,
         load_state_timeout: float = 60.0,
-        average_state_every: int = 5,
+        average_state_every: int | None = None,
+        outer_momentum_in_state: bool = False,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -122,6 +124,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise ValueError("target_batch_size and batch_size_per_step must be positive")
         if mode == "diloco" and local_steps < 1:
             raise ValueError("local_steps must be at least 1")
+        if not (0 < outer_lr < float("inf")) or not (0 <= outer_momentum < 1):
+            raise ValueError("outer_lr must be positive and outer_momentum in [0, 1)")
         if dht is not None and initial_peers:
             raise ValueError("pass either dht= or initial_peers=, not both")
         # torch.optim.Optimizer's own bookkeeping, without copying the inner param groups
@@ -159,7 +163,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             allreduce_config=AllReduceConfig(timeout=averaging_timeout),
         )
         self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.hash,
-                                       self.target_batch_size if mode == "sync" else 1 << 62,
+                                       self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
                                        refresh=refresh_period)
         self._grad_acc: list[torch.Tensor] = []
         if mode == "sync":
@@ -168,7 +172,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.outer_optimizer: torch.optim.Optimizer | None = None
         if mode == "diloco":
             self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
-            self.outer_optimizer = torch.optim.SGD(self._outer, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+            self.outer_optimizer = torch.optim.SGD(self._outer, lr=outer_lr, momentum=outer_momentum,
+                                                   nesterov=outer_momentum > 0)
 
         self.stats = OptimizerStats()
         self.epoch = 0
@@ -181,7 +186,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._pending_epoch = -1
         self._state_lock = threading.Lock()  # held while parameters change (snapshots wait on it)
         self._closed = False
-        self.average_state_every = average_state_every
+        self._applied = 0  # global updates contained in our state (what a snapshot is labelled)
+        self._outer_momentum_in_state = outer_momentum_in_state
+        self.average_state_every = average_state_every if average_state_every is not None else (
+            5 if mode == "sync" else 10)
         self._state_averager: Averager | None = None
         self._state_shapes: list[Any] = []
         self._last_expected = 1
@@ -314,9 +322,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.tracker.report(self.epoch, self.local_samples, self._sps)
         view = self.tracker.estimate()
         self._observe(view)
-        if view.epoch > self.epoch:
+        if view.epoch > self.epoch + 1:
             self._fall_behind(view)
-        elif view.reached or view.ready:  # a peer that saw the target reached is waiting for us
+        elif view.epoch == self.epoch + 1 or view.reached or view.ready:
+            # the target is reached, or a peer is waiting for us, or peers already moved on from
+            # our epoch (they may still be in its round): end the epoch and try to join the round;
+            # if it has closed, _apply_pending loads the swarm's state instead of stepping alone
             self._end_sync_epoch(view)
 
     def _end_sync_epoch(self, view: SwarmView) -> None:
@@ -360,6 +371,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             return
         self._pending = None
         result = self._round_result(future)
+        if self._last_expected > 1 and (result is None or result.group_size == 1):
+            # Others were there but we met nobody (we came late, or the round failed): stepping
+            # with our own gradients would leave us on a path of our own for good. Take theirs.
+            self._record(result)
+            self._load_state_from_peers(self.tracker.estimate())
+            return
         grads = [p.grad for p in self.params]
         with self._state_lock:
             for p, buf in zip(self.params, self._buffers):
@@ -367,6 +384,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self.inner.step()
             if self.scheduler is not None:
                 self.scheduler.step()
+            self._applied = self._pending_epoch + 1
         for p, g in zip(self.params, grads):  # the user's current gradients stay as they were
             p.grad = g
         self._record(result)
@@ -383,6 +401,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             assert self.outer_optimizer is not None
             params, opt = self._outer, self.outer_optimizer
         named = [(f"p{i}", p.data) for i, p in enumerate(params)]
+        if self.mode == "diloco" and not self._outer_momentum_in_state:
+            # DiLoCo's point is to send little: the outer parameters are what drift; the
+            # momentum buffers follow them (and would double the bytes of these rounds)
+            return named
         for i, p in enumerate(params):
             for k, v in sorted(opt.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
@@ -440,7 +462,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     # ---- shared state (late join, missed rounds)
 
     def _shared_state(self) -> tuple[int, dict[str, Any]]:
-        """What every member of a group holds identically after a round (called with the lock)."""
+        """What every member of a group holds identically after a round (called with the lock),
+        labelled with the number of global updates it contains: ``self.epoch`` runs ahead of the
+        state while a round is in flight (or, with delayed updates, until it is applied)."""
         state: dict[str, Any] = {}
         if self.mode == "sync":
             state["params"] = [p.detach() for p in self.params]
@@ -451,12 +475,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             state["outer_opt"] = self.outer_optimizer.state_dict()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
-        return self.epoch, state
+        return self._applied, state
 
     def _load_state_from_peers(self, view: SwarmView) -> bool:
         """Download the state of the most advanced peers and continue from it; on failure, keep
         ours (and the swarm's epoch number) and say so: training goes on either way."""
         t0 = time.perf_counter()
+        if self._pending is not None:  # a round still in flight would land on top of the new state
+            self._round_result(self._pending)
+            self._pending = None
         providers = self.state_sync.choose([p for p in (*view.peers, *view.behind) if p.peer != self.tracker.me.peer])
         loaded = False
         epoch = self.epoch
@@ -465,7 +492,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 raise StateTransferError("no peer serves it")
             result = self._loop.run(self.state_sync.fetch(providers, self.load_state_timeout))
             epoch = int(result.manifest.meta.get("epoch", view.epoch))
-            self._apply_shared_state(result.restore())
+            self.stats.last_state_providers = len(result.contributors)
+            self._apply_shared_state(result.restore(), epoch)
             loaded = True
         except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
             # Peers whose state we cannot get do not get to set our epoch either: a peer that
@@ -480,12 +508,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.stats.state_loads += int(loaded)
         self.stats.last_state_load_s = time.perf_counter() - t0
         self.tracker.report(self.epoch, 0, self._sps)
+        if loaded:  # the view that sent us here is as old as the download: look again
+            self._loop.run(self.tracker.refresh_now())
         self._paused += time.perf_counter() - t0
         return loaded
 
     @torch.no_grad()
-    def _apply_shared_state(self, state: dict[str, Any]) -> None:
+    def _apply_shared_state(self, state: dict[str, Any], epoch: int) -> None:
         with self._state_lock:
+            self._applied = epoch
             if self.mode == "sync":
                 params = state["params"]
                 if len(params) != len(self.params):
@@ -519,6 +550,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if view.epoch > self.epoch:
             self._fall_behind(view)
             return
+        # The round's end as a sample target, so that the tracker refreshes faster as it nears
+        # and the peers notice each other's readiness in time (it decides nothing else here).
+        self.tracker.target = self.local_steps * bs * max(1, view.num_peers)
         others_ready = any(p.ready and p.peer != self.tracker.me.peer for p in view.peers)
         if self._local_steps_done >= self.local_steps or others_ready:
             self._outer_step(view)
@@ -541,6 +575,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 p.copy_(outer)
             if self.scheduler is not None:
                 self.scheduler.step()
+            self._applied = epoch + 1
         self.epoch += 1
         self.local_samples = 0
         self._local_steps_done = 0

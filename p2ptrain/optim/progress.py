@@ -126,7 +126,7 @@ class SwarmView:
 
 
 def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target: int,
-              stale_after: float, ignored: Iterable[PeerID] = ()) -> SwarmView:
+              stale_after: float, ignored: Iterable[PeerID] = (), epoch_started: float | None = None) -> SwarmView:
     """The swarm as seen from ``me`` (whose own report is always fresh).
 
     Reports older than ``stale_after`` seconds and reports with another schema are ignored. A
@@ -149,6 +149,13 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
         samples += r.samples
         if not r.ready and r is not me:
             samples += r.sps * min(max(0.0, now - r.time), _MAX_EXTRAPOLATION)
+    if epoch_started is not None and me.epoch == epoch:
+        # Peers still reporting the previous epoch (and not in its round) have most likely
+        # finished it with us and are computing for this one, unpublished yet: count their
+        # throughput since our epoch began, or short epochs overshoot their target several times.
+        for r in latest.values():
+            if r.epoch == epoch - 1 and not r.ready:
+                samples += r.sps * min(max(0.0, now - max(epoch_started, r.time)), _MAX_EXTRAPOLATION)
     return SwarmView(
         epoch=epoch, samples=samples, target=target, peers=at_epoch,
         behind=[r for r in everyone if r.epoch < epoch], sps=sum(r.sps for r in at_epoch), now=now,
@@ -183,6 +190,7 @@ class ProgressTracker:
         self._reports: list[PeerReport] = []
         self.view = summarize([], self._me, time.time(), target, self.ttl)
         self.mismatched: dict[PeerID, str] = {}
+        self._epoch_started: float | None = None  # when our current epoch began (wall clock)
         self._ignored: dict[PeerID, float] = {}  # peer -> monotonic time until which it is left out
         self._wake = asyncio.Event()
         self._fresh = asyncio.Event()
@@ -218,7 +226,7 @@ class ProgressTracker:
         until = time.monotonic() + (self.ttl if seconds is None else seconds)
         for peer in peers:
             self._ignored[peer] = until
-        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
+        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
 
     def _ignored_now(self) -> list[PeerID]:
         now = time.monotonic()
@@ -234,14 +242,16 @@ class ProgressTracker:
         """Update our progress (any thread). Publishing happens on the next refresh, at once when
         the epoch or the ready flag changed: other peers wait on those."""
         old = self._me
+        if epoch != old.epoch:
+            self._epoch_started = time.time()
         self._me = replace(old, epoch=epoch, samples=samples, sps=sps, ready=ready, time=time.time())
-        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
+        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
         if (epoch, ready) != (old.epoch, old.ready) and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def estimate(self) -> SwarmView:
         """The view extrapolated to now, from the last reports read (no DHT traffic)."""
-        return summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
+        return summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
 
     # ---------------------------------------------------------------- loop side
 
@@ -290,7 +300,7 @@ class ProgressTracker:
                 continue
             reports.append(report)
         self._reports = reports
-        self.view = summarize(reports, self._me, time.time(), self.target, self.ttl, self._ignored_now())
+        self.view = summarize(reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
         self._fresh.set()
 
     def _mismatch(self, report: PeerReport) -> None:

@@ -12,6 +12,7 @@ against the manifest most of them agree on (:mod:`p2ptrain.checkpoint.transfer`)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import threading
@@ -55,12 +56,20 @@ class StateSync:
         loop = asyncio.get_running_loop()
 
         def take() -> tuple[int, Manifest, torch.Tensor] | None:
-            with self._lock:
+            seen: dict[str, int] = {}
+
+            def read() -> Any:  # called by build_snapshot with the lock held
                 epoch, state = self._state()
-                if epoch == self._served_epoch:
+                seen["epoch"] = epoch
+                return state
+
+            with self._lock:
+                if self._state()[0] == self._served_epoch:
                     return None
-                manifest, buffer = build_snapshot(state, meta={"epoch": epoch})  # copies: consistent
-            return epoch, manifest, buffer
+            # the copy is consistent (made under the lock); hashing happens after releasing it
+            manifest, buffer = build_snapshot(read, lock=self._lock)
+            manifest = dataclasses.replace(manifest, meta={"epoch": seen["epoch"]})
+            return seen["epoch"], manifest, buffer
 
         result = await loop.run_in_executor(None, take)
         if result is None:
@@ -82,7 +91,8 @@ class StateSync:
     async def fetch(self, providers: list[PeerReport], timeout: float) -> FetchResult:
         """Download the state most of ``providers`` hold, from all of them at once."""
         wire: list[tuple[PeerID, tuple[str, int] | None]] = [(p.peer, p.addr) for p in providers]
-        result = await fetch_state(self.host, self.key, wire, timeout=timeout)
+        # providers snapshot lazily when asked: give the manifest request time for that
+        result = await fetch_state(self.host, self.key, wire, timeout=timeout, rpc_timeout=min(timeout, 30.0))
         log.info("loaded the swarm's state (epoch %s, %.1f MB) from %d peers in %.2f s",
                  result.manifest.meta.get("epoch"), result.manifest.total_size / 1e6, len(result.contributors),
                  result.seconds)
