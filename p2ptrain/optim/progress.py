@@ -150,11 +150,11 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
         if not r.ready and r is not me:
             samples += r.sps * min(max(0.0, now - r.time), _MAX_EXTRAPOLATION)
     if epoch_started is not None and me.epoch == epoch:
-        # Peers still reporting the previous epoch (and not in its round) have most likely
-        # finished it with us and are computing for this one, unpublished yet: count their
-        # throughput since our epoch began, or short epochs overshoot their target several times.
+        # Peers still reporting the previous epoch (even as ready: that is how they entered its
+        # round) have most likely finished it with us and compute for this one, unpublished yet:
+        # count their throughput since our epoch began, or short epochs overshoot several times.
         for r in latest.values():
-            if r.epoch == epoch - 1 and not r.ready:
+            if r.epoch == epoch - 1:
                 samples += r.sps * min(max(0.0, now - max(epoch_started, r.time)), _MAX_EXTRAPOLATION)
     return SwarmView(
         epoch=epoch, samples=samples, target=target, peers=at_epoch,
