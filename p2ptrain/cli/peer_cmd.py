@@ -124,6 +124,8 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _printer(as_json: bool):
+    live = sys.stdout.isatty()
+
     def show(event: dict[str, Any]) -> None:
         if as_json:
             print(json.dumps(event), flush=True)
@@ -139,7 +141,11 @@ def _printer(as_json: bool):
             line = (f"epoch {event['epoch']:>4}  loss {loss}  peers {event['peers']}  swarm {event['swarm_sps']:>8.0f} "
                     f"samples/s  local {event['local_sps']:>7.0f}  sent {event['bytes_sent'] / 1e6:.1f} MB  "
                     f"recv {event['bytes_received'] / 1e6:.1f} MB")
-            print(line if kind == "progress" else f"done: {line}\n  {event['metrics']}", flush=True)
+            if kind == "progress" and live:  # one line rewritten in place on a terminal
+                print("\r" + line, end="", flush=True)
+            else:
+                print(("\n" if live else "") + (line if kind == "progress" else f"done: {line}\n  {event['metrics']}"),
+                      flush=True)
 
     return show
 

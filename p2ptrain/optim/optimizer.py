@@ -493,8 +493,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             result = self._loop.run(self.state_sync.fetch(providers, self.load_state_timeout))
             epoch = int(result.manifest.meta.get("epoch", view.epoch))
             self.stats.last_state_providers = len(result.contributors)
-            self._apply_shared_state(result.restore(), epoch)
+            applied = epoch
+            self._apply_shared_state(result.restore(), applied)
             loaded = True
+            if self.delay_updates:
+                # with delayed updates the providers' state trails their epoch by the round in
+                # flight: join at their epoch (that update reaches us with the next state round)
+                epoch = max(epoch, view.epoch)
         except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
             # Peers whose state we cannot get do not get to set our epoch either: a peer that
             # trained alone and left (its record lingers) must not drag the swarm along.
