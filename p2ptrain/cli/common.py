@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import Any, Awaitable, Callable, Coroutine, Iterator
 
 from dht import ConfigError, DHTError, Multiaddr
 
@@ -68,6 +69,32 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, int]]) -> int:
         return fail(str(e))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def interrupts(first: Callable[[], None], message: str,
+               second: Callable[[], None] = lambda: None) -> Iterator[Callable[[], int]]:
+    """For commands that block in the main thread: the first Ctrl+C or SIGTERM prints ``message``
+    and calls ``first`` (stop cleanly); a second calls ``second`` and exits at once (130).
+    Yields a function giving how many interrupts arrived; restores the old handlers on exit."""
+    presses = 0
+
+    def on_signal(_signum: int, _frame: Any) -> None:
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            second()
+            print("\ninterrupted again: exiting now", file=sys.stderr)
+            os._exit(EXIT_INTERRUPTED)
+        print(f"\n{message}", file=sys.stderr)
+        first()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: presses
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def parse_listen(text: str) -> tuple[str, int]:

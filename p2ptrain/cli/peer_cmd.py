@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 import time
@@ -12,7 +11,7 @@ from typing import Any
 
 from dht import ConfigError, DHTError
 
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, bootstrap_addrs, fail, parse_listen
+from .common import EXIT_FAILURE, EXIT_OK, interrupts, bootstrap_addrs, fail, parse_listen
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -190,30 +189,14 @@ def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> 
             hook(record)
 
     stop = threading.Event()
-    presses = 0
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        nonlocal presses
-        presses += 1
-        if presses > 1:
-            print("\ninterrupted again: exiting now", file=sys.stderr)
-            import os
-
-            os._exit(EXIT_INTERRUPTED)
-        print("\nstopping after the current step (Ctrl+C again to exit at once)...", file=sys.stderr)
-        stop.set()
-
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     try:
-        done = run_peer(cfg, on_event, stop, on_round=on_round if round_hooks else None)
+        with interrupts(stop.set, "stopping after the current step (Ctrl+C again to exit at once)..."):
+            done = run_peer(cfg, on_event, stop, on_round=on_round if round_hooks else None)
     except (DHTError, ConfigError) as e:
         return fail(str(e))
     except OSError as e:
         return fail(f"{e.strerror or e} (is the listen address free and valid?)")
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
     if stop.is_set():
         print(f"left the swarm after {time.monotonic() - t0:.1f} s", file=sys.stderr)
         return EXIT_OK

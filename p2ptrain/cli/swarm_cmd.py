@@ -24,7 +24,7 @@ from typing import Any
 from dht import ConfigError
 from dht.swarmproc import die_with_parent
 
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, fail
+from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, fail, interrupts
 from .peer_cmd import add_training_args, training_argv
 
 
@@ -100,52 +100,50 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--peers must be between 1 and 64")
     events: queue.Queue = queue.Queue()
     children: list[_Child] = []
-    stopping = {"presses": 0}
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        stopping["presses"] += 1
-        if stopping["presses"] > 1:
-            for c in children:
-                c.signal(signal.SIGKILL)
-            print("\ninterrupted again: killed every peer", file=sys.stderr)
-            os._exit(EXIT_INTERRUPTED)
-        print("\nstopping every peer (Ctrl+C again to kill them)...", file=sys.stderr)
+    def stop_all(sig: int) -> None:
         for c in children:
-            c.signal(signal.SIGINT)
+            c.signal(sig)
 
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        boot, addr = _start_bootstrap(events)
-        children.append(boot)
-        threads = max(1, (os.cpu_count() or 1) // args.peers)
-        forwarded = training_argv(args)
-        if args.threads is None:
-            forwarded += ["--threads", str(threads)]
-        if args.wait_peers == 0:
-            forwarded += ["--wait-peers", str(args.peers)]
-        out = Path(args.out)
-        for i in range(args.peers):
-            argv = [sys.executable, "-m", "p2ptrain", "peer", "--json", "--bootstrap", addr, *forwarded]
-            if i == 0 and not args.save:
-                argv += ["--save", str(out / f"{args.example}-model.safetensors")]
-            if args.data_seed is None:
-                argv += ["--data-seed", str(i)]
-            children.append(_Child(i, argv, events))
-        view = _View(args.peers, args.json, addr)
-        code = _follow(children, events, view)
-    finally:
-        for c in children:
-            c.signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        for c in children:
-            try:
-                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.signal(signal.SIGKILL)
-                c.proc.wait()
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    return EXIT_INTERRUPTED if stopping["presses"] and code != EXIT_OK else code
+    with interrupts(lambda: stop_all(signal.SIGINT), "stopping every peer (Ctrl+C again to kill them)...",
+                    lambda: stop_all(signal.SIGKILL)) as presses:
+        try:
+            code = _launch(args, events, children)
+        finally:
+            _reap(children)
+    return EXIT_INTERRUPTED if presses() and code != EXIT_OK else code
+
+
+def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child]) -> int:
+    boot, addr = _start_bootstrap(events)
+    children.append(boot)
+    forwarded = training_argv(args)
+    if args.threads is None:  # each peer its share of the cores: oversubscribed torch threads cost ~20x
+        forwarded += ["--threads", str(max(1, (os.cpu_count() or 1) // args.peers))]
+    if args.wait_peers == 0:
+        forwarded += ["--wait-peers", str(args.peers)]
+    out = Path(args.out)
+    for i in range(args.peers):
+        argv = [sys.executable, "-m", "p2ptrain", "peer", "--json", "--bootstrap", addr, *forwarded]
+        if i == 0 and not args.save:
+            argv += ["--save", str(out / f"{args.example}-model.safetensors")]
+        if args.data_seed is None:
+            argv += ["--data-seed", str(i)]
+        children.append(_Child(i, argv, events))
+    return _follow(children, events, _View(args.peers, args.json, addr))
+
+
+def _reap(children: list[_Child], grace: float = 10.0) -> None:
+    """Ask every child to stop, give them ``grace`` seconds together, then kill what is left."""
+    for c in children:
+        c.signal(signal.SIGINT)
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.signal(signal.SIGKILL)
+            c.proc.wait()
 
 
 def _follow(children: list[_Child], events: queue.Queue, view: _View) -> int:
