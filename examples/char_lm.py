@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     task = get_task("char_lm")
     model = task.make_model(seed=args.seed)
 
-    dht = DHT(initial_peers=args.bootstrap)
+    dht = DHT(initial_peers=args.bootstrap or None)  # none given: $P2PTRAIN_BOOTSTRAP, else a new swarm
     opt = DecentralizedOptimizer(
         task.make_optimizer(model.parameters(), lr=args.lr),  # AdamW inside; Nesterov SGD outside
         dht=dht, run_id="char-lm", mode=args.mode, local_steps=args.local_steps,

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     task = get_task("digits")
     model = task.make_model(seed=args.seed)
 
-    dht = DHT(initial_peers=args.bootstrap)
+    dht = DHT(initial_peers=args.bootstrap or None)  # none given: $P2PTRAIN_BOOTSTRAP, else a new swarm
     opt = DecentralizedOptimizer(
         task.make_optimizer(model.parameters(), lr=args.lr),  # AdamW
         dht=dht, run_id="digits-mlp", mode=args.mode, target_batch_size=args.target_batch_size,

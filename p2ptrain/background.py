@@ -14,6 +14,7 @@ Several objects (optimizers, averagers) can share one ``DHT``; each schedules it
 
 from __future__ import annotations
 
+import os
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,14 +29,14 @@ T = TypeVar("T")
 class DHT:
     """A started :class:`dht.DHTNode` on a background loop this object owns.
 
-    ``initial_peers``: multiaddrs (strings or ``Multiaddr``) of peers already in the swarm; none
-    makes this the first peer. ``listen=None`` runs a client-mode node (no inbound connections: it
+    ``initial_peers``: multiaddrs (strings or ``Multiaddr``) of peers already in the swarm; an empty
+    list makes this the first peer; None (the default) reads ``$P2PTRAIN_BOOTSTRAP``. ``listen=None`` runs a client-mode node (no inbound connections: it
     can average but serves nothing). ``key_file``: keep the same PeerID across restarts.
     """
 
     def __init__(
         self,
-        initial_peers: Sequence[str | Multiaddr] = (),
+        initial_peers: Sequence[str | Multiaddr] | None = None,
         *,
         listen: tuple[str, int] | None = ("127.0.0.1", 0),
         identity: Identity | None = None,
@@ -44,6 +45,8 @@ class DHT:
         announce_host: str | None = None,
         start_timeout: float = 30.0,
     ):
+        if initial_peers is None:  # e.g. a script run by `p2ptrain peer --script`
+            initial_peers = os.environ.get("P2PTRAIN_BOOTSTRAP", "").replace(",", " ").split()
         if identity is None and key_file is not None:
             identity = Identity.load_or_create(key_file)
         self.loop = LoopThread("p2ptrain-dht")

@@ -81,3 +81,30 @@ def test_swarm_stops_cleanly_on_sigint(tmp_path, child_pids):
             proc.kill()
             proc.wait()
     assert child_pids() <= before  # the launcher waited for every peer before exiting
+
+
+def test_peer_runs_a_users_script_with_the_bootstrap_peers(tmp_path):
+    boot = subprocess.Popen([*CLI, "dht", "run", "--listen", "/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        addr = boot.stdout.readline().strip()
+        script = tmp_path / "train.py"
+        script.write_text(
+            "import sys, p2ptrain\n"
+            "dht = p2ptrain.DHT()  # joins the swarm p2ptrain peer was pointed at\n"
+            "print('args', sys.argv[1:], 'routing', len(dht.node.routing))\n"
+            "dht.close()\n"
+            "sys.exit(3 if '--fail' in sys.argv else 0)\n")
+        out = subprocess.run([*CLI, "peer", "--bootstrap", addr, "--script", str(script), "--script-args=--lr 0.1"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "args ['--lr', '0.1'] routing 1" in out.stdout
+        failing = subprocess.run([*CLI, "peer", "--bootstrap", addr, "--script", str(script), "--script-args=--fail"],
+                                 capture_output=True, text=True, timeout=60)
+        assert failing.returncode == 3
+        missing = subprocess.run([*CLI, "peer", "--script", str(tmp_path / "nope.py")], capture_output=True, text=True,
+                                 timeout=60)
+        assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+    finally:
+        boot.kill()
+        boot.wait()

@@ -11,7 +11,7 @@ from typing import Any
 
 from dht import ConfigError, DHTError
 
-from .common import EXIT_FAILURE, EXIT_OK, interrupts, bootstrap_addrs, fail, parse_listen
+from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, interrupts, bootstrap_addrs, fail, parse_listen
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="address the metrics server binds (default: %(default)s; 0.0.0.0 lets a remote "
                    "Prometheus scrape it)")
     p.add_argument("--round-log", metavar="PATH", help="append one JSON line per averaging round to this file")
+    p.add_argument("--script", metavar="PATH",
+                   help="run your own training script as this peer instead of --example: it runs as "
+                   "__main__ with the bootstrap peers in $P2PTRAIN_BOOTSTRAP, which p2ptrain.DHT() joins")
+    p.add_argument("--script-args", default="", metavar="ARGS", help="arguments for --script as one string: --script-args='--lr 0.1 --epochs 5'")
     p.add_argument("--json", action="store_true", help="print events as JSON lines on stdout")
     p.set_defaults(func=main)
 
@@ -151,6 +155,8 @@ def _printer(as_json: bool):
 
 def main(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    if args.script:
+        return _run_script(args.script, args.script_args, cfg.bootstrap)
     from ..metrics import PeerMetrics, RoundLog
 
     round_log = RoundLog.open(args.round_log) if args.round_log else None  # ConfigError when it cannot
@@ -169,6 +175,32 @@ def main(args: argparse.Namespace) -> int:
             metrics.close()
         if round_log is not None:
             round_log.close()
+
+
+def _run_script(path: str, script_args: str, bootstrap: list[str]) -> int:
+    """Run a user's training script in this process, as ``python PATH ARGS`` would, with the
+    bootstrap peers handed over through the environment (``p2ptrain.DHT()`` reads them)."""
+    import os
+    import runpy
+    import shlex
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--script {path!r}: no such file")
+    try:
+        argv = shlex.split(script_args)
+    except ValueError as e:
+        raise ConfigError(f"--script-args: {e}") from None
+    if bootstrap:
+        os.environ["P2PTRAIN_BOOTSTRAP"] = " ".join(bootstrap)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILURE)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return EXIT_OK
 
 
 def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> int:

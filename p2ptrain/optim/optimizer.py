@@ -95,7 +95,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         *,
         run_id: str,
         dht: DHT | None = None,
-        initial_peers: Sequence[str] = (),
+        initial_peers: Sequence[str] | None = None,
         target_batch_size: int = 4096,
         batch_size_per_step: int = 32,
         mode: str = "sync",
