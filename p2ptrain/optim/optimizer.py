@@ -155,7 +155,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._loop = self.dht.loop
         # What we average: gradients (sync) or pseudo-gradients (diloco), fp32 on the CPU where the
         # wire needs them anyway. Names carry shapes into the schema, so other models never meet us.
-        self._buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]
+        self._buffers = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]  # written before each use
         named = [(f"p{i}", b) for i, b in enumerate(self._buffers)]
         self.averager = Averager(
             self.dht.node, f"{run_id}/{mode}", named, codec=self.codec, target_group_size=target_group_size,
@@ -165,9 +165,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.hash,
                                        self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
                                        refresh=refresh_period)
-        self._grad_acc: list[torch.Tensor] = []
-        if mode == "sync":
-            self._grad_acc = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self._grad_acc: list[torch.Tensor] = []  # sync: allocated at the first step (a joiner's
+        # download should not wait for zero-filling a model-sized buffer it does not need yet)
         self._outer: list[torch.Tensor] = []
         self.outer_optimizer: torch.optim.Optimizer | None = None
         if mode == "diloco":
@@ -315,6 +314,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     def _sync_step(self, bs: int) -> None:
         self._apply_pending(wait=False)
+        if not self._grad_acc:
+            self._grad_acc = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         for acc, p in zip(self._grad_acc, self.params):
             if p.grad is not None:
                 acc.add_(p.grad, alpha=bs)
