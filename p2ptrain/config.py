@@ -35,7 +35,7 @@ ENV_PREFIX = "P2PTRAIN_"
 
 _NOT_CONFIGURABLE = {"help", "config", "version"}
 _GROUPS = ({"bootstrap", "bootstrap_file"},)  # keys that are one setting together
-_PATH_KEYS = {"bootstrap_file", "key_file", "save", "round_log", "out"}  # relative to the config file
+_PATH_KEYS = {"bootstrap_file", "key_file", "save", "round_log", "out", "script"}  # relative to the config file
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
