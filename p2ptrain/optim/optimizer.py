@@ -320,8 +320,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if p.grad is not None:
                 acc.add_(p.grad, alpha=bs)
         self.local_samples += bs
-        self.tracker.report(self.epoch, self.local_samples, self._sps)
-        view = self.tracker.estimate()
+        view = self.tracker.report(self.epoch, self.local_samples, self._sps)
         self._observe(view)
         if view.epoch > self.epoch + 1:
             self._fall_behind(view)

@@ -226,7 +226,7 @@ class ProgressTracker:
         until = time.monotonic() + (self.ttl if seconds is None else seconds)
         for peer in peers:
             self._ignored[peer] = until
-        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
+        self.view = self.estimate()
 
     def _ignored_now(self) -> list[PeerID]:
         now = time.monotonic()
@@ -238,16 +238,18 @@ class ProgressTracker:
     def me(self) -> PeerReport:
         return self._me
 
-    def report(self, epoch: int, samples: int, sps: float, ready: bool = False) -> None:
-        """Update our progress (any thread). Publishing happens on the next refresh, at once when
-        the epoch or the ready flag changed: other peers wait on those."""
+    def report(self, epoch: int, samples: int, sps: float, ready: bool = False) -> SwarmView:
+        """Update our progress (any thread) and return the view with it, extrapolated to now.
+        Publishing happens on the next refresh, at once when the epoch or the ready flag changed:
+        other peers wait on those."""
         old = self._me
         if epoch != old.epoch:
             self._epoch_started = time.time()
         self._me = replace(old, epoch=epoch, samples=samples, sps=sps, ready=ready, time=time.time())
-        self.view = summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
+        self.view = view = self.estimate()
         if (epoch, ready) != (old.epoch, old.ready) and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
+        return view
 
     def estimate(self) -> SwarmView:
         """The view extrapolated to now, from the last reports read (no DHT traffic)."""
@@ -300,7 +302,7 @@ class ProgressTracker:
                 continue
             reports.append(report)
         self._reports = reports
-        self.view = summarize(reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
+        self.view = self.estimate()
         self._fresh.set()
 
     def _mismatch(self, report: PeerReport) -> None:
