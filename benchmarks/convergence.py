@@ -178,27 +178,45 @@ class Result:
 # ---------------------------------------------------------------------- the baselines (in this process)
 
 
+def collect_done(procs: list[subprocess.Popen], lines: Any, deadline: float, res: Any, timeout: float,
+                 drain: float, stop: Any) -> dict[int, dict]:
+    """Gather every peer's ``done`` event until all have exited. Past ``deadline`` the run is too
+    slow: ``stop(proc, SIGTERM)`` asks each live peer to leave (they evaluate and print ``done``),
+    ``res`` is marked stopped, and the peers get ``drain`` more seconds."""
+    done: dict[int, dict] = {}
+    exited: set[int] = set()
+    stopped = False
+    while len(exited) < len(procs):
+        now = time.monotonic()
+        if now >= deadline and not stopped:
+            res.ok, res.note, stopped = False, f"stopped at the {timeout:.0f} s limit", True
+            for p in procs:
+                if p.poll() is None:
+                    stop(p, signal.SIGTERM)
+            deadline = now + drain
+        elif now >= deadline:
+            break
+        got = lines.get(min(1.0, deadline - now))
+        if got is None:
+            continue
+        i, ev = got
+        if ev["event"] == "done":
+            done[i] = ev
+        elif ev["event"] == "exit":
+            exited.add(i)
+    return done
+
+
 def plain_loop(task: Any, batch_size: int, lr: float | None, steps: int, eval_at: set[int],
                seed: int = 0) -> tuple[dict[int, dict[str, float]], float, dict[str, float]]:
-    """``train_single``'s loop (same model seed, optimizer, lr, data order, zero_grad/backward/step),
-    evaluated after every step in ``eval_at`` (and at the end). Returns ({step: metrics}, training
-    seconds without the evaluations, final metrics)."""
-    model = task.make_model(seed)
-    model.train()
-    opt = task.make_optimizer(model.parameters(), lr)
-    data = task.batches(batch_size, seed=seed)
-    seconds, evals = 0.0, {}
-    for step in range(1, steps + 1):
-        t0 = time.perf_counter()
-        batch = next(data)
-        loss = task.loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        seconds += time.perf_counter() - t0
-        if step in eval_at or step == steps:
-            evals[step] = task.evaluate(model)
-    return evals, seconds, evals[steps]
+    """:func:`~p2ptrain.tasks.train_single`, evaluated after every step in ``eval_at`` (and at the
+    end). Returns ({step: metrics}, training seconds without the evaluations, final metrics)."""
+    from p2ptrain.tasks import train_single
+
+    res = train_single(task, steps, batch_size, lr, seed, eval_at=set(eval_at) | {steps})
+    evals = {h["step"]: {k: v for k, v in h.items() if k not in ("step", "samples", "seconds")}
+             for h in res["history"]}
+    return evals, res["seconds"], evals[steps]
 
 
 def simulate_diloco(task: Any, peers: int, batch_size: int, lr: float | None, rounds: int, local_steps: int,
@@ -301,29 +319,7 @@ def run_p2ptrain_swarm(name: str, task_name: str, peers: int, extra: list[str], 
                     if got[1]["event"] == "started":
                         boot = got[1]["multiaddrs"][0]
                         break
-        done: dict[int, dict] = {}
-        exited: set[int] = set()
-        deadline = t_start + timeout
-        stopped = False
-        while len(exited) < peers:
-            now = time.monotonic()
-            if now >= deadline and not stopped:
-                # too slow: ask every peer to leave (they evaluate and print `done`), then wait a bit
-                res.ok, res.note, stopped = False, f"stopped at the {timeout:.0f} s limit", True
-                for p in procs:
-                    if p.poll() is None:
-                        CHILDREN._signal(p, signal.SIGTERM)
-                deadline = now + 30.0
-            elif now >= deadline:
-                break
-            got = lines.get(min(1.0, deadline - now))
-            if got is None:
-                continue
-            i, ev = got
-            if ev["event"] == "done":
-                done[i] = ev
-            elif ev["event"] == "exit":
-                exited.add(i)
+        done = collect_done(procs, lines, t_start + timeout, res, timeout, drain=30.0, stop=CHILDREN._signal)
         res.wall_s = time.monotonic() - t_start
     finally:
         CHILDREN.stop(procs, grace=10.0)
@@ -379,28 +375,10 @@ def run_hivemind_swarm(python: str, task_name: str, peers: int, job: dict, timeo
         for p in procs:  # a barrier, like --wait-peers: nobody trains alone while the others start
             p.stdin.write("go\n")
             p.stdin.flush()
-        done: dict[int, dict] = {}
-        exited: set[int] = set()
-        deadline = t_go + timeout
-        stopped = False
-        while len(exited) < peers:
-            now = time.monotonic()
-            if now >= deadline and not stopped:
-                res.ok, res.note, stopped = False, f"stopped at the {timeout:.0f} s limit", True
-                for p in procs:  # SIGTERM: the script stops training, evaluates and prints done
-                    if p.poll() is None:
-                        os.kill(p.pid, signal.SIGTERM)
-                deadline = now + 40.0
-            elif now >= deadline:
-                break
-            got = lines.get(min(1.0, deadline - now))
-            if got is None:
-                continue
-            i, ev = got
-            if ev["event"] == "done":
-                done[i] = ev
-            elif ev["event"] == "exit":
-                exited.add(i)
+        # SIGTERM to the script alone (not its group, which holds hivemind's daemon): it stops
+        # training, evaluates and prints done
+        done = collect_done(procs, lines, t_go + timeout, res, timeout, drain=40.0,
+                            stop=lambda p, sig: os.kill(p.pid, sig))
         res.wall_s = time.monotonic() - t_start
     except RuntimeError as e:
         res.ok, res.note = False, str(e)

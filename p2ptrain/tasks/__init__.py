@@ -260,11 +260,12 @@ def train_single(
     seed: int = 0,
     log_every: int = 0,
     stop_when: Callable[[dict[str, float]], bool] | None = None,
+    eval_at: Iterable[int] = (),
 ) -> dict[str, Any]:
     """The single-process baseline: a plain torch loop over ``task`` for up to ``steps`` steps.
 
-    Every ``log_every`` steps (0: never) it evaluates, logs and records the metrics in
-    ``history``, and stops early when ``stop_when(metrics)`` is true (e.g. to count the samples
+    Every ``log_every`` steps (0: never), and after every step in ``eval_at``, it evaluates, logs
+    and records the metrics in ``history``, and stops early when ``stop_when(metrics)`` is true (e.g. to count the samples
     needed to reach an accuracy). ``seconds`` counts training only, not the evaluations, so it
     compares with a swarm's training time.
 
@@ -281,6 +282,7 @@ def train_single(
     history: list[dict[str, float]] = []
     samples, seconds, step, train_loss = 0, 0.0, 0, math.nan
     metrics: dict[str, float] | None = None
+    eval_steps = set(eval_at)
     while step < steps:
         t0 = time.perf_counter()
         batch = next(data)
@@ -293,7 +295,7 @@ def train_single(
         samples += len(batch[1])
         train_loss = loss.item()
         metrics = None
-        if log_every and (step % log_every == 0 or step == steps):
+        if (log_every and (step % log_every == 0 or step == steps)) or step in eval_steps:
             metrics = task.evaluate(model)
             history.append({"step": step, "samples": samples, "seconds": seconds, **metrics})
             log.info("%s step %d samples %d %.2fs train_loss %.4f %s", task.name, step, samples,
