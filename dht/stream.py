@@ -42,6 +42,7 @@ class Stream:
         self.header = header
         self._window = window
         self._send_credit = window if send_window is None else send_window
+        self._send_window = self._send_credit
         self._credit_event = asyncio.Event()
         self._chunks: collections.deque[memoryview] = collections.deque()
         self._buffered = 0  # bytes received and not yet read
@@ -71,11 +72,16 @@ class Stream:
         view = memoryview(data).cast("B")
         while view:
             self._check_writable()
-            if self._send_credit <= 0:
+            n = min(len(view), self._conn.max_data_body)
+            # Wait for credit for the whole frame rather than split it: a reader that wants
+            # frame-sized pieces then gets each as one zero-copy view. That cannot deadlock while
+            # n <= window/2: a reader that has read everything sent owes less than window/2
+            # (it returns credit at every window/2 it reads), so the credit comes back.
+            if self._send_credit <= 0 or (self._send_credit < n <= self._send_window // 2):
                 self._credit_event.clear()
                 await self._wait(self._credit_event, timeout, "flow-control credit")
                 continue
-            n = min(len(view), self._send_credit, self._conn.max_data_body)
+            n = min(n, self._send_credit)
             self._send_credit -= n
             self._conn.send_frame(Kind.STREAM_DATA, self.id, view[:n])
             self.bytes_sent += n
