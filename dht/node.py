@@ -23,12 +23,17 @@ from typing import Any, Iterable, NamedTuple
 from .errors import BootstrapError, DHTError, InvalidRecord, ProtocolError
 from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
+from .noise import SwarmKeyMismatch
 from .routing import Contact, Lookup, RoutingTable, key_id, node_id_of
 from .storage import Record, RecordStore, merge_records, owned_name, owner_of, sign_record, validate_record
+from .swarmkey import SwarmKey
 from .transport import Connection, Host, Limits
-from .wire import pack, unpack
+from .wire import MAX_MESSAGE, pack, unpack
 
 log = logging.getLogger("dht.node")
+
+#: bytes of records one find_value reply may carry: the rest of the 1 MiB message is for contacts
+_REPLY_RECORD_BUDGET = MAX_MESSAGE - 64 * 1024
 
 
 class ValueWithExpiration(NamedTuple):
@@ -86,8 +91,44 @@ def _decode_contacts(obj: Any, limit: int) -> list[Contact]:
     return out
 
 
+def _wire_size(record: Record) -> int:
+    return len(record.key) + len(record.subkey or b"") + len(record.value) + len(record.signature or b"") + 32
+
+
+def _within_reply_budget(records: list[Record]) -> list[Record]:
+    """The records of one key that fit a find_value reply. Every record is small enough alone, but
+    a key may hold up to 1000 sub-keys of 64 KiB: replying with all of them would exceed the
+    message limit and the reader would drop the connection, so one writer of big sub-keys could make
+    the key unreadable for everyone. Past the budget, the smallest records are kept: matchmaking
+    and progress entries are small, so padding a key with big values only crowds out the padding."""
+    total = sum(_wire_size(r) for r in records)
+    if total <= _REPLY_RECORD_BUDGET:
+        return records
+    out, used = [], 0
+    for r in sorted(records, key=lambda r: (_wire_size(r), -r.expiration)):
+        size = _wire_size(r)
+        if used + size > _REPLY_RECORD_BUDGET:
+            break
+        out.append(r)
+        used += size
+    return out
+
+
+class BootstrapRefused(BootstrapError, SwarmKeyMismatch):
+    """Every bootstrap peer that answered refused the handshake: it is in another swarm (another
+    swarm key, or a key on one side only). Retrying cannot help; the message says what to fix."""
+
+    def __init__(self, refusal: SwarmKeyMismatch):
+        SwarmKeyMismatch.__init__(self, refusal.code, refusal.refused_by_peer)
+        self.args = (f"could not join: the bootstrap peer refused the handshake — {refusal.hint}",)
+
+
 class DHTNode:
-    """One Kademlia peer. ``listen=None`` runs it in client mode (no inbound connections)."""
+    """One Kademlia peer. ``listen=None`` runs it in client mode (no inbound connections).
+
+    ``swarm_key`` (a :class:`~dht.swarmkey.SwarmKey` or its 32 bytes) makes it a peer of that
+    private swarm: it only talks to peers holding the same key.
+    """
 
     def __init__(
         self,
@@ -98,12 +139,14 @@ class DHTNode:
         limits: Limits | None = None,
         announce_host: str | None = None,
         prologue: bytes | None = None,
+        swarm_key: SwarmKey | bytes | None = None,
     ):
         self.identity = identity or Identity()
         self.peer_id = self.identity.peer_id
         self.config = config or DHTConfig()
         kw = {"prologue": prologue} if prologue is not None else {}
-        self.host = Host(self.identity, listen, limits=limits, announce_host=announce_host, **kw)
+        self.host = Host(self.identity, listen, limits=limits, announce_host=announce_host, swarm_key=swarm_key,
+                         **kw)
         self.node_id = node_id_of(self.peer_id)
         self.routing = RoutingTable(self.node_id, k=self.config.k)
         self.storage = RecordStore(
@@ -155,6 +198,7 @@ class DHTNode:
 
     async def _bootstrap(self, addrs: list[Multiaddr]) -> None:
         errors: list[str] = []
+        refusals: list[SwarmKeyMismatch] = []
 
         async def reach(addr: Multiaddr) -> bool:
             try:
@@ -164,6 +208,8 @@ class DHTNode:
                 return True
             except (DHTError, OSError) as e:
                 errors.append(f"{addr}: {e}")
+                if isinstance(e, SwarmKeyMismatch):
+                    refusals.append(e)
                 return False
 
         try:
@@ -171,6 +217,8 @@ class DHTNode:
                 results = await asyncio.gather(*(reach(a) for a in addrs))
         except TimeoutError:
             results = []
+        if not any(results) and refusals and len(refusals) == len(errors):
+            raise BootstrapRefused(refusals[0])
         if not any(results):
             detail = "; ".join(errors) or "timed out"
             raise BootstrapError(
@@ -258,7 +306,7 @@ class DHTNode:
         self._learn(conn)
         if not (isinstance(args, bytes) and len(args) <= 1024):
             raise ProtocolError("key must be bytes of at most 1024")
-        records = self.storage.get(args, time.time())
+        records = _within_reply_budget(self.storage.get(args, time.time()))
         closest = self.routing.closest(key_id(args), self.config.k, exclude={conn.remote_peer})
         return [[r.to_wire() for r in records], _encode_contacts(closest)]
 

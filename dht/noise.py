@@ -8,7 +8,14 @@ is signed by its Ed25519 identity key (``"noise-libp2p-static-key:" + static``),
 handshake each side knows the other's PeerID for certain.
 
 Handshake: ``Noise_XX_25519_AESGCM_SHA256`` with the swarm's prologue (peers of different swarms or
-protocol versions fail the handshake instead of talking past each other). Transport frames differ
+protocol versions fail the handshake instead of talking past each other). A private swarm adds its
+swarm key as a Noise pre-shared key: ``Noise_XXpsk0_25519_AESGCM_SHA256``, where ``psk0`` mixes the
+key in (MixKeyAndHash) before the very first message, so every handshake key depends on it. psk0
+rather than libp2p-style psk3 because a peer without the key is then refused at message 1: the
+listener never answers a stranger with its static key and PeerID, and it can say why it refused
+(no key, another key, or a key where it has none: the first message differs in size or fails its
+tag). It answers such a peer with a one-byte *refusal* message (never a valid message 2) so that
+the dialer can print a clear reason instead of "connection closed". Transport frames differ
 from Noise's 64 KB messages: they are up to ``MAX_FRAME_BODY`` (4 MiB) so that tensor chunks of 4 MiB
 are encrypted in one call; nonces are 64-bit counters per direction, as in Noise.
 
@@ -31,6 +38,8 @@ from .errors import HandshakeError, ProtocolError
 from .identity import Identity, PeerID
 
 PROTOCOL_NAME = b"Noise_XX_25519_AESGCM_SHA256"
+PSK_PROTOCOL_NAME = b"Noise_XXpsk0_25519_AESGCM_SHA256"
+PSK_SIZE = 32
 STATIC_KEY_DOMAIN = b"noise-libp2p-static-key:"
 DHLEN = 32
 TAGLEN = 16
@@ -44,6 +53,62 @@ def _hkdf2(chaining_key: bytes, ikm: bytes) -> tuple[bytes, bytes]:
     out1 = hmac.digest(temp, b"\x01", "sha256")
     out2 = hmac.digest(temp, out1 + b"\x02", "sha256")
     return out1, out2
+
+
+def _hkdf3(chaining_key: bytes, ikm: bytes) -> tuple[bytes, bytes, bytes]:
+    temp = hmac.digest(chaining_key, ikm, "sha256")
+    out1 = hmac.digest(temp, b"\x01", "sha256")
+    out2 = hmac.digest(temp, out1 + b"\x02", "sha256")
+    out3 = hmac.digest(temp, out2 + b"\x03", "sha256")
+    return out1, out2, out3
+
+
+# ---------------------------------------------------------------- swarm key refusals
+
+#: what a listener found wrong with a dialer's first message, sent back as the one byte of a refusal
+REFUSE_NO_KEY = 1  # the listener has a swarm key, the dialer has none
+REFUSE_WRONG_KEY = 2  # both have one, they differ
+REFUSE_UNEXPECTED_KEY = 3  # the dialer has one, the listener has none
+REFUSAL_SIZE = 1  # a refusal is a handshake message of exactly one byte; message 2 is >= 96
+
+_LISTENER_REASON = {
+    REFUSE_NO_KEY: "the peer has no swarm key",
+    REFUSE_WRONG_KEY: "different swarm key",
+    REFUSE_UNEXPECTED_KEY: "the peer uses a swarm key and this peer has none",
+}
+_DIALER_REASON = {
+    REFUSE_NO_KEY: "it is in a private swarm and this peer has no swarm key",
+    REFUSE_WRONG_KEY: "it uses a different swarm key",
+    REFUSE_UNEXPECTED_KEY: "it has no swarm key (a public swarm) and this peer uses one",
+}
+#: what a person should do about a refusal, by code (the CLI names its own flag)
+REFUSAL_HINT = {
+    REFUSE_NO_KEY: "this swarm needs --swarm-key-file (it is private)",
+    REFUSE_WRONG_KEY: "this peer's --swarm-key-file holds another key than the swarm's",
+    REFUSE_UNEXPECTED_KEY: "that swarm is public: drop --swarm-key-file, or give its peers the same key",
+}
+
+
+class SwarmKeyMismatch(HandshakeError):
+    """The two sides are not in the same swarm: different swarm keys, or only one side has one.
+
+    ``code`` is one of ``REFUSE_*``; ``refused_by_peer`` is True on the dialing side (the listener
+    refused us), False on the listening side (we refused the dialer).
+    """
+
+    def __init__(self, code: int, refused_by_peer: bool):
+        self.code = code
+        self.refused_by_peer = refused_by_peer
+        if refused_by_peer:
+            why = _DIALER_REASON.get(code, "it is in another swarm")
+            message = f"the peer refused the handshake: {why}"
+        else:
+            message = f"handshake failed ({_LISTENER_REASON.get(code, 'different swarm key, or none')})"
+        super().__init__(message)
+
+    @property
+    def hint(self) -> str:
+        return REFUSAL_HINT.get(self.code, "check --swarm-key-file on both sides")
 
 
 def _pub_bytes(key: X25519PrivateKey) -> bytes:
@@ -104,8 +169,9 @@ class CipherState:
 
 
 class _SymmetricState:
-    def __init__(self, prologue: bytes):
-        self.h = PROTOCOL_NAME.ljust(32, b"\x00") if len(PROTOCOL_NAME) <= 32 else hashlib.sha256(PROTOCOL_NAME).digest()
+    def __init__(self, prologue: bytes, protocol_name: bytes = PROTOCOL_NAME):
+        name = protocol_name
+        self.h = name.ljust(32, b"\x00") if len(name) <= 32 else hashlib.sha256(name).digest()
         self.ck = self.h
         self.cipher = CipherState()
         self.mix_hash(prologue)
@@ -115,6 +181,11 @@ class _SymmetricState:
 
     def mix_key(self, ikm: bytes) -> None:
         self.ck, temp_k = _hkdf2(self.ck, ikm)
+        self.cipher = CipherState(temp_k)
+
+    def mix_key_and_hash(self, ikm: bytes) -> None:
+        self.ck, temp_h, temp_k = _hkdf3(self.ck, ikm)
+        self.mix_hash(temp_h)
         self.cipher = CipherState(temp_k)
 
     def encrypt_and_hash(self, plaintext: bytes) -> bytes:
@@ -139,8 +210,8 @@ class StaticKey:
     """A host's static X25519 key and its identity signature, made once and reused by every
     handshake (as libp2p-noise does): saves a key generation and a signature per connection."""
 
-    def __init__(self, identity: Identity):
-        self.private = X25519PrivateKey.generate()
+    def __init__(self, identity: Identity, private: X25519PrivateKey | None = None):
+        self.private = private or X25519PrivateKey.generate()
         self.public = _pub_bytes(self.private)
         self.signature = identity.sign(STATIC_KEY_DOMAIN + self.public)
 
@@ -153,6 +224,11 @@ class XXHandshake:
     ``local_payload`` (msgpack-able dict) is carried, encrypted, in messages 2 and 3 next to the
     identity proof; the remote's arrives in ``remote_payload``. When ``expected_peer`` is set the
     initiator refuses a responder with any other PeerID, before it reveals its own identity.
+
+    ``psk`` (a swarm key's 32 bytes) turns the pattern into XXpsk0. A responder whose first message
+    does not match (other key, or a key on one side only) raises :class:`SwarmKeyMismatch`; it
+    should then send ``refusal(error)`` instead of message 2, which makes the initiator's
+    ``read_message`` raise a SwarmKeyMismatch with the reason.
     """
 
     def __init__(
@@ -163,12 +239,16 @@ class XXHandshake:
         expected_peer: PeerID | None = None,
         local_payload: dict | None = None,
         static: StaticKey | None = None,
+        psk: bytes | None = None,
     ):
+        if psk is not None and len(psk) != PSK_SIZE:
+            raise ValueError(f"a pre-shared key is {PSK_SIZE} bytes")
         self.identity = identity
         self.initiator = initiator
         self.expected_peer = expected_peer
         self.local_payload = local_payload or {}
-        self._ss = _SymmetricState(prologue)
+        self._psk = psk
+        self._ss = _SymmetricState(prologue, PSK_PROTOCOL_NAME if psk is not None else PROTOCOL_NAME)
         self._static = static or StaticKey(identity)
         self._s = self._static.private
         self._e = X25519PrivateKey.generate()
@@ -183,6 +263,10 @@ class XXHandshake:
     @property
     def complete(self) -> bool:
         return self.send_cipher is not None
+
+    @property
+    def first_message_size(self) -> int:
+        return DHLEN + (TAGLEN if self._psk is not None else 0)
 
     def _identity_payload(self) -> bytes:
         return msgpack.packb(
@@ -215,55 +299,117 @@ class XXHandshake:
         self.remote_peer = peer
         self.remote_payload = ext
 
-    def write_message(self) -> bytes:
+    # ------------------------------------------------------------------ tokens
+
+    def _write_e(self) -> bytes:
+        e_pub = _pub_bytes(self._e)
+        self._ss.mix_hash(e_pub)
+        if self._psk is not None:  # psk handshakes also mix ephemeral keys into the cipher key
+            self._ss.mix_key(e_pub)
+        return e_pub
+
+    def _read_e(self, e_pub: bytes) -> None:
+        self._re = bytes(e_pub)
+        self._ss.mix_hash(self._re)
+        if self._psk is not None:
+            self._ss.mix_key(self._re)
+
+    def _write(self, payload: bytes) -> bytes:
+        """The next handshake message carrying ``payload`` (Noise's WriteMessage)."""
         ss = self._ss
-        if self.initiator and self._step == 0:  # -> e
-            e_pub = _pub_bytes(self._e)
-            ss.mix_hash(e_pub)
-            out = e_pub + ss.encrypt_and_hash(b"")
+        if self.initiator and self._step == 0:  # -> [psk,] e
+            if self._psk is not None:
+                ss.mix_key_and_hash(self._psk)
+            out = self._write_e() + ss.encrypt_and_hash(payload)
         elif not self.initiator and self._step == 1:  # <- e, ee, s, es
-            e_pub = _pub_bytes(self._e)
-            ss.mix_hash(e_pub)
+            out = self._write_e()
             ss.mix_key(_dh(self._e, self._re))
-            out = e_pub + ss.encrypt_and_hash(self._static.public)
+            out += ss.encrypt_and_hash(self._static.public)
             ss.mix_key(_dh(self._s, self._re))
-            out += ss.encrypt_and_hash(self._identity_payload())
+            out += ss.encrypt_and_hash(payload)
         elif self.initiator and self._step == 2:  # -> s, se
             out = ss.encrypt_and_hash(self._static.public)
             ss.mix_key(_dh(self._s, self._re))
-            out += ss.encrypt_and_hash(self._identity_payload())
+            out += ss.encrypt_and_hash(payload)
             self.send_cipher, self.recv_cipher = ss.split()
         else:
             raise HandshakeError("handshake message written out of turn")
         self._step += 1
         return out
 
-    def read_message(self, message: bytes) -> None:
+    def _read(self, message: bytes) -> bytes:
+        """The payload of the peer's next handshake message (Noise's ReadMessage)."""
         ss = self._ss
         if len(message) > MAX_HANDSHAKE_MESSAGE:
             raise HandshakeError("handshake message too large")
-        if not self.initiator and self._step == 0:  # -> e
-            if len(message) != DHLEN:
+        if not self.initiator and self._step == 0:  # -> [psk,] e
+            if len(message) < self.first_message_size:
                 raise HandshakeError("malformed first handshake message (not a p2ptrain peer?)")
-            self._re = bytes(message)
-            ss.mix_hash(self._re)
-            ss.decrypt_and_hash(b"")
+            if self._psk is not None:
+                ss.mix_key_and_hash(self._psk)
+            self._read_e(message[:DHLEN])
+            try:
+                payload = ss.decrypt_and_hash(message[DHLEN:])
+            except HandshakeError:
+                if self._psk is None:
+                    raise
+                raise SwarmKeyMismatch(REFUSE_WRONG_KEY, refused_by_peer=False) from None
         elif self.initiator and self._step == 1:  # <- e, ee, s, es
+            if len(message) == REFUSAL_SIZE:
+                raise SwarmKeyMismatch(message[0], refused_by_peer=True)
             if len(message) < DHLEN + DHLEN + TAGLEN + TAGLEN:
                 raise HandshakeError("malformed second handshake message")
-            self._re = bytes(message[:DHLEN])
-            ss.mix_hash(self._re)
+            self._read_e(message[:DHLEN])
             ss.mix_key(_dh(self._e, self._re))
             self._rs = ss.decrypt_and_hash(message[DHLEN : 2 * DHLEN + TAGLEN])
             ss.mix_key(_dh(self._e, self._rs))
-            self._check_identity(ss.decrypt_and_hash(message[2 * DHLEN + TAGLEN :]))
+            payload = ss.decrypt_and_hash(message[2 * DHLEN + TAGLEN :])
         elif not self.initiator and self._step == 2:  # -> s, se
             if len(message) < DHLEN + TAGLEN + TAGLEN:
                 raise HandshakeError("malformed third handshake message")
             self._rs = ss.decrypt_and_hash(message[: DHLEN + TAGLEN])
             ss.mix_key(_dh(self._e, self._rs))
-            self._check_identity(ss.decrypt_and_hash(message[DHLEN + TAGLEN :]))
+            payload = ss.decrypt_and_hash(message[DHLEN + TAGLEN :])
             self.recv_cipher, self.send_cipher = ss.split()
         else:
             raise HandshakeError("handshake message read out of turn")
         self._step += 1
+        return payload
+
+    def _check_first_message_size(self, n: int) -> None:
+        if n > MAX_HANDSHAKE_MESSAGE:
+            raise HandshakeError("handshake message too large")
+        if n == DHLEN + (TAGLEN if self._psk is not None else 0):
+            return
+        if self._psk is not None and n == DHLEN:
+            raise SwarmKeyMismatch(REFUSE_NO_KEY, refused_by_peer=False)
+        if self._psk is None and n == DHLEN + TAGLEN:
+            raise SwarmKeyMismatch(REFUSE_UNEXPECTED_KEY, refused_by_peer=False)
+        raise HandshakeError("malformed first handshake message (not a p2ptrain peer?)")
+
+    # ------------------------------------------------------------------ p2ptrain's messages
+
+    def write_message(self) -> bytes:
+        """Messages 2 and 3 carry our identity proof; message 1 carries nothing."""
+        return self._write(b"" if self._step == 0 else self._identity_payload())
+
+    def read_message(self, message: bytes) -> None:
+        step = self._step
+        if step == 0 and not self.initiator:
+            self._check_first_message_size(len(message))
+        payload = self._read(message)
+        try:
+            if step == 0:
+                if payload:
+                    raise HandshakeError("malformed first handshake message (unexpected payload)")
+            else:
+                self._check_identity(payload)
+        except HandshakeError:
+            self._step = -1  # a refused identity ends the handshake: nothing more may be written
+            self.send_cipher = self.recv_cipher = None
+            raise
+
+    @staticmethod
+    def refusal(error: SwarmKeyMismatch) -> bytes:
+        """The message a responder sends instead of message 2 when it refuses a dialer."""
+        return bytes([error.code])

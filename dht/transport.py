@@ -10,6 +10,11 @@ connection dies); bulk streams are ``stream.Stream`` objects.
 Everything a peer sends is untrusted: frame sizes are checked before allocation, handshakes and
 frames have deadlines (slow-loris senders are cut off), each connection has a cap on concurrent
 requests and streams, and any protocol violation closes that one connection, never the process.
+
+A host with a ``swarm_key`` is in a private swarm: the key enters every handshake (see ``noise``),
+and a peer without it (or with another) is refused at the first handshake message. The listener
+logs one WARNING line per remote address and minute (a stranger retrying in a loop cannot flood
+the log); the dialer's ``connect`` raises :class:`~dht.noise.SwarmKeyMismatch` saying why.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from .errors import (
 )
 from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
-from .noise import CipherState, StaticKey, XXHandshake
+from .noise import REFUSAL_SIZE, CipherState, StaticKey, SwarmKeyMismatch, XXHandshake
+from .swarmkey import SwarmKey, load_swarm_key
 from .stream import WINDOW_BODY, Stream
 from .wire import (
     HEADER_SIZE,
@@ -73,6 +79,13 @@ class Limits:
     max_streams: int = 64  # per connection
     stream_window: int = 8 << 20
     max_connections: int = 1024
+    #: inbound connections still in their handshake, from all addresses / from one IP address.
+    #: Past either cap a new inbound connection is closed at once: a flood of sockets that never
+    #: finish a handshake (held open until ``handshake_timeout``) cannot fill ``max_connections``
+    #: and lock out real peers (measured by benchmarks/flood.py). Per IP it stays well above what
+    #: a local swarm of a few hundred nodes on 127.0.0.1 opens at once when they all join.
+    max_handshakes: int = 256
+    max_handshakes_per_ip: int = 64
     write_buffer_high: int = 4 << 20
     #: frame-sized buffers (4 MiB each) a host keeps for reuse by big stream frames; 0 disables.
     #: An 8-member all-reduce holds ~20-30 at its peak (frames queued in 14 streams, both ways);
@@ -83,6 +96,30 @@ class Limits:
 
 #: stream data frames at least this large are encrypted/decrypted into pooled buffers
 POOLED_FRAME_MIN = 256 * 1024
+
+
+class LogThrottle:
+    """Whether to log an event about a remote address now: at most once per ``interval`` seconds
+    per address, counting the events held back. Sans-IO (the caller passes the time); at most
+    ``max_addresses`` are remembered, so a flood from many addresses cannot grow it either."""
+
+    def __init__(self, interval: float = 60.0, max_addresses: int = 4096):
+        self.interval = interval
+        self.max_addresses = max_addresses
+        self._last: dict[str, tuple[float, int]] = {}  # address -> (when last logged, held back since)
+
+    def allow(self, address: str, now: float) -> int | None:
+        """None: stay quiet. Else log, mentioning the returned number of events held back."""
+        last = self._last.get(address)
+        if last is not None and now - last[0] < self.interval:
+            self._last[address] = (last[0], last[1] + 1)
+            return None
+        if last is None and len(self._last) >= self.max_addresses:
+            self._last = {a: v for a, v in self._last.items() if now - v[0] < self.interval}
+            if len(self._last) >= self.max_addresses:
+                return None  # flooded from everywhere: one line per address already went out
+        self._last[address] = (now, 0)
+        return last[1] if last is not None else 0
 
 
 class BufferPool:
@@ -131,19 +168,15 @@ class Connection(asyncio.BufferedProtocol):
         self.expected_peer = expected_peer
         self.remote_peer: PeerID | None = None  # set once the handshake proves it
         self.remote_host: str | None = None
+        self.remote_port: int | None = None  # the socket's (ephemeral) port, for log lines
         self.remote_listen_port: int | None = None
         self.remote_window = host.limits.stream_window  # the peer's receive window per stream
         self.max_data_body = LEGACY_FRAME_BODY  # largest stream data frame the peer accepts
         self.ready: asyncio.Future[Connection] = host.loop.create_future()
         self._transport: asyncio.Transport | None = None
-        self._hs = XXHandshake(
-            host.identity,
-            initiator,
-            prologue=host.prologue,
-            expected_peer=expected_peer,
-            local_payload={"port": host.listen_port, "window": host.limits.stream_window, "frame": MAX_FRAME_BODY},
-            static=host.static_key,
-        )
+        # made once the host accepts the connection (connection_made): its ephemeral key costs
+        # ~0.1 ms, which a flood of connections closed at once at the caps should not make us pay
+        self._hs: XXHandshake = None  # type: ignore[assignment]
         self._hs_buf = bytearray()
         self._hs_inbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._hs_expected = 1 if initiator else 2
@@ -177,9 +210,20 @@ class Connection(asyncio.BufferedProtocol):
         peername = transport.get_extra_info("peername")
         if peername:
             self.remote_host = peername[0]
+            self.remote_port = peername[1] if len(peername) > 1 else None
         self._transport.set_write_buffer_limits(high=self.host.limits.write_buffer_high)
         if not self.host.accepting_connection(self):
             return
+        host = self.host
+        self._hs = XXHandshake(
+            host.identity,
+            self.initiator,
+            prologue=host.prologue,
+            expected_peer=self.expected_peer,
+            local_payload={"port": host.listen_port, "window": host.limits.stream_window, "frame": MAX_FRAME_BODY},
+            static=host.static_key,
+            psk=host.swarm_key.secret if host.swarm_key is not None else None,
+        )
         self._spawn(self._handshake())
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -235,6 +279,9 @@ class Connection(asyncio.BufferedProtocol):
         except TimeoutError:
             self._fail_handshake("handshake timed out")
             return
+        except SwarmKeyMismatch as e:
+            self._refuse(e)
+            return
         except HandshakeError as e:
             self._fail_handshake(str(e))
             return
@@ -266,6 +313,18 @@ class Connection(asyncio.BufferedProtocol):
         if not self.ready.done():
             self.ready.set_result(self)
 
+    def _refuse(self, error: SwarmKeyMismatch) -> None:
+        """Another swarm's peer: tell it why (listener side) and close, flushing the refusal."""
+        if not error.refused_by_peer:
+            self._write_hs(XXHandshake.refusal(error))
+            self.host.log_refusal(self.remote_host, self.remote_port, str(error))
+        else:
+            log.info("handshake with %s failed: %s", self.remote_host, error)
+        if not self.ready.done():
+            self.ready.set_exception(error)
+            self.ready.exception()  # mark retrieved: a listener-side refusal has no awaiter
+        self.close(str(error))  # not an abort: the refusal must reach the peer
+
     def _fail_handshake(self, reason: str) -> None:
         log.info("handshake with %s failed: %s", self.remote_host, reason)
         if not self.ready.done():
@@ -289,6 +348,11 @@ class Connection(asyncio.BufferedProtocol):
             if n > MAX_HANDSHAKE_FRAME:
                 raise HandshakeError("handshake message too large (not a p2ptrain peer?)")
             if len(self._hs_buf) < 2 + n:
+                return
+            if self.initiator and n == REFUSAL_SIZE and self._hs_expected == 1:
+                # Handled here, not by the handshake task: the listener closes right after its
+                # refusal, and connection_lost would cancel the task before it read the reason.
+                self._refuse(SwarmKeyMismatch(self._hs_buf[2], refused_by_peer=True))
                 return
             self._hs_inbox.put_nowait(bytes(self._hs_buf[2 : 2 + n]))
             del self._hs_buf[: 2 + n]
@@ -373,7 +437,14 @@ class Connection(asyncio.BufferedProtocol):
     async def _serve(self, ident: int, method: str, handler: RequestHandler, args: Any) -> None:
         try:
             result = await handler(self, args)
-            self.post(Kind.RESPONSE, ident, pack(result))
+            body = pack(result)
+            if len(body) > MAX_MESSAGE:  # the peer would drop the connection over such a frame
+                log.warning("handler %s replied with %d bytes, over the %d-byte message limit", method,
+                            len(body), MAX_MESSAGE)
+                body = pack(f"{method}: reply of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte message limit")
+                self.post(Kind.ERROR, ident, body)
+                return
+            self.post(Kind.RESPONSE, ident, body)
         except asyncio.CancelledError:
             pass
         except (DHTError, ValueError, TypeError, KeyError) as e:
@@ -536,7 +607,7 @@ class Connection(asyncio.BufferedProtocol):
         self._write_ok.set()
         err = PeerUnreachable(f"connection to {self.remote_peer or self.remote_host} closed: {self.close_reason}")
         if not self.ready.done():
-            self.ready.set_exception(HandshakeError(self.close_reason) if self._hs is not None else err)
+            self.ready.set_exception(HandshakeError(self.close_reason) if self.remote_peer is None else err)
             self.ready.exception()  # mark retrieved: a listener-side failure has no awaiter
         for fut in self._calls.values():
             if not fut.done():
@@ -569,10 +640,14 @@ class Host:
         prologue: bytes = DEFAULT_PROLOGUE,
         limits: Limits | None = None,
         announce_host: str | None = None,
+        swarm_key: SwarmKey | bytes | None = None,
     ):
         self.identity = identity
         self.peer_id = identity.peer_id
         self.prologue = prologue
+        #: the private swarm's key (None: a public swarm); never logged, see SwarmKey.fingerprint
+        self.swarm_key: SwarmKey | None = load_swarm_key(swarm_key) if swarm_key is not None else None
+        self._refusals = LogThrottle()
         self.static_key = StaticKey(identity)
         self.limits = limits or Limits()
         self._listen = listen
@@ -583,6 +658,9 @@ class Host:
         self._stream_handlers: dict[str, StreamHandler] = {}
         self._conns: dict[PeerID, Connection] = {}  # the connection we use for calls to a peer
         self._all: set[Connection] = set()
+        self._handshaking: set[Connection] = set()  # inbound connections still in their handshake
+        self._handshakes_per_ip: dict[str, int] = {}
+        self._disconnect_listeners: list[Callable[[PeerID], None]] = []
         self._dialing: dict[tuple[str, int, PeerID | None], asyncio.Future[Connection]] = {}
         self._watchdog: asyncio.Task | None = None
         self._closed = False
@@ -703,14 +781,45 @@ class Host:
 
     # ------------------------------------------------------------------ bookkeeping (from Connection)
 
+    def log_refusal(self, host: str | None, port: int | None, reason: str) -> None:
+        """One WARNING line per remote address and minute for peers refused at the handshake."""
+        address = host or "?"
+        held = self._refusals.allow(address, time.monotonic())
+        if held is None:
+            return
+        more = f" ({held} more from {address} since the last report)" if held else ""
+        log.warning("refused %s:%s: %s%s", address, port if port is not None else "?", reason, more)
+
     def accepting_connection(self, conn: Connection) -> bool:
         if self._closed or len(self._all) >= self.limits.max_connections:
             conn.close("too many connections", abort=True)
             return False
+        if not conn.initiator:
+            ip = conn.remote_host or "?"
+            if len(self._handshaking) >= self.limits.max_handshakes:
+                conn.close("too many handshakes in progress", abort=True)
+                return False
+            if self._handshakes_per_ip.get(ip, 0) >= self.limits.max_handshakes_per_ip:
+                conn.close(f"too many handshakes in progress from {ip}", abort=True)
+                return False
+            self._handshaking.add(conn)
+            self._handshakes_per_ip[ip] = self._handshakes_per_ip.get(ip, 0) + 1
         self._all.add(conn)
         return True
 
+    def _handshake_over(self, conn: Connection) -> None:
+        """``conn`` (inbound) finished its handshake or closed: it no longer holds a handshake slot."""
+        if conn in self._handshaking:
+            self._handshaking.discard(conn)
+            ip = conn.remote_host or "?"
+            left = self._handshakes_per_ip.get(ip, 1) - 1
+            if left > 0:
+                self._handshakes_per_ip[ip] = left
+            else:
+                self._handshakes_per_ip.pop(ip, None)
+
     def connection_ready(self, conn: Connection) -> None:
+        self._handshake_over(conn)
         peer = conn.remote_peer
         assert peer is not None
         current = self._conns.get(peer)
@@ -723,6 +832,7 @@ class Host:
 
     def connection_closed(self, conn: Connection) -> None:
         self._all.discard(conn)
+        self._handshake_over(conn)
         peer = conn.remote_peer
         if peer is not None and self._conns.get(peer) is conn:
             del self._conns[peer]
@@ -730,6 +840,23 @@ class Host:
                 if other.remote_peer == peer and other._send is not None:
                     self._conns[peer] = other
                     break
+        if peer is not None and conn._send is not None and self.connection(peer) is None:
+            for listener in list(self._disconnect_listeners):
+                try:
+                    listener(peer)
+                except Exception:  # one listener's bug must not hide the event from the others
+                    log.exception("disconnect listener failed")
+
+    def on_disconnect(self, listener: Callable[[PeerID], None]) -> Callable[[], None]:
+        """Call ``listener(peer)`` whenever the last open connection to ``peer`` closes (two
+        peers can hold two connections after dialing each other at once: only losing both means
+        the peer is gone). Returns a function that unsubscribes it."""
+        self._disconnect_listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._disconnect_listeners:
+                self._disconnect_listeners.remove(listener)
+        return remove
 
     async def _watch(self) -> None:
         """Close connections that stall mid-frame (slow loris) or sit idle."""

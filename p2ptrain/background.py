@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dht import DHTConfig, DHTNode, Identity, Multiaddr
+from dht.swarmkey import SwarmKey, load_swarm_key
 
 from .loop import LoopThread
 
@@ -32,6 +33,11 @@ class DHT:
     ``initial_peers``: multiaddrs (strings or ``Multiaddr``) of peers already in the swarm; an empty
     list makes this the first peer; None (the default) reads ``$P2PTRAIN_BOOTSTRAP``. ``listen=None`` runs a client-mode node (no inbound connections: it
     can average but serves nothing). ``key_file``: keep the same PeerID across restarts.
+
+    ``swarm_key`` (a :class:`dht.swarmkey.SwarmKey`, its 32 bytes, or the path of a swarm key file)
+    joins a private swarm: only peers with the same key can connect. None (the default) reads the
+    file named by ``$P2PTRAIN_SWARM_KEY_FILE`` when set, as ``p2ptrain peer --swarm-key-file`` hands
+    it to the scripts it runs; ``swarm_key=False`` forces a public swarm.
     """
 
     def __init__(
@@ -44,13 +50,17 @@ class DHT:
         config: DHTConfig | None = None,
         announce_host: str | None = None,
         start_timeout: float = 30.0,
+        swarm_key: SwarmKey | bytes | str | Path | bool | None = None,
     ):
         if initial_peers is None:  # e.g. a script run by `p2ptrain peer --script`
             initial_peers = os.environ.get("P2PTRAIN_BOOTSTRAP", "").replace(",", " ").split()
         if identity is None and key_file is not None:
             identity = Identity.load_or_create(key_file)
+        if swarm_key is None:
+            swarm_key = os.environ.get("P2PTRAIN_SWARM_KEY_FILE") or None
+        key = None if swarm_key is False else load_swarm_key(swarm_key)  # type: ignore[arg-type]
         self.loop = LoopThread("p2ptrain-dht")
-        self.node = DHTNode(identity, listen, config=config, announce_host=announce_host)
+        self.node = DHTNode(identity, listen, config=config, announce_host=announce_host, swarm_key=key)
         try:
             self.loop.run(self.node.start(list(initial_peers)), timeout=start_timeout)
         except BaseException:

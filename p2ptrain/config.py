@@ -35,7 +35,7 @@ ENV_PREFIX = "P2PTRAIN_"
 
 _NOT_CONFIGURABLE = {"help", "config", "version"}
 _GROUPS = ({"bootstrap", "bootstrap_file"},)  # keys that are one setting together
-_PATH_KEYS = {"bootstrap_file", "key_file", "save", "round_log", "out", "script"}  # relative to the config file
+_PATH_KEYS = {"bootstrap_file", "key_file", "save", "round_log", "out", "script", "swarm_key_file", "data_dir"}  # relative to the config file
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
@@ -268,10 +268,18 @@ def validate(args: argparse.Namespace, sources: Mapping[str, str]) -> None:
     key_file = getattr(args, "key_file", None)
     if key_file is not None:
         check_key_file(key_file, _where("key_file", sources))
+    swarm_key_file = getattr(args, "swarm_key_file", None)
+    if swarm_key_file is not None:  # must exist: a private swarm's key is created once, shared by hand
+        from dht.swarmkey import SwarmKey
+
+        try:
+            SwarmKey.load(swarm_key_file)
+        except ConfigError as e:
+            raise ConfigError(f"{_where('swarm_key_file', sources)}: {e}") from None
     port = getattr(args, "metrics_port", None)
     if port is not None and not 0 <= port <= 65535:
         raise ConfigError(f"{_where('metrics_port', sources)} must be between 0 and 65535 (0: any free port)")
-    for key in ("bootstrap_file", "round_log", "save"):
+    for key in ("bootstrap_file", "round_log", "save", "data_dir"):
         value = getattr(args, key, None)
         if isinstance(value, str) and not value.strip():
             raise ConfigError(f"{_where(key, sources)}: empty path")

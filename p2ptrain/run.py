@@ -41,6 +41,7 @@ class PeerConfig:
     run_id: str | None = None  # default: the task's signature, so different models never meet
     mode: str = "sync"
     compression: str | None = None  # default: none for sync, int8 for diloco
+    aggregation: str = "mean"  # or trimmed_mean / median / centered_clip (hostile peers)
     target_batch_size: int = 512
     batch_size: int | None = None  # default: the task's
     local_steps: int = 50  # diloco H
@@ -58,6 +59,8 @@ class PeerConfig:
     matchmaking_timeout: float = 5.0
     threads: int | None = None  # torch intra-op threads (default: torch's); 1 when many peers share a machine
     save: str | None = None  # write the final model here (safetensors), atomically
+    checkpoint_every: int | None = None  # save a checkpoint every N global epochs (a few peers do)
+    data_dir: str | None = None  # checkpoint store (default: $P2PTRAIN_DATA_DIR or the user's cache dir)
     wait_peers: int = 0  # wait for this many peers before training (a swarm started together)
     bootstrap: Sequence[str] = ()
     listen: tuple[str, int] | None = ("127.0.0.1", 0)
@@ -88,12 +91,14 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             task.make_optimizer(model.parameters(), lr=cfg.lr), dht=dht, run_id=cfg.run_id or task.signature,
             target_batch_size=cfg.target_batch_size, batch_size_per_step=batch_size, mode=cfg.mode,
             local_steps=cfg.local_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, compression=cfg.compression,
-            delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
-            matchmaking_timeout=cfg.matchmaking_timeout,
+            aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
+            matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
+            checkpoint_dir=cfg.data_dir,
         )
         on_event({"event": "started", "peer_id": str(dht.peer_id),
                   "multiaddrs": [str(a) for a in dht.multiaddrs], "run_id": opt.run_id, "epoch": opt.epoch,
-                  "state_loads": opt.stats.state_loads,
+                  "state_loads": opt.stats.state_loads, "resumed_epoch": opt.stats.resumed_epoch,
+                  "params_digest": _digest(model),
                   "config": {k: v for k, v in asdict(cfg).items() if k != "bootstrap"}})
         if cfg.wait_peers > 1:
             opt.wait_for_peers(cfg.wait_peers)
@@ -149,7 +154,8 @@ def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: flo
             "rounds": s.rounds, "group_size": s.last_group_size, "failed_rounds": s.failed_rounds,
             "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "state_loads": s.state_loads,
             "local_samples": s.local_samples, "round_s": round(s.last_round_s, 4), "state_rounds": s.state_rounds,
-            "dht_peers": len(opt.dht.node.routing)}
+            "dht_peers": len(opt.dht.node.routing), "checkpoints_saved": s.checkpoints_saved,
+            "checkpoint_epoch": s.last_checkpoint_epoch}
 
 
 def _round_counters(s: Any) -> tuple[int, int, int, int, int]:

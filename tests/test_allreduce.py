@@ -7,6 +7,7 @@ Every test is bounded by ``asyncio.timeout`` and closes its hosts and services i
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 
@@ -294,6 +295,53 @@ async def test_member_never_joins(swarm):
             assert "cannot reach" in res.failed[2]
             assert res.not_averaged == [2]  # member 2 never ran: its shard could not be averaged
             assert res.weight_total == pytest.approx(ws[0] + ws[1])
+            torch.testing.assert_close(flats[r], expected_values(res, xs, ws, r, 4096), atol=1e-6, rtol=0)
+
+
+class _Count(logging.Handler):
+    """Sets ``event`` once ``n`` log records containing ``text`` were emitted."""
+
+    def __init__(self, text: str, n: int):
+        super().__init__(logging.INFO)
+        self.text, self.n, self.event = text, n, asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.n -= 1
+            if self.n <= 0:
+                self.event.set()
+
+
+async def test_member_lost_after_its_exchange_failed_is_not_waited_for(swarm):
+    """Member 2 refuses our streams (our exchange with it fails while its connection stays open),
+    then dies before opening its own streams: the owners must stop waiting for its part when its
+    last connection closes, not sit out join_timeout (60 s here, the test allows 20)."""
+    async with asyncio.timeout(20):
+        cfg = AllReduceConfig(chunk_numel=4096, join_timeout=60, stall_timeout=60, timeout=120)
+        group, hosts, services = await swarm.group(3, config=cfg, raw=(2,))
+
+        async def refuse(stream):
+            stream.reset("not now")
+
+        hosts[2].on_stream(PROTOCOL, refuse)
+        logger = logging.getLogger("p2ptrain.allreduce")
+        counter, level = _Count("rank 2: owner 2", 2), logger.level
+        logger.addHandler(counter)
+        logger.setLevel(logging.INFO)
+        try:
+            xs, ws = data(3, 20_000)
+            flats = [x.clone() for x in xs]
+            runs = asyncio.gather(services[0].run(group, 0, flats[0], ws[0]), services[1].run(group, 1, flats[1], ws[1]))
+            await counter.event.wait()  # both owners saw their exchange with 2 fail; 2 is still connected
+            assert hosts[2].connection(hosts[0].peer_id) is not None
+            await hosts[2].close()
+            results = await runs
+        finally:
+            logger.removeHandler(counter)
+            logger.setLevel(level)
+        for r, res in enumerate(results):
+            assert set(res.failed) == {2} and res.not_averaged == [2]
+            assert res.shards[r].contributors == [0, 1]
             torch.testing.assert_close(flats[r], expected_values(res, xs, ws, r, 4096), atol=1e-6, rtol=0)
 
 

@@ -589,6 +589,28 @@ async def test_streams_die_with_their_connection(make_host):
             await conn.call("echo", 2)
 
 
+async def test_disconnect_listener_fires_when_a_peer_is_gone(make_host):
+    async with asyncio.timeout(10):
+        a, b, c = await make_host(), await make_host(), await make_host()
+        lost: list = []
+        gone = asyncio.Event()
+
+        def listener(peer):
+            lost.append(peer)
+            gone.set()
+
+        unsubscribe = a.on_disconnect(listener)
+        await connect(a, b)
+        await connect(c, a)  # inbound connections count too
+        await b.close()
+        await gone.wait()
+        assert lost == [b.peer_id]
+        unsubscribe()
+        await c.close()
+        await wait_until(lambda: a.connection(c.peer_id) is None, within=5)
+        assert lost == [b.peer_id]  # unsubscribed: c's loss was not reported
+
+
 # ------------------------------------------------------------------ hostile input
 
 async def test_garbage_instead_of_handshake(make_host):

@@ -5,6 +5,7 @@ fault-tolerant butterfly all-reduce among their members.
     schema.py       tensor schema hash: peers with different models or codecs never meet
     matchmaking.py  Matchmaker: DHT sub-keys + a leader per group, adaptive waits
     allreduce.py    AllReduceService: reduce-scatter + all-gather over encrypted streams
+    robust.py       robust aggregation rules (trimmed mean, median, CenteredClip), sans-IO
     averager.py     Averager / BlockingAverager: the public API
 """
 
@@ -12,9 +13,11 @@ from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService
 from .averager import Averager, BlockingAverager, StepResult
 from .group import Group, Member, partition
 from .matchmaking import Matchmaker
+from .robust import AGGREGATIONS, aggregate
 from .schema import Schema, tensor_schema
 
 __all__ = [
+    "AGGREGATIONS",
     "AllReduceConfig",
     "AllReduceResult",
     "AllReduceService",
@@ -25,6 +28,7 @@ __all__ = [
     "Member",
     "Schema",
     "StepResult",
+    "aggregate",
     "partition",
     "tensor_schema",
 ]

@@ -29,6 +29,20 @@ missed its deadline, the owner divides, encodes each averaged chunk once (and de
 own ``flat``, so every member ends with bit-identical values), and writes it to every sender whose
 part arrived complete.
 
+Robust aggregation
+------------------
+``run(..., aggregation="trimmed_mean" | "median" | "centered_clip")`` (see :mod:`.robust`) replaces
+the streaming weighted mean, which one hostile sender can move anywhere. Such a rule needs every
+contribution to a chunk before combining it, so the owner decodes each sender's chunk into that
+sender's row of a slot ``[group size, chunk_numel]``; once every expected sender has delivered chunk
+c (or failed, or was given up on) the owner combines the rows (its own values included) into the
+accumulator, in the worker, in chunk order. There are ``ROBUST_WINDOW`` (2) slots: a sender may
+store chunk c only after chunk c - 2 is combined, otherwise its stream waits (flow control), so the
+owner holds at most ``2 * size * chunk_numel * 4`` bytes of buffers (64 MiB for 8 members and the
+default chunk) beside the accumulator, however big the shard. The rule's name travels in the header
+(``"agg"``, absent for ``mean``); a mismatch drops the sender like a codec mismatch (the Averager
+also puts it in the schema, so such peers do not meet). Weights are capped at the median weight.
+
 Failures
 --------
 * owner dies / resets / stalls: the sender keeps its local values for that shard (the chunks already
@@ -85,6 +99,7 @@ from ..compression import Codec, CompressionError, ErrorFeedback, get_codec
 from ..compression.base import check_finite, frombuffer
 from ..compression.float import NoneCodec
 from .group import Group, partition
+from .robust import aggregate, check_aggregation
 
 __all__ = ["PROTOCOL", "AllReduceConfig", "AllReduceResult", "AllReduceService", "ShardResult", "codec_id"]
 
@@ -94,6 +109,9 @@ PROTOCOL = "p2ptrain/allreduce/1"
 _PREFIX = struct.Struct(">I")
 MAX_SUMMARY = 1 << 16
 _HEADER_KEYS = frozenset({"g", "from", "w", "n", "codec", "gcodec"})
+_HEADER_KEYS_AGG = _HEADER_KEYS | {"agg"}  # "agg" is sent only for a robust aggregation
+#: robust aggregation: chunks a sender may have buffered at the owner ahead of the last combined one
+ROBUST_WINDOW = 2
 _EMPTY = torch.empty(0, dtype=torch.float32)
 
 
@@ -272,7 +290,7 @@ def _retrieve(fut: asyncio.Future | None) -> None:
 
 class _Round:
     def __init__(self, svc: AllReduceService, group: Group, rank: int, flat: torch.Tensor, weight: float,
-                 codec: Codec, gcodec: Codec, cfg: AllReduceConfig):
+                 codec: Codec, gcodec: Codec, cfg: AllReduceConfig, aggregation: str = "mean"):
         self.svc, self.group, self.rank, self.flat, self.weight, self.cfg = svc, group, rank, flat, weight, cfg
         self.codec, self.gcodec = codec, gcodec
         self.rmeta, self.gmeta = _base(codec)._meta(_EMPTY), gcodec._meta(_EMPTY)
@@ -285,6 +303,10 @@ class _Round:
         self.deadline = self.t0 + cfg.timeout
         self.header = {"g": group.group_id, "from": rank, "w": float(weight), "n": n,
                        "codec": codec_id(codec), "gcodec": codec_id(gcodec)}
+        self.agg = aggregation
+        self.robust = aggregation != "mean"
+        if self.robust:
+            self.header["agg"] = aggregation
         s, e = self.bounds[rank]
         self.my_start, self.my_end = s, e
         self.my_chunks = _chunks(s, e, self.cn)
@@ -307,6 +329,15 @@ class _Round:
             self.buffer_bytes += self.acc.numel() * 4
             self.wsum = [float(weight)] * len(self.my_chunks)
             self.count = [1] * len(self.my_chunks)
+            if self.robust:
+                # Per-sender chunk buffers: ROBUST_WINDOW slots of [group size, chunk] decoded
+                # float32 values (a sender may store chunk c only once chunk c - ROBUST_WINDOW is
+                # combined), so the bound is ROBUST_WINDOW * size * chunk_numel * 4 bytes, whatever
+                # the shard size. Row ``rank`` of a slot takes our own values at combine time.
+                self.slots = torch.empty(ROBUST_WINDOW, self.size, min(self.cn, e - s), dtype=torch.float32)
+                self.buffer_bytes += self.slots.numel() * 4
+        self.combined = 0  # robust: chunks of our shard combined so far (a prefix)
+        self.combined_ev = asyncio.Event()  # set when ``combined`` grows or the reduce closes
         self.own_shard: ShardResult | None = None
         # ``none`` on float32 (no error feedback): a chunk's wire bytes are the values themselves.
         # ``run`` has already checked that ``flat`` is finite, so the sender sends views of ``flat``
@@ -352,7 +383,7 @@ class _Round:
 
     # ------------------------------------------------------------------ owner: one task per sender
     def _check_header(self, hdr: Any, rank: int) -> str | None:
-        if not isinstance(hdr, dict) or set(hdr) != _HEADER_KEYS:
+        if not isinstance(hdr, dict) or (set(hdr) != _HEADER_KEYS and set(hdr) != _HEADER_KEYS_AGG):
             return "malformed header"
         w, n, frm = hdr["w"], hdr["n"], hdr["from"]
         if isinstance(frm, bool) or frm != rank:
@@ -363,7 +394,59 @@ class _Round:
             return f"numel {n!r:.30} differs from ours ({self.n})"
         if hdr["codec"] != self.header["codec"] or hdr["gcodec"] != self.header["gcodec"]:
             return f"codec {hdr['codec']!r:.40}/{hdr['gcodec']!r:.40} differs from ours"
+        if hdr.get("agg", "mean") != self.agg:
+            return f"aggregation {hdr.get('agg', 'mean')!r:.40} differs from ours ({self.agg})"
         return None
+
+    # ------------------------------------------------------------------ owner: robust aggregation
+    def _store(self, inc: _Incoming, ci: int, buf: memoryview) -> bool:
+        # Robust counterpart of _accumulate (worker thread or inline): decode the chunk into the
+        # sender's row of the chunk's slot; combined later by _combine.
+        if self.reduce_closed or inc.state != "receiving":
+            return False
+        a, b = self.my_chunks[ci]
+        row = self.slots[ci % ROBUST_WINDOW, inc.rank, : b - a]
+        _base(self.codec).decode(dict(self.rmeta, numel=b - a), buf, out=row)
+        check_finite(row, "received chunk")  # whatever the codec's own option: NaN/inf never enter
+        inc.done = ci + 1
+        return True
+
+    def _chunk_ready(self, ci: int) -> bool:
+        """Every expected sender has delivered chunk ``ci``, or will never deliver it."""
+        if self.expected - self.incoming.keys() - self.rejected:
+            return False
+        return all(i.state != "receiving" or i.done > ci for i in list(self.incoming.values()))
+
+    def _combine(self, ci: int) -> None:
+        # Worker thread (after every store submitted before it) or inline.
+        a, b = self.my_chunks[ci]
+        ranks = sorted(i.rank for i in list(self.incoming.values()) if i.done > ci)
+        if not ranks:
+            return  # only our own values: count stays 1, _finalize keeps them exactly
+        slot = self.slots[ci % ROBUST_WINDOW, :, : b - a]
+        slot[self.rank].copy_(self.flat[a:b])
+        rows = sorted(ranks + [self.rank])
+        x = slot if len(rows) == self.size else slot[rows]
+        w = torch.tensor([self.weight if r == self.rank else self.incoming[r].weight for r in rows],
+                         dtype=torch.float32)
+        aggregate(self.agg, x, w, out=self.acc[a - self.my_start : b - self.my_start])
+        self.wsum[ci] = float(w.sum())
+        self.count[ci] = len(rows)
+
+    async def _combine_ready(self) -> None:
+        """Combine, in order, every chunk all senders are done with (all of them once the reduce
+        closed), freeing slots for the senders waiting in ``_slot_free``."""
+        while self.combined < len(self.my_chunks) and (self.reduce_closed or self._chunk_ready(self.combined)):
+            await self._compute(self._combine, self.combined)
+            self.combined += 1
+            self.combined_ev.set()
+
+    async def _slot_free(self, ci: int) -> None:
+        """Wait until chunk ``ci``'s slot is free (chunk ``ci - ROBUST_WINDOW`` combined)."""
+        while self.combined <= ci - ROBUST_WINDOW and not self.reduce_closed:
+            self.combined_ev.clear()
+            if not await wait_event(self.combined_ev, max(0.0, self.deadline - time.monotonic())):
+                raise _Drop("round deadline: still sending")
 
     def _accumulate(self, inc: _Incoming, ci: int, buf: memoryview) -> bool:
         # Runs in the worker thread (or inline): add + bookkeeping are one step, ordered before the
@@ -431,16 +514,21 @@ class _Round:
         nmax = self._enc_nbytes(self.codec, min(self.cn, self.my_end - self.my_start))
         stream, reader = inc.stream, _Reader(inc.stream, nmax)
         try:
+            take = self._store if self.robust else self._accumulate
             for ci, (a, b) in enumerate(self.my_chunks):
+                if self.robust:
+                    await self._slot_free(ci)
                 nb = self._enc_nbytes(self.codec, b - a)
                 data = await reader.read_exact(nb, self.cfg.read_timeout(nb))
                 if data is None:
                     raise _Drop(f"sent less than the {nb} bytes of chunk {ci} (too little data)")
                 try:
-                    if not await self._compute(self._accumulate, inc, ci, data):
+                    if not await self._compute(take, inc, ci, data):
                         raise _Drop("round deadline: still sending")
                 except CompressionError as e:
                     raise _Drop(f"chunk {ci} rejected: {e}") from None
+                if self.robust:
+                    self.changed.set()  # _wait_senders combines the chunks that became complete
             if not await reader.at_eof(self.cfg.stall_timeout):
                 raise _Drop("sent more data than its part")
             inc.state = "complete"
@@ -461,6 +549,10 @@ class _Round:
         t_join = self.t0 + cfg.join_timeout
         t_reduce = self.t0 + cfg.timeout * cfg.reduce_fraction
         while True:
+            # cleared before the checks: a change during an await below (a combine) is not lost
+            self.changed.clear()
+            if self.robust:
+                await self._combine_ready()
             now = time.monotonic()
             missing = self.expected - self.incoming.keys() - self.rejected
             if missing and now >= t_join:
@@ -480,10 +572,12 @@ class _Round:
                     self._fail(inc.rank, "round deadline: still sending")
                     inc.stream.reset("round deadline")
                 break
-            self.changed.clear()
             wake = min(t_join, t_reduce) if missing else t_reduce
             await wait_event(self.changed, max(0.0, wake - now))
         self.reduce_closed = True
+        self.combined_ev.set()
+        if self.robust:
+            await self._combine_ready()  # the rest, with whatever arrived
 
     def _snapshot(self) -> dict:
         # In the worker (after every accumulate submitted before the close): a consistent view.
@@ -498,6 +592,11 @@ class _Round:
         out = self.flat[a:b]
         if self.count[ci] == 1:
             x = out  # only our own contribution: keep the exact local values
+        elif self.robust:  # _combine wrote the aggregate itself, nothing to divide
+            if type(self.gcodec) is NoneCodec:
+                check_finite(x, "none: input chunk")
+                out.copy_(x)
+                return memoryview(out.numpy()).cast("B")
         elif type(self.gcodec) is NoneCodec and self.wsum[ci] >= 1.0:
             # Lossless and no overflow possible (|acc / wsum| <= |acc|): check the sum first, then
             # divide straight into flat and send that (saves the division's pass and a copy).
@@ -597,7 +696,7 @@ class _Round:
                 views = await nxt
                 nxt = submit(self._encode, *chunks[ci + 1]) if ci + 1 < len(chunks) else None
                 await self.svc._before_chunk(j, ci)
-                for v in views:
+                for v in self.svc._outgoing(j, ci, views):
                     await stream.write(v, timeout=max(wt, cfg.read_timeout(len(v))))
             stream.write_eof()
             self.t_reduce = max(self.t_reduce, time.monotonic() - self.t0)
@@ -647,14 +746,28 @@ class _Round:
                 self._account(stream)
         return res
 
-    def _gone(self, j: int) -> None:
-        """Our exchange with ``j`` failed; if no connection to it is left (it died or cannot be
-        reached), stop waiting for its part of our shard instead of sitting out ``join_timeout``."""
+    def _gone(self, j: int, why: str = "unreachable") -> None:
+        """``j`` cannot send us its part any more: our exchange with it failed and no connection
+        to it is left (it died or cannot be reached), or its last connection closed. Stop waiting
+        for its part of our shard instead of sitting out ``join_timeout``."""
         if (self.is_owner and j in self.expected and j not in self.incoming and j not in self.rejected
                 and self.svc.host.connection(self.group.members[j].peer_id) is None):
             self.rejected.add(j)
-            self._fail(j, "unreachable: gave up waiting for its stream")
+            self._fail(j, f"{why}: gave up waiting for its stream")
+            if not self.failed[j].startswith(why):  # _fail kept (and logged) an earlier reason
+                log.info("all-reduce %s: rank %d: %s: gave up waiting for its stream",
+                         self.group.group_id.hex()[:8], j, why)
             self.changed.set()
+
+    def _on_disconnect(self, peer: PeerID) -> None:
+        """The last connection to ``peer`` closed. If it is a member that has not opened its
+        stream to us yet, it never will: this catches the member that dies after our own
+        exchange with it succeeded (or while a second connection to it still looked open)."""
+        try:
+            j = self.group.rank_of(peer)
+        except KeyError:
+            return
+        self._gone(j, "connection lost")
 
     def _read_summary(self, res: ShardResult, body: bytearray) -> None:
         try:
@@ -674,12 +787,16 @@ class _Round:
     # ------------------------------------------------------------------ the round
     async def run(self) -> AllReduceResult:
         sends: list[asyncio.Task] = []
-        async with asyncio.TaskGroup() as tg:
-            for j, (a, b) in enumerate(self.bounds):
-                if j != self.rank and b > a:
-                    sends.append(tg.create_task(self._send_part(j)))
-            if self.is_owner:
-                tg.create_task(self._own_shard())
+        unsubscribe = self.svc.host.on_disconnect(self._on_disconnect)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for j, (a, b) in enumerate(self.bounds):
+                    if j != self.rank and b > a:
+                        sends.append(tg.create_task(self._send_part(j)))
+                if self.is_owner:
+                    tg.create_task(self._own_shard())
+        finally:
+            unsubscribe()
         total = time.monotonic() - self.t0
         shards = [t.result() for t in sends]
         if self.own_shard is not None:
@@ -699,6 +816,7 @@ class _Round:
         """Reset every stream whose exchange did not finish (finished ones are left alone: the
         remote may still be reading what we wrote before our EOF)."""
         self.reduce_closed = True
+        self.combined_ev.set()
         for inc in self.incoming.values():
             if not inc.finished.is_set():
                 if inc.state == "receiving":
@@ -786,6 +904,11 @@ class AllReduceService:
     async def _before_chunk(self, owner: int, index: int) -> None:
         """Hook before each chunk a sender writes (tests override it to simulate slow/dying peers)."""
 
+    def _outgoing(self, owner: int, index: int, views: list[memoryview]) -> list[memoryview]:
+        """Hook on the wire bytes of each chunk a sender writes (tests replace it to simulate a
+        hostile sender, e.g. NaN payloads, which ``run`` would refuse to take from ``flat``)."""
+        return views
+
     # ------------------------------------------------------------------ incoming streams
     async def _on_stream(self, stream: Stream) -> None:
         task = asyncio.current_task()
@@ -823,15 +946,18 @@ class AllReduceService:
     # ------------------------------------------------------------------ rounds
     async def run(self, group: Group, my_rank: int, flat: torch.Tensor, weight: float = 1.0,
                   codec: Codec | str = "none", *, gather_codec: Codec | str | None = None,
-                  timeout: float | None = None, config: AllReduceConfig | None = None) -> AllReduceResult:
+                  timeout: float | None = None, config: AllReduceConfig | None = None,
+                  aggregation: str = "mean") -> AllReduceResult:
         """Average ``flat`` (a flat contiguous CPU float32 tensor, overwritten with the result) with
         the other members of ``group``, weighted by ``weight``. ``codec`` compresses the reduce phase;
         ``gather_codec`` the returned averages (default: the same codec, but ``fp16`` for ``topk``,
         whose sparsification of an average would lose most of it). Never raises because of what a
-        peer did: failures are in the result. Raises ValueError for bad arguments, CompressionError
-        if ``flat`` holds NaN/inf, RuntimeError once closed."""
+        peer did: failures are in the result. ``aggregation``: ``mean`` (streaming, the default)
+        or a robust rule of :mod:`.robust`; every member must use the same. Raises ValueError for
+        bad arguments, CompressionError if ``flat`` holds NaN/inf, RuntimeError once closed."""
         if self._closed or self._executor is None:
             raise RuntimeError("AllReduceService is not running (call start())")
+        check_aggregation(aggregation)
         cfg = config or self.config
         if timeout is not None:
             cfg = dataclasses.replace(cfg, timeout=float(timeout))
@@ -853,7 +979,7 @@ class AllReduceService:
             raise ValueError(f"group {group.group_id.hex()} already ran on this service; group ids are single-use")
         if flat.numel() and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
             raise CompressionError("flat contains NaN or inf; refusing to average it")
-        rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg)
+        rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation)
         gid = group.group_id
         self._rounds[gid] = rnd
         waiting = self._waiting.pop(gid, None)

@@ -1,9 +1,9 @@
 """Averager: the public face of averaging — matchmaking through the DHT, then the all-reduce.
 
-``await averager.step(weight=...)`` meets whoever averages the same tensors (same prefix, schema and
-codec) in the same round, averages with them, writes the result into the tensors in place and says
-what happened. A peer that finds nobody keeps its tensors and gets ``group_size == 1``; it never
-hangs. ``BlockingAverager`` wraps it for ordinary synchronous training loops.
+``await averager.step(weight=...)`` meets whoever averages the same tensors (same prefix, schema,
+codec and aggregation rule) in the same round, averages with them, writes the result into the
+tensors in place and says what happened. A peer that finds nobody keeps its tensors and gets
+``group_size == 1``; it never hangs. ``BlockingAverager`` wraps it for ordinary synchronous training loops.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..compression import get_codec
 from ..loop import LoopThread
 from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService
 from .matchmaking import Matchmaker
+from .robust import check_aggregation
 from .schema import Schema, tensor_schema
 
 log = logging.getLogger("p2ptrain.averager")
@@ -64,6 +65,7 @@ class Averager:
         tensors: TensorsLike,
         *,
         codec: str = "none",
+        aggregation: str = "mean",
         target_group_size: int = 16,
         min_group_size: int = 2,
         bandwidth: float = 1.0,
@@ -86,7 +88,10 @@ class Averager:
         self.tensors = [t for _, t in named]
         self.codec_name = codec
         get_codec(codec)  # fail now, with the list of codecs, on a typo
-        self.schema: Schema = tensor_schema(named, codec)
+        self.aggregation = check_aggregation(aggregation)
+        # The aggregation rule joins the codec in the schema (hence the matchmaking key): peers that
+        # combine differently never meet, and a mismatch message names it with the codec.
+        self.schema: Schema = tensor_schema(named, codec if aggregation == "mean" else f"{codec}+{aggregation}")
         self.matchmaking_timeout = matchmaking_timeout
         self.matchmaker = Matchmaker(dht, prefix, self.schema, target_group_size=target_group_size,
                                      min_group_size=min_group_size, bandwidth=bandwidth)
@@ -148,7 +153,8 @@ class Averager:
         if group.size == 1:
             return StepResult(rid, 1, members, matchmaking_s=t1 - t0, total_s=t1 - t0, weight_total=weight)
         self._gather()
-        result = await self.service.run(group, group.rank_of(self.dht.peer_id), self._flat, weight, self.codec_name)
+        result = await self.service.run(group, group.rank_of(self.dht.peer_id), self._flat, weight, self.codec_name,
+                                       aggregation=self.aggregation)
         self._scatter()
         t2 = time.perf_counter()
         return StepResult(

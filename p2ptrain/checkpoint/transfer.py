@@ -8,14 +8,21 @@ stalls or resets only loses the chunks it had not delivered, which go back to th
 
 Wire (on ``dht.transport`` connections):
 
-- RPC ``p2ptrain.state.manifest`` ``{"key": str}`` -> ``None`` or
+- RPC ``p2ptrain.state.manifest`` ``{"key": str, "id"?: bytes}`` -> ``None`` or
   ``{"id": bytes, "size": int, "manifest": bytes | None, "held": [bytes, ...]}``: the latest
-  manifest for ``key`` (inline when it fits an RPC message, else ``None``), and every manifest
-  id still served for the key (the latest first).
+  manifest for ``key`` (or manifest ``id`` when the request names one this provider holds;
+  inline when it fits an RPC message, else ``None``), and manifest ids still served for the
+  key (the latest first).
 - stream ``p2ptrain.state.manifest/1`` header ``{"key", "id"}`` -> the manifest bytes (for
   manifests too large for an RPC reply, which is limited to 1 MiB).
 - stream ``p2ptrain.state.chunks/1`` header ``{"key", "id", "first", "count"}`` -> the raw
   bytes of chunks ``first .. first+count-1``, or a reset if that manifest is no longer held.
+
+What a server serves under a key comes from ``ChunkSource`` objects: in-memory snapshots
+(``publish``, what a trainer serves to late joiners) and sources found on demand by resolvers
+(``add_resolver``; e.g. the checkpoints of an on-disk store, read chunk by chunk when asked).
+A fetch can skip chunks the caller already has and hand each verified chunk to a sink instead
+of one big buffer (``have=``/``on_chunk=``), which is how a checkpoint download resumes.
 
 The download schedule (``ChunkSchedule``) is sans-IO; ``fetch_state`` is the asyncio shell.
 """
@@ -27,8 +34,8 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
 import torch
@@ -48,6 +55,7 @@ from .manifest import (
     StateTooLarge,
     restore,
 )
+from .throttle import TokenBucket
 
 if TYPE_CHECKING:
     from typing import Self
@@ -62,6 +70,8 @@ MAX_KEY_LEN = 256
 INLINE_MANIFEST_MAX = MAX_MESSAGE - 4096
 #: at most this many previous manifest ids are listed in a reply
 _MAX_HELD = 8
+#: a rate-limited server sends chunks in pieces of this size
+_THROTTLE_PIECE = 1 << 20
 
 Address = tuple[str, int]
 Provider = tuple[PeerID, Address | None]
@@ -86,11 +96,44 @@ class StateTimeoutError(StateTransferError, TimeoutError):
 # ---------------------------------------------------------------------------- serving
 
 
+class ChunkSource(Protocol):
+    """One snapshot a server can serve: its manifest, and its chunks on demand.
+
+    ``chunk`` returns exactly chunk ``index``'s bytes (a server never re-hashes what a source
+    returns; a source backed by something that can rot, like a disk, verifies them itself) and
+    raises ``LookupError`` (or ``OSError``) when the chunk is no longer there.
+    """
+
+    manifest: Manifest
+
+    async def chunk(self, index: int) -> bytes | bytearray | memoryview: ...
+
+
 @dataclass(eq=False)
-class _Snapshot:
+class MemorySource:
+    """A snapshot in one buffer (from ``build_snapshot``), served without copying."""
+
     manifest: Manifest
     buffer: torch.Tensor
-    view: memoryview
+    view: memoryview = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.buffer, torch.Tensor) or self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1 \
+                or self.buffer.device.type != "cpu" or not self.buffer.is_contiguous():
+            raise ValueError("buffer must be a contiguous 1-D uint8 CPU tensor (as build_snapshot returns)")
+        if self.buffer.numel() != self.manifest.total_size:
+            raise ValueError(f"buffer holds {self.buffer.numel()} bytes, the manifest describes "
+                             f"{self.manifest.total_size}")
+        self.view = memoryview(self.buffer.numpy())
+
+    async def chunk(self, index: int) -> memoryview:
+        a, b = self.manifest.chunk_span(index)
+        return self.view[a:b]
+
+
+#: finds what to serve under a key that nothing was published for: ``await resolver(key)`` ->
+#: sources, the latest first (empty when the resolver does not know the key)
+Resolver = Callable[[str], Awaitable[list[ChunkSource]]]
 
 
 def _check_key(key: Any) -> str:
@@ -113,20 +156,30 @@ class StateServer:
     their snapshot alive until they finish, whatever is published meanwhile.
     ``publish`` must be called on the host's event loop (from the training thread, use
     ``loop.call_soon_threadsafe(server.publish, key, manifest, buffer)``).
+
+    Keys nothing was published for are asked of the resolvers (``add_resolver``), in order; one
+    server per host serves both a trainer's live state and a checkpoint store.
+
+    ``rate``: cap on the bytes per second this server sends in chunk streams, all streams
+    together (a token bucket; None: unlimited) -- to emulate a provider's uplink in benchmarks,
+    or to keep bandwidth for training while serving.
     """
 
-    def __init__(self, host: Host, *, keep: int = 2, write_timeout: float = 30.0):
+    def __init__(self, host: Host, *, keep: int = 2, write_timeout: float = 30.0, rate: float | None = None):
         if keep < 1:
             raise ValueError("keep must be at least 1")
         self.host = host
         self.keep = keep
         self.write_timeout = write_timeout
-        self._snapshots: dict[str, list[_Snapshot]] = {}
+        self._bucket = TokenBucket(rate) if rate is not None else None
+        self._snapshots: dict[str, list[ChunkSource]] = {}
         self._providers: dict[str, Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]] = {}
+        self._resolvers: list[Resolver] = []
         self._refreshing: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
         self._started = False
         self._closed = False
+        self.bytes_sent = 0  # chunk bytes sent, all streams
 
     async def start(self) -> None:
         """Register the RPC and stream handlers on the host."""
@@ -159,6 +212,7 @@ class StateServer:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._snapshots.clear()
+        self._resolvers.clear()
 
     # ------------------------------------------------------------------ publishing
 
@@ -170,13 +224,9 @@ class StateServer:
         if self._closed:
             raise RuntimeError("StateServer is closed")
         _check_key(key)
-        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1 \
-                or buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError("buffer must be a contiguous 1-D uint8 CPU tensor (as build_snapshot returns)")
-        if buffer.numel() != manifest.total_size:
-            raise ValueError(f"buffer holds {buffer.numel()} bytes, the manifest describes {manifest.total_size}")
+        source = MemorySource(manifest, buffer)
         snaps = [s for s in self._snapshots.get(key, []) if s.manifest.id != manifest.id]
-        snaps.insert(0, _Snapshot(manifest, buffer, memoryview(buffer.numpy())))
+        snaps.insert(0, source)
         self._snapshots[key] = snaps[: self.keep]
 
     def provide(self, key: str, refresh: Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]) -> None:
@@ -188,6 +238,17 @@ class StateServer:
         """
         _check_key(key)
         self._providers[key] = refresh
+
+    def add_resolver(self, resolver: Resolver) -> None:
+        """Ask ``resolver`` for the sources of keys nothing was published for (e.g. a store's
+        checkpoints). A resolver that raises is logged and skipped for that request."""
+        if self._closed:
+            raise RuntimeError("StateServer is closed")
+        self._resolvers.append(resolver)
+
+    def remove_resolver(self, resolver: Resolver) -> None:
+        if resolver in self._resolvers:
+            self._resolvers.remove(resolver)
 
     async def _refresh(self, key: str) -> None:
         refresh = self._providers.get(key)
@@ -215,8 +276,23 @@ class StateServer:
         snaps = self._snapshots.get(key)
         return snaps[0].manifest if snaps else None
 
-    def _find(self, key: str, mid: bytes) -> _Snapshot | None:
-        for s in self._snapshots.get(key, ()):
+    async def _held(self, key: str) -> list[ChunkSource]:
+        """What is served under ``key``, the latest first: published snapshots, else a resolver's."""
+        snaps = self._snapshots.get(key)
+        if snaps:
+            return snaps
+        for resolver in list(self._resolvers):
+            try:
+                found = await resolver(key)
+            except Exception as e:  # noqa: BLE001 - a broken source must not break the server
+                log.warning("could not list what to serve under %r: %s", key, e)
+                continue
+            if found:
+                return found
+        return []
+
+    async def _find(self, key: str, mid: bytes) -> ChunkSource | None:
+        for s in await self._held(key):
             if s.manifest.id == mid:
                 return s
         return None
@@ -227,17 +303,23 @@ class StateServer:
         if not isinstance(args, dict):
             raise TypeError("malformed state request")
         key = _check_key(args.get("key"))
+        wanted = args.get("id")
+        if wanted is not None:
+            wanted = _check_id(wanted)
         await self._refresh(key)
-        snaps = self._snapshots.get(key)
+        snaps = await self._held(key)
         if not snaps or self._closed:
             return None
-        m = snaps[0].manifest
+        m = next((s.manifest for s in snaps if s.manifest.id == wanted), snaps[0].manifest)
         enc = m.encoded
+        held = [s.manifest.id for s in snaps[:_MAX_HELD]]
+        if m.id not in held:
+            held[-1:] = [m.id]
         return {
             "id": m.id,
             "size": len(enc),
             "manifest": enc if len(enc) <= INLINE_MANIFEST_MAX else None,
-            "held": [s.manifest.id for s in snaps[:_MAX_HELD]],
+            "held": held,
         }
 
     def _own(self) -> asyncio.Task:
@@ -246,23 +328,25 @@ class StateServer:
         self._tasks.add(task)
         return task
 
-    def _lookup(self, stream: Stream) -> _Snapshot | None:
+    async def _lookup(self, stream: Stream) -> ChunkSource | None:
         hdr = stream.header
         try:
             if not isinstance(hdr, dict):
                 raise TypeError("header must be a map")
-            snap = self._find(_check_key(hdr.get("key")), _check_id(hdr.get("id")))
+            key, mid = _check_key(hdr.get("key")), _check_id(hdr.get("id"))
         except (TypeError, ValueError) as e:
             stream.reset(f"malformed header: {e}")
             return None
+        snap = await self._find(key, mid)
         if snap is None or self._closed:
             stream.reset("state no longer held")
+            return None
         return snap
 
     async def _on_manifest_stream(self, stream: Stream) -> None:
         task = self._own()
         try:
-            snap = self._lookup(stream)
+            snap = await self._lookup(stream)
             if snap is not None:
                 await stream.write(snap.manifest.encoded, timeout=self.write_timeout)
         finally:
@@ -270,8 +354,9 @@ class StateServer:
 
     async def _on_chunks(self, stream: Stream) -> None:
         task = self._own()
+        ahead: asyncio.Future | None = None
         try:
-            snap = self._lookup(stream)
+            snap = await self._lookup(stream)
             if snap is None:
                 return
             first, count = stream.header.get("first"), stream.header.get("count")
@@ -280,11 +365,40 @@ class StateServer:
                     0 <= first and 1 <= count and first + count <= m.num_chunks):
                 stream.reset(f"chunk range out of bounds (the state has {m.num_chunks} chunks)")
                 return
-            for i in range(first, first + count):
+            end = first + count
+            loop = asyncio.get_running_loop()
+            ahead = asyncio.ensure_future(snap.chunk(first))
+            for i in range(first, end):
                 await self._before_chunk(stream.header["key"], i)
+                try:
+                    data = await ahead
+                except (LookupError, OSError, ValueError) as e:
+                    log.warning("cannot serve chunk %d of %s: %s", i, m.id.hex()[:12], e)
+                    stream.reset(f"chunk {i} is no longer held here")
+                    return
+                # the next chunk is read (from disk, for a store) while this one is sent
+                ahead = asyncio.ensure_future(snap.chunk(i + 1)) if i + 1 < end else None
                 a, b = m.chunk_span(i)
-                await stream.write(snap.view[a:b], timeout=self.write_timeout)
+                if len(data) != b - a:
+                    stream.reset(f"chunk {i} is damaged here")
+                    return
+                if self._bucket is None:
+                    await stream.write(data, timeout=self.write_timeout)
+                else:  # in pieces, so a slow cap never leaves the fetcher without data for long
+                    view = memoryview(data)
+                    for p in range(0, len(view), _THROTTLE_PIECE):
+                        piece = view[p : p + _THROTTLE_PIECE]
+                        delay = self._bucket.take(len(piece), loop.time())
+                        if delay > 0:
+                            await asyncio.sleep(delay)  # the uplink cap, not synchronisation
+                        await stream.write(piece, timeout=self.write_timeout)
+                self.bytes_sent += b - a
         finally:
+            if ahead is not None and not ahead.done():
+                ahead.cancel()
+            if ahead is not None:
+                # a read that failed or was abandoned must not be reported as never retrieved
+                ahead.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._tasks.discard(task)
 
     async def _before_chunk(self, key: str, index: int) -> None:
@@ -299,18 +413,27 @@ class ChunkSchedule:
 
     Chunks are handed out as contiguous segments (one stream request each). A provider reports
     chunks as verified in order; when its request ends early (failure), the unverified rest of
-    its segment goes back to the front of the queue for someone else.
+    its segment goes back to the front of the queue for someone else. Chunks in ``have`` (the
+    downloader holds them already, e.g. from an interrupted fetch) are never handed out.
     """
 
-    def __init__(self, num_chunks: int, segment: int):
+    def __init__(self, num_chunks: int, segment: int, have: Iterable[int] = ()):
         if segment < 1:
             raise ValueError("segment must be at least 1 chunk")
         self.num_chunks = num_chunks
-        self._pending: collections.deque[tuple[int, int]] = collections.deque(
-            (a, min(a + segment, num_chunks)) for a in range(0, num_chunks, segment)
-        )
+        held = {i for i in have if 0 <= i < num_chunks}
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        run_start = None
+        for i in range(num_chunks + 1):
+            needed = i < num_chunks and i not in held
+            if needed and run_start is None:
+                run_start = i
+            elif not needed and run_start is not None:
+                self._pending.extend((a, min(a + segment, i)) for a in range(run_start, i, segment))
+                run_start = None
         self._active: dict[Any, list[int]] = {}  # provider -> [next unverified chunk, end]
-        self.verified_count = 0
+        self.reused = len(held)
+        self.verified_count = len(held)
         self.chunks_from: collections.Counter = collections.Counter()
 
     @property
@@ -375,14 +498,17 @@ class FetchResult:
     """What ``fetch_state`` got and from whom."""
 
     manifest: Manifest
-    buffer: torch.Tensor  # contiguous 1-D uint8, every chunk verified
+    buffer: torch.Tensor | None  # contiguous 1-D uint8, every chunk verified; None when chunks went to on_chunk
     contributors: dict[PeerID, int]  # provider -> chunks it delivered (verified)
     dropped: dict[PeerID, str] = field(default_factory=dict)  # providers not used or given up on, and why
     corrupt: set[PeerID] = field(default_factory=set)  # providers that sent bytes failing verification
     seconds: float = 0.0
+    reused: int = 0  # chunks not downloaded because the caller had them (``have``)
 
     def restore(self, *, copy: bool = False) -> Any:
         """The state object (tensors are views of ``buffer`` unless ``copy``; see ``manifest.restore``)."""
+        if self.buffer is None:
+            raise ValueError("this fetch handed its chunks to on_chunk and kept no buffer to restore from")
         return restore(self.manifest, self.buffer, copy=copy)
 
 
@@ -390,13 +516,28 @@ class _Corrupt(Exception):
     """The provider sent bytes that fail verification or break the protocol."""
 
 
+class _SinkFailed(Exception):
+    """``on_chunk`` raised: our own failure (e.g. a full disk), not the provider's."""
+
+
+#: chunks the caller already holds, asked once the manifest is known
+HaveHook = Callable[[Manifest], Awaitable[Iterable[int]]]
+#: receives each verified chunk (the view is reused once it returns: copy or write it out first)
+ChunkHook = Callable[[Manifest, int, memoryview], Awaitable[None]]
+
+
 class _Fetch:
     """State of one ``fetch_state`` call; every task it starts lives in its TaskGroup."""
 
     def __init__(self, host: Host, key: str, providers: list[Provider], *, rpc_timeout: float,
-                 stall_timeout: float, max_total: int, segment_bytes: int):
+                 stall_timeout: float, max_total: int, segment_bytes: int, wanted: bytes | None = None,
+                 have: HaveHook | None = None, on_chunk: ChunkHook | None = None):
         self.host = host
         self.key = key
+        self.wanted = wanted
+        self.have = have
+        self.on_chunk = on_chunk
+        self.sink_error: BaseException | None = None
         self.addrs: dict[PeerID, Address | None] = {}
         for peer, addr in providers:
             self.addrs.setdefault(peer, addr)
@@ -438,8 +579,10 @@ class _Fetch:
 
     async def _ask(self, peer: PeerID) -> None:
         try:
-            reply = await self.host.call(peer, self.addrs[peer], MANIFEST_METHOD, {"key": self.key},
-                                         timeout=self.rpc_timeout)
+            request: dict[str, Any] = {"key": self.key}
+            if self.wanted is not None:
+                request["id"] = self.wanted
+            reply = await self.host.call(peer, self.addrs[peer], MANIFEST_METHOD, request, timeout=self.rpc_timeout)
         except (DHTError, OSError) as e:
             self.drop(peer, f"unreachable: {e}")
             return
@@ -538,27 +681,37 @@ class _Fetch:
 
     # ------------------------------------------------------------------ chunks
 
-    async def download(self, m: Manifest, parallel: int | None) -> torch.Tensor:
+    async def download(self, m: Manifest, parallel: int | None) -> torch.Tensor | None:
         self.manifest = m
         self.phase = f"downloading manifest {m.id.hex()[:12]}"
         peers = [p for p in self.holders.get(m.id, ()) if p not in self.dropped]
         for p, mid in self.latest.items():
             if p not in peers and p not in self.dropped:
                 self.drop(p, f"holds a different state ({mid.hex()[:12]})")
-        buffer = torch.empty(m.total_size, dtype=torch.uint8)  # size bounded by max_total (from_bytes)
         n = m.num_chunks
+        try:
+            have = set(await self.have(m)) if self.have is not None else set()
+        except Exception as e:  # noqa: BLE001 - ours (e.g. an unreadable store), not the providers'
+            raise StateTransferError(f"could not tell which chunks of state {self.key!r} are held already: {e}") from e
+        needed = n - len({i for i in have if 0 <= i < n})
         per_request = max(1, self.segment_bytes // m.chunk_size)
-        segment = max(1, min(per_request, -(-n // (4 * max(1, len(peers))))))
-        self.schedule = ChunkSchedule(n, segment)
-        if n == 0:
+        segment = max(1, min(per_request, -(-needed // (4 * max(1, len(peers))))))
+        self.schedule = ChunkSchedule(n, segment, have)
+        # with a sink, each worker keeps one segment's bytes at a time instead of the whole state
+        buffer = None if self.on_chunk is not None else torch.empty(m.total_size, dtype=torch.uint8)  # bounded by max_total
+        if self.schedule.complete:
             return buffer
         if not peers:
             raise ChunksUnavailableError(f"no provider left for state {self.key!r} ({m.id.hex()[:12]})")
-        view = memoryview(buffer.numpy())
+        view = memoryview(buffer.numpy()) if buffer is not None else None
         slots = asyncio.Semaphore(parallel or len(peers))
         async with asyncio.TaskGroup() as tg:
             for peer in peers:
-                tg.create_task(self._worker(peer, m, view, slots))
+                tg.create_task(self._worker(peer, m, view, slots, segment * m.chunk_size))
+        if self.sink_error is not None:
+            raise StateTransferError(
+                f"could not keep a chunk of state {self.key!r} ({m.id.hex()[:12]}): {self.sink_error}"
+            ) from self.sink_error
         if not self.schedule.complete:
             why = "; ".join(f"{_short(p)}: {self.dropped.get(p, '?')}" for p in peers[:6])
             raise ChunksUnavailableError(
@@ -567,11 +720,14 @@ class _Fetch:
             )
         return buffer
 
-    async def _worker(self, peer: PeerID, m: Manifest, view: memoryview, slots: asyncio.Semaphore) -> None:
+    async def _worker(self, peer: PeerID, m: Manifest, view: memoryview | None, slots: asyncio.Semaphore,
+                      scratch_bytes: int) -> None:
         sched = self.schedule
         assert sched is not None
         async with slots:
-            while not sched.complete:
+            if view is None:  # chunks go to on_chunk: this worker's segment lands here first
+                view = memoryview(bytearray(min(scratch_bytes, m.total_size)))
+            while not sched.complete and self.sink_error is None:
                 seg = sched.take(peer)
                 if seg is None:
                     if sched.idle:
@@ -581,6 +737,9 @@ class _Fetch:
                 try:
                     await self._fetch_segment(peer, m, view, *seg)
                     sched.done(peer)
+                except _SinkFailed:  # ours, not the provider's (sink_error says what): end the fetch
+                    sched.failed(peer)
+                    return
                 except _Corrupt as e:
                     sched.failed(peer)
                     self.drop(peer, f"sent bad data: {e}", corrupt=True)
@@ -602,16 +761,22 @@ class _Fetch:
         return await self.host.connect(addr[0], addr[1], peer, timeout=self.rpc_timeout)
 
     async def _fetch_segment(self, peer: PeerID, m: Manifest, view: memoryview, first: int, end: int) -> None:
-        """Stream chunks [first, end) from ``peer`` into ``view``, verifying each as it completes."""
+        """Stream chunks [first, end) from ``peer`` into ``view`` (the whole state's buffer, or a
+        scratch buffer for this segment when chunks go to ``on_chunk``), verifying each as it
+        completes. ``on_chunk`` runs concurrently with the next chunks' arrival (a disk write
+        overlaps the network); all of a segment's calls finish before it returns, even when the
+        provider fails, so every chunk the schedule counts as verified was handed over."""
         sched = self.schedule
         assert sched is not None
         conn = await self._connect(peer)
         stream = await conn.open_stream(
             CHUNKS_PROTOCOL, {"key": self.key, "id": m.id, "first": first, "count": end - first}
         )
+        sinking: list[asyncio.Future] = []
         try:
             stream.write_eof()  # we send nothing; the stream is done once the provider ends it
             pos, stop = m.chunk_span(first)[0], m.chunk_span(end - 1)[1]
+            base = 0 if self.on_chunk is None else pos  # where view[0] sits in the state's byte stream
             k = first
             k_start, k_end = m.chunk_span(k)
             while pos < stop:
@@ -621,11 +786,14 @@ class _Fetch:
                 n = len(piece)
                 if n > stop - pos:
                     raise _Corrupt(f"sent more bytes than chunks {first}..{end - 1} hold")
-                view[pos : pos + n] = piece
+                view[pos - base : pos - base + n] = piece
                 pos += n
                 while k_end <= pos and k < end:
-                    if not m.verify_chunk(k, view[k_start:k_end]):
+                    data = view[k_start - base : k_end - base]
+                    if not m.verify_chunk(k, data):
                         raise _Corrupt(f"chunk {k} does not match its digest")
+                    if self.on_chunk is not None:
+                        sinking.append(asyncio.ensure_future(self.on_chunk(m, k, data)))
                     sched.verified(peer, k)
                     k += 1
                     if k < end:
@@ -635,6 +803,12 @@ class _Fetch:
         finally:
             if not stream.closed:
                 stream.reset("fetch ended")
+            if sinking:
+                for result in await asyncio.gather(*sinking, return_exceptions=True):
+                    if isinstance(result, Exception) and self.sink_error is None:
+                        self.sink_error = result
+        if self.sink_error is not None:
+            raise _SinkFailed()
 
     def timeout_message(self, timeout: float) -> str:
         where = self.phase
@@ -655,6 +829,8 @@ async def fetch_state(
     rpc_timeout: float = 5.0,
     max_total: int = DEFAULT_MAX_TOTAL,
     segment_bytes: int = 64 << 20,
+    have: HaveHook | None = None,
+    on_chunk: ChunkHook | None = None,
 ) -> FetchResult:
     """Download the state published under ``key`` from ``providers``, verified chunk by chunk.
 
@@ -665,10 +841,19 @@ async def fetch_state(
     A provider whose bytes fail verification is not asked again; one that dies, resets or sends
     nothing for ``stall_timeout`` seconds loses its unfinished chunks to the others.
 
+    ``on_chunk(manifest, index, view)``: receives every verified chunk as it lands (awaited; the
+    view is reused afterwards) and no whole-state buffer is kept (``FetchResult.buffer`` is None):
+    for downloads into a store, which survive an interruption chunk by chunk. ``have(manifest)``
+    (only with ``on_chunk``) names chunks the caller holds already; they are not downloaded.
+    An exception from ``on_chunk`` ends the fetch with ``StateTransferError`` (not the
+    providers' fault: nobody is dropped for it).
+
     Raises ``NoProviderError``, ``ChunksUnavailableError`` or ``StateTimeoutError`` (all
     ``StateTransferError``). The state's size is checked against ``max_total`` before the
     buffer is allocated.
     """
+    if have is not None and on_chunk is None:
+        raise ValueError("have= needs on_chunk=: chunks the caller holds are not in the downloaded buffer")
     _check_key(key)
     if manifest_id is not None:
         _check_id(manifest_id)
@@ -676,7 +861,7 @@ async def fetch_state(
         raise ValueError("parallel must be at least 1")
     started = time.monotonic()
     f = _Fetch(host, key, providers, rpc_timeout=min(rpc_timeout, timeout), stall_timeout=stall_timeout,
-               max_total=max_total, segment_bytes=segment_bytes)
+               max_total=max_total, segment_bytes=segment_bytes, wanted=manifest_id, have=have, on_chunk=on_chunk)
     deadline = asyncio.timeout(timeout)
     try:
         async with deadline:
@@ -689,4 +874,4 @@ async def fetch_state(
         raise StateTimeoutError(f.timeout_message(timeout)) from None
     assert f.schedule is not None
     contributors = {p: n for p, n in f.schedule.chunks_from.items() if n}
-    return FetchResult(m, buffer, contributors, f.dropped, f.corrupt, time.monotonic() - started)
+    return FetchResult(m, buffer, contributors, f.dropped, f.corrupt, time.monotonic() - started, f.schedule.reused)

@@ -1,4 +1,5 @@
-"""What every subcommand shares: running a coroutine on the best loop, clean Ctrl+C, one-line errors."""
+"""What every subcommand shares: running a coroutine on the best loop, clean Ctrl+C, one-line errors,
+and the options of joining a swarm (bootstrap peers, the private swarm's key)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Iterator
 
 from dht import ConfigError, DHTError, Multiaddr
+from dht.noise import SwarmKeyMismatch
+from dht.swarmkey import SwarmKey
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -63,7 +66,7 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, int]]) -> int:
         except ImportError:
             return asyncio.run(wrapper())
         return uvloop.run(wrapper())
-    except ConfigError as e:
+    except (ConfigError, SwarmKeyMismatch) as e:  # a refused handshake: the user's settings must change
         return fail(str(e), EXIT_USAGE)
     except DHTError as e:
         return fail(str(e))
@@ -95,6 +98,33 @@ def interrupts(first: Callable[[], None], message: str,
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+SWARM_KEY_ENV = "P2PTRAIN_SWARM_KEY_FILE"
+
+
+def add_swarm_key_arg(p: Any) -> None:
+    """``--swarm-key-file``, the same on every command that joins a swarm."""
+    p.add_argument("--swarm-key-file", metavar="PATH",
+                   help="join a private swarm: only peers with this swarm key can connect (create one with "
+                   f"'p2ptrain dht swarm-key FILE'; default: ${SWARM_KEY_ENV})")
+
+
+def swarm_key_of(args: Any) -> SwarmKey | None:
+    """The swarm key named by ``--swarm-key-file`` (else ``$P2PTRAIN_SWARM_KEY_FILE``), or None for
+    a public swarm; a ConfigError naming the option when the file is not a readable swarm key."""
+    path = getattr(args, "swarm_key_file", None)
+    where = "--swarm-key-file"
+    if path is None and os.environ.get(SWARM_KEY_ENV):
+        path, where = os.environ[SWARM_KEY_ENV], f"${SWARM_KEY_ENV}"
+    if path is None:
+        return None
+    if not str(path).strip():
+        raise ConfigError(f"{where}: empty path")
+    try:
+        return SwarmKey.load(path)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def parse_listen(text: str) -> tuple[str, int]:

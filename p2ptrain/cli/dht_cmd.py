@@ -1,4 +1,5 @@
-"""``p2ptrain dht``: run a DHT-only peer (e.g. a bootstrap node), or get/put one record."""
+"""``p2ptrain dht``: run a DHT-only peer (e.g. a bootstrap node), get/put one record, or create a
+private swarm's key (``p2ptrain dht swarm-key FILE``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
-from .common import EXIT_OK, bootstrap_addrs, parse_listen, run, until
+from .common import EXIT_OK, add_swarm_key_arg, bootstrap_addrs, parse_listen, run, swarm_key_of, until
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,8 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run a DHT-only peer and print its full multiaddr, for others to --bootstrap from. "
         "With 'get' or 'put', join as a client, do one operation and exit.",
     )
-    p.add_argument("action", nargs="?", choices=["run", "get", "put"], default="run",
-                   help="run (default): serve until Ctrl+C; get KEY; put KEY VALUE")
+    p.add_argument("action", nargs="?", choices=["run", "get", "put", "swarm-key"], default="run",
+                   help="run (default): serve until Ctrl+C; get KEY; put KEY VALUE; swarm-key FILE: create a new "
+                   "private swarm's key (mode 0600), for --swarm-key-file")
     p.add_argument("args", nargs="*", help="KEY for get; KEY VALUE for put (VALUE parsed as JSON when it is JSON)")
     p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", metavar="MULTIADDR",
                    help="address to listen on (default: %(default)s, any free port)")
@@ -38,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttl", type=float, default=3600.0, help="put: seconds until the record expires (default: %(default)s)")
     p.add_argument("--latest", action="store_true", help="get: ask all k closest peers and merge")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for bootstrap (default: %(default)s)")
+    add_swarm_key_arg(p)
     p.set_defaults(func=main)
 
 
@@ -68,7 +71,21 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+def _new_swarm_key(args: argparse.Namespace) -> int:
+    from dht.swarmkey import SwarmKey
+
+    if len(args.args) != 1:
+        raise ConfigError("usage: p2ptrain dht swarm-key FILE (creates FILE; it must not exist)")
+    key = SwarmKey.generate()
+    key.save(args.args[0])
+    print(f"wrote a new swarm key to {args.args[0]} (mode 0600, fingerprint {key.fingerprint}); copy it to every "
+          f"peer of the swarm and start them with --swarm-key-file {args.args[0]}", file=sys.stderr)
+    return EXIT_OK
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.action == "swarm-key":
+        return _new_swarm_key(args)
     if args.action == "get" and len(args.args) != 1:
         raise ConfigError("usage: p2ptrain dht get KEY [--subkey S] --bootstrap MULTIADDR")
     if args.action == "put" and len(args.args) != 2:
@@ -84,9 +101,10 @@ def main(args: argparse.Namespace) -> int:
     if listen is not None and announce is None and listen[0] in ("0.0.0.0", "::"):
         announce = _guess_host()
     config = DHTConfig(bootstrap_timeout=args.timeout)
+    swarm_key = swarm_key_of(args)
 
     async def session(stop: asyncio.Event) -> int:
-        node = DHTNode(identity, listen, config=config, announce_host=announce)
+        node = DHTNode(identity, listen, config=config, announce_host=announce, swarm_key=swarm_key)
         try:
             if boot:
                 print(f"joining through {len(boot)} bootstrap peer(s)...", file=sys.stderr)
@@ -127,6 +145,8 @@ async def _put(node: DHTNode, args: argparse.Namespace) -> int:
 async def _serve(node: DHTNode, stop: asyncio.Event, first: bool) -> int:
     addrs = [str(a) for a in node.multiaddrs]
     print(f"peer id: {node.peer_id}", file=sys.stderr)
+    if node.host.swarm_key is not None:
+        print(f"private swarm: swarm key fingerprint {node.host.swarm_key.fingerprint}", file=sys.stderr)
     if first:
         print("no bootstrap peers given: this is the first peer of a new swarm", file=sys.stderr)
     print("others can join with:", file=sys.stderr)

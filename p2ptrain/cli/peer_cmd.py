@@ -10,8 +10,10 @@ import time
 from typing import Any
 
 from dht import ConfigError, DHTError
+from dht.noise import SwarmKeyMismatch
 
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, interrupts, bootstrap_addrs, fail, parse_listen
+from .common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SWARM_KEY_ENV, add_swarm_key_arg,
+                     bootstrap_addrs, fail, interrupts, parse_listen)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="address to listen on (default: %(default)s; use /ip4/0.0.0.0/tcp/PORT across machines)")
     p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: the listen host)")
     p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
+    add_swarm_key_arg(p)
     add_training_args(p)
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this port (0: any free port, printed at start)")
@@ -58,6 +61,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-steps", type=int, default=50, help="local steps per outer round (diloco, default 50)")
     p.add_argument("--compression", choices=["none", "fp16", "bf16", "int8", "topk"],
                    help="codec on the wire (default: none for sync, int8 for diloco)")
+    p.add_argument("--aggregation", choices=["mean", "trimmed_mean", "median", "centered_clip"], default="mean",
+                   help="how a group combines its members' updates: mean (default, trusts every peer) or a "
+                        "robust rule that a minority of hostile peers cannot steer; the same on every peer")
     p.add_argument("--lr", type=float, help="inner learning rate (default: the example's)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer Nesterov SGD learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer momentum (default 0.9)")
@@ -71,6 +77,12 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch threads for this peer (default: torch's; use 1 when several peers share a machine)")
     p.add_argument("--save", metavar="PATH", help="write the trained model there at the end (safetensors, atomic)")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="save a checkpoint every N global epochs (two peers of the swarm do, chosen without a "
+                   "coordinator), serve it to other peers and announce it in the DHT")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="checkpoint store: resume from the newest checkpoint (here or in the swarm) when no live "
+                   "peer is ahead (default: $P2PTRAIN_DATA_DIR, else ~/.cache/p2ptrain, used with --checkpoint-every)")
 
 
 def training_argv(args: argparse.Namespace) -> list[str]:
@@ -111,6 +123,8 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--threads must be at least 1")
     if args.compute_delay < 0:
         raise ConfigError("--compute-delay cannot be negative")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ConfigError("--checkpoint-every must be at least 1 (epochs between checkpoints)")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
     listen = parse_listen(args.listen)
@@ -119,9 +133,11 @@ def _config(args: argparse.Namespace) -> Any:
 
     return PeerConfig(
         task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
+        aggregation=args.aggregation,
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
         lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
         delay_updates=args.delay_updates, wait_peers=args.wait_peers, threads=args.threads, save=args.save,
+        checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
     )
 
@@ -155,6 +171,7 @@ def _printer(as_json: bool):
 
 def main(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    _share_swarm_key(args)
     if args.script:
         return _run_script(args.script, args.script_args, cfg.bootstrap)
     from ..metrics import PeerMetrics, RoundLog
@@ -175,6 +192,18 @@ def main(args: argparse.Namespace) -> int:
             metrics.close()
         if round_log is not None:
             round_log.close()
+
+
+def _share_swarm_key(args: argparse.Namespace) -> None:
+    """The peer's DHT (and a --script's ``p2ptrain.DHT()``) reads the swarm key file from the
+    environment: set it to the file this command was given, however it was given (flag, variable
+    or config file, already merged and checked), and to nothing when none was."""
+    import os
+
+    if args.swarm_key_file:
+        os.environ[SWARM_KEY_ENV] = os.path.abspath(os.path.expanduser(args.swarm_key_file))
+    else:
+        os.environ.pop(SWARM_KEY_ENV, None)
 
 
 def _run_script(path: str, script_args: str, bootstrap: list[str]) -> int:
@@ -225,6 +254,8 @@ def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> 
     try:
         with interrupts(stop.set, "stopping after the current step (Ctrl+C again to exit at once)..."):
             done = run_peer(cfg, on_event, stop, on_round=on_round if round_hooks else None)
+    except SwarmKeyMismatch as e:  # refused by the swarm: the settings must change, not a retry
+        return fail(str(e), EXIT_USAGE)
     except (DHTError, ConfigError) as e:
         return fail(str(e))
     except OSError as e:

@@ -18,7 +18,7 @@ from typing import Any
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
-from .common import EXIT_FAILURE, EXIT_OK, bootstrap_addrs, fail, run, until
+from .common import EXIT_FAILURE, EXIT_OK, add_swarm_key_arg, bootstrap_addrs, fail, run, swarm_key_of, until
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default when no --run-id: digits)")
     p.add_argument("--json", action="store_true", help="print the swarm as one JSON object")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds for joining and for reading (default: %(default)s)")
+    add_swarm_key_arg(p)
     p.set_defaults(func=main)
 
 
@@ -53,6 +54,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("give --run-id or --example, not both (--example only derives the run id)")
     if args.timeout <= 0:
         raise ConfigError("--timeout must be positive")
+    swarm_key = swarm_key_of(args)
     boot = bootstrap_addrs(args.bootstrap, args.bootstrap_file)
     if not boot:
         raise ConfigError("status reads the swarm's DHT: give --bootstrap MULTIADDR of any peer (a peer prints "
@@ -63,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
     key = f"{run_id}/progress"
 
     async def session(stop: asyncio.Event) -> int:
-        node = DHTNode(Identity(), None, config=DHTConfig(bootstrap_timeout=args.timeout))
+        node = DHTNode(Identity(), None, config=DHTConfig(bootstrap_timeout=args.timeout), swarm_key=swarm_key)
         try:
             await node.start(boot)
             try:

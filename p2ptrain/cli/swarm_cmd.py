@@ -24,7 +24,7 @@ from typing import Any
 from dht import ConfigError
 from dht.swarmproc import die_with_parent
 
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, fail, interrupts
+from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, add_swarm_key_arg, fail, interrupts
 from .peer_cmd import add_training_args, training_argv
 
 
@@ -40,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="p2ptrain-out", metavar="DIR",
                    help="where the trained model is written (default: %(default)s)")
     add_training_args(p)
+    add_swarm_key_arg(p)
     p.add_argument("--json", action="store_true", help="print the peers' events as JSON lines instead of a live view")
     p.set_defaults(func=main)
 
@@ -79,8 +80,16 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _start_bootstrap(events: queue.Queue, timeout: float = 60.0) -> tuple[_Child, str]:
-    child = _Child(-1, [sys.executable, "-m", "p2ptrain", "dht", "run", "--listen", "/ip4/127.0.0.1/tcp/0"], events)
+def _swarm_key_argv(args: argparse.Namespace) -> list[str]:
+    """Every child gets the swarm key (as an absolute path: children may run elsewhere)."""
+    if not getattr(args, "swarm_key_file", None):
+        return []
+    return ["--swarm-key-file", os.path.abspath(os.path.expanduser(args.swarm_key_file))]
+
+
+def _start_bootstrap(events: queue.Queue, timeout: float = 60.0, extra: list[str] | None = None) -> tuple[_Child, str]:
+    argv = [sys.executable, "-m", "p2ptrain", "dht", "run", "--listen", "/ip4/127.0.0.1/tcp/0", *(extra or [])]
+    child = _Child(-1, argv, events)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -115,14 +124,18 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child]) -> int:
-    boot, addr = _start_bootstrap(events)
+    key_argv = _swarm_key_argv(args)
+    boot, addr = _start_bootstrap(events, extra=key_argv)
     children.append(boot)
-    forwarded = training_argv(args)
+    forwarded = training_argv(args) + key_argv
     if args.threads is None:  # each peer its share of the cores: oversubscribed torch threads cost ~20x
         forwarded += ["--threads", str(max(1, (os.cpu_count() or 1) // args.peers))]
     if args.wait_peers == 0:
         forwarded += ["--wait-peers", str(args.peers)]
     out = Path(args.out)
+    if args.checkpoint_every is not None and args.data_dir is None:
+        # one store for the local swarm, next to the model: its peers share (and dedupe) the blobs
+        forwarded += ["--data-dir", str((out / "checkpoints").resolve())]
     for i in range(args.peers):
         argv = [sys.executable, "-m", "p2ptrain", "peer", "--json", "--bootstrap", addr, *forwarded]
         if i == 0 and not args.save:

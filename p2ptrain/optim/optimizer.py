@@ -28,6 +28,11 @@ has (weighted accordingly); peers that are not ready within the matchmaking dead
 that round.
 
 Peers join and leave at any time; the mechanics of a round are in :mod:`~p2ptrain.averaging`.
+
+Checkpoints (``checkpoint_every``/``checkpoint_dir``): every N global epochs two peers chosen without
+coordination save the shared state to their local store, serve it and announce it in the DHT; a peer
+that starts with no live peer ahead of it (or a whole swarm restarted) resumes from the newest
+checkpoint in the DHT or on its disk (:mod:`~p2ptrain.checkpoint.autosave`).
 """
 
 from __future__ import annotations
@@ -38,14 +43,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..averaging import AllReduceConfig, Averager, StepResult
+from ..averaging.robust import check_aggregation
 from ..background import DHT
 from ..checkpoint import StateTransferError
+from ..checkpoint.autosave import Checkpointer
 from ..compression import get_codec
 from .progress import ProgressTracker, SwarmView
 from .state_sync import StateSync
@@ -75,6 +83,12 @@ class OptimizerStats:
     state_loads: int = 0  # times this peer downloaded the swarm's state (joining, or after missing rounds)
     last_state_load_s: float = 0.0
     last_state_providers: int = 0  # peers the last state download came from (in parallel)
+    checkpoints_saved: int = 0  # checkpoints this peer wrote (it is one of the writers of some epochs)
+    last_checkpoint_epoch: int | None = None  # epoch of the last checkpoint this peer wrote
+    resumed_epoch: int | None = None  # epoch of the checkpoint this peer started from, if any
+    #: peers dropped from our rounds (NaN/inf or wrong-sized parts, other codec or aggregation,
+    #: died, stalled): peer id -> why, the latest reason per peer (at most 64 peers kept)
+    excluded: dict[str, str] = field(default_factory=dict)
 
 
 class DecentralizedOptimizer(torch.optim.Optimizer):
@@ -85,8 +99,19 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     run id, model (parameter shapes and dtypes) and ``compression`` ever average together; a peer
     with another model is reported in the log and in :attr:`mismatches`.
 
+    ``aggregation``: how a group combines its members' tensors: ``mean`` (weighted, the fastest,
+    trusts every peer) or a robust rule (``trimmed_mean``, ``median``, ``centered_clip``) that keeps
+    a minority of hostile peers from steering training; all peers of a run must use the same one
+    (it is part of the schema, like ``compression``). Peers dropped from a round are logged and
+    listed in ``stats.excluded``.
+
     ``scheduler``: an LR scheduler over *this* optimizer, or a callable ``f(optimizer)`` making one;
     it is stepped once per global epoch (do not step it yourself).
+
+    ``checkpoint_every``: save a checkpoint every N global epochs (by ``checkpoint_writers`` peers
+    of the swarm, not all) into the store at ``checkpoint_dir`` (default: ``$P2PTRAIN_DATA_DIR`` or
+    the user's cache directory), keeping the newest ``checkpoint_keep`` per run. With either set,
+    a peer that finds no live peer ahead of it resumes from the newest checkpoint (DHT or disk).
     """
 
     def __init__(
@@ -103,6 +128,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         compression: str | None = None,
+        aggregation: str = "mean",
         target_group_size: int = 16,
         delay_updates: bool = False,
         scheduler: Any = None,
@@ -113,6 +139,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         load_state_timeout: float = 60.0,
         average_state_every: int | None = None,
         outer_momentum_in_state: bool = False,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_keep: int = 3,
+        checkpoint_writers: int = 2,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -128,6 +158,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise ValueError("outer_lr must be positive and outer_momentum in [0, 1)")
         if dht is not None and initial_peers:
             raise ValueError("pass either dht= or initial_peers=, not both")
+        if checkpoint_every is not None and (type(checkpoint_every) is not int or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be a positive number of epochs, got {checkpoint_every!r}")
         # torch.optim.Optimizer's own bookkeeping, without copying the inner param groups
         self.defaults = optimizer.defaults
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -145,6 +177,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.delay_updates = delay_updates
         self.matchmaking_timeout = matchmaking_timeout
         self.codec = compression or ("int8" if mode == "diloco" else "none")
+        # "mean" trusts every peer; a robust rule (trimmed_mean, median, centered_clip) bounds
+        # what a minority of hostile peers can do to the average (see averaging/robust.py)
+        self.aggregation = check_aggregation(aggregation)
+        #: test/benchmark hook: called with the tensors this peer is about to average (gradients
+        #: or pseudo-gradients) so a simulated hostile peer can rewrite them in place
+        self._corrupt: Callable[[list[torch.Tensor]], None] | None = None
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         if not self.params:
             raise ValueError("the optimizer has no parameters")
@@ -158,7 +196,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._buffers = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]  # written before each use
         named = [(f"p{i}", b) for i, b in enumerate(self._buffers)]
         self.averager = Averager(
-            self.dht.node, f"{run_id}/{mode}", named, codec=self.codec, target_group_size=target_group_size,
+            self.dht.node, f"{run_id}/{mode}", named, codec=self.codec, aggregation=self.aggregation,
+            target_group_size=target_group_size,
             bandwidth=bandwidth, matchmaking_timeout=matchmaking_timeout,
             allreduce_config=AllReduceConfig(timeout=averaging_timeout),
         )
@@ -195,7 +234,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.load_state_timeout = load_state_timeout
         self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock)
         self.scheduler = scheduler(self) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
+        self.checkpointer: Checkpointer | None = None
         try:
+            if checkpoint_every is not None or checkpoint_dir is not None:
+                from ..checkpoint.store import CheckpointStore
+
+                self.checkpointer = Checkpointer(
+                    self.dht.node, self._loop, run_id, CheckpointStore(checkpoint_dir), every=checkpoint_every,
+                    server=self.state_sync.server, keep=checkpoint_keep, writers=checkpoint_writers,
+                    meta={"mode": mode, "schema": self.averager.schema.hash}, on_saved=self._checkpoint_saved,
+                )
             self._loop.run(self._start())
         except BaseException:
             self._closed = True
@@ -204,12 +252,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self.dht.close()
             raise
         view = self.tracker.view
-        if view.epoch > 0:  # the swarm has trained already: start from where it is
+        resumed = self.checkpointer is not None and self._resume_from_checkpoint(view)
+        if view.epoch > self.epoch and not resumed:  # the swarm has trained already: start from where it is
             self._load_state_from_peers(view)
 
     async def _start(self) -> None:
         await self.averager.start()
         await self.state_sync.start()
+        if self.checkpointer is not None:
+            await self.checkpointer.start()
         await self.tracker.start()
 
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> int:
@@ -337,6 +388,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         for buf, acc in zip(self._buffers, self._grad_acc):
             buf.copy_(acc).div_(samples)
             acc.zero_()
+        if self._corrupt is not None:
+            self._corrupt(self._buffers)
         epoch = self.epoch
         self.tracker.report(epoch, samples, self._sps, ready=True)
         future = self._average(epoch, samples, view)
@@ -389,6 +442,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             p.grad = g
         self._record(result)
         self._maybe_average_state(self._pending_epoch)
+        self._maybe_checkpoint()
 
     # ---- periodic state averaging
 
@@ -428,6 +482,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self._loop.run(self._state_averager.close())
             self._state_averager = Averager(
                 self.dht.node, f"{self.run_id}/{self.mode}/state", named, codec="none",
+                aggregation=self.aggregation,
                 target_group_size=self.averager.matchmaker.target_group_size,
                 matchmaking_timeout=self.matchmaking_timeout, service=self.averager.service,
             )
@@ -543,6 +598,45 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if self.scheduler is not None and "scheduler" in state:
                 self.scheduler.load_state_dict(state["scheduler"])
 
+    # ---- checkpoints
+
+    def _maybe_checkpoint(self) -> None:
+        """After an update landed (and any state averaging of that epoch): save the state when a
+        checkpoint of this epoch is due and this peer is one of its writers among the live peers."""
+        ck = self.checkpointer
+        if ck is None or not ck.due(self._applied):
+            return
+        view = self.tracker.estimate()
+        live = [p.peer for p in (*view.peers, *view.behind) if not p.client]
+        ck.maybe_save(self._applied, live, self._shared_state, self._state_lock)
+
+    def _checkpoint_saved(self, info: Any) -> None:  # in the save thread
+        self.stats.checkpoints_saved += 1
+        self.stats.last_checkpoint_epoch = info.epoch
+
+    def _resume_from_checkpoint(self, view: SwarmView) -> bool:
+        """Start from the newest checkpoint (DHT or disk) unless live peers are ahead of it (their
+        state is newer: the caller loads that instead). Failures are logged; training goes on."""
+        ck = self.checkpointer
+        assert ck is not None
+        t0 = time.perf_counter()
+        try:
+            info = ck.find(self.load_state_timeout, at_least=view.epoch)
+            if info is None or info.epoch <= 0 or info.epoch < view.epoch:
+                return False
+            self._apply_shared_state(ck.load(info), info.epoch)
+        except Exception as e:  # noqa: BLE001 - a bad checkpoint (corrupt, other model) must not stop the start
+            log.warning("could not resume from a checkpoint (%s: %s); starting without it", type(e).__name__, e)
+            return False
+        ck.endorse(info)
+        self.epoch = info.epoch
+        self.stats.resumed_epoch = info.epoch
+        self.stats.last_state_load_s = time.perf_counter() - t0
+        self.tracker.report(self.epoch, 0, self._sps)
+        self._loop.run(self.tracker.refresh_now())
+        log.info("resumed from checkpoint %s at epoch %d (%.2f s)", info.cid, info.epoch, self.stats.last_state_load_s)
+        return True
+
     # ---- diloco
 
     def _diloco_step(self, bs: int) -> None:
@@ -569,6 +663,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         samples = self.local_samples
         for buf, outer, p in zip(self._buffers, self._outer, self.params):
             torch.sub(outer, p.detach().to("cpu", torch.float32), out=buf)
+        if self._corrupt is not None:
+            self._corrupt(self._buffers)
         epoch = self.epoch
         self.tracker.report(epoch, samples, self._sps, ready=True)
         result = self._round_result(self._average(epoch, samples, view))
@@ -589,6 +685,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             with self._state_lock:
                 for p, outer in zip(self.params, self._outer):
                     p.copy_(outer)
+        self._maybe_checkpoint()
         self.tracker.report(self.epoch, 0, self._sps)
 
     # ---- bookkeeping
@@ -611,6 +708,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.stats.bytes_received += result.bytes_received
         if result.group_size == 1 and self.stats.peers > 1 or result.not_averaged:
             self.stats.failed_rounds += 1
+        for rank, why in result.failed.items():
+            peer = str(result.members[rank]) if rank < len(result.members) else f"rank {rank}"
+            if peer in self.stats.excluded or len(self.stats.excluded) < 64:
+                self.stats.excluded[peer] = why
+            log.warning("epoch %d: peer %s excluded from the round: %s", self.epoch, peer, why)
         log.debug("epoch %d: averaged with %d peers in %.3f s (matchmaking %.3f s, %d peers seen)", self.epoch,
                   result.group_size, result.total_s, result.matchmaking_s, self.stats.peers)
 
@@ -627,6 +729,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             except Exception:  # noqa: BLE001 - closing: the round's outcome no longer matters
                 self._pending.cancel()
             self._pending = None
+        if self.checkpointer is not None:
+            self.checkpointer.wait(timeout=60)
         try:
             self._loop.run(self._close(), timeout=15)
         finally:
@@ -636,6 +740,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     async def _close(self) -> None:
         if self._state_averager is not None:
             await self._state_averager.close()
+        if self.checkpointer is not None:
+            await self.checkpointer.close()
         await self.tracker.close()
         await self.state_sync.close()
         await self.averager.close()

@@ -63,7 +63,7 @@ import signal
 import subprocess
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +79,24 @@ __all__ = ["Host", "Testbed", "TestbedError", "available", "cleanup_stale", "fea
 NAME_ROOT = "p2pt-"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
 _STALE_RE = re.compile(r"^p2pt-(\d+)-")
+# Classic BPF over an Ethernet frame (tc at a switch port's egress sees the MAC header first):
+# match IPv4 TCP, first fragment, SYN set and ACK clear, i.e. a connection attempt and nothing
+# else of the flow (A: accumulator, X: index register, "jeq k jt jf" counts jumps from the next op)
+_SYN_FILTER = ",".join([
+    "12",
+    "40 0 0 12",          # A = ethertype
+    "21 0 9 2048",        # IPv4 ? next : no match
+    "48 0 0 23",          # A = IP protocol
+    "21 0 7 6",           # TCP ? next : no match
+    "40 0 0 20",          # A = flags + fragment offset
+    "69 5 0 8191",        # a later fragment (no TCP header) ? no match : next
+    "177 0 0 14",         # X = IP header length (4 * IHL)
+    "80 0 0 27",          # A = byte 14 + X + 13: the TCP flags
+    "84 0 0 18",          # A &= SYN | ACK
+    "21 0 1 2",           # SYN alone ? match : no match
+    f"6 0 0 {2**32 - 1}",  # match: the whole packet goes to the dropping class
+    "6 0 0 0",            # no match
+])
 _HOST_IF = "eth0"  # inside each host namespace: the only link, named like a real machine's
 _BRIDGE = "br0"  # inside the switch namespace
 
@@ -307,6 +325,9 @@ class Testbed:
             not share one.
         subnet: first three octets of the hosts' /24 (``"10.77.0"``); default derived from prefix.
         grace: seconds that started processes get after SIGTERM before SIGKILL, at close.
+        no_inbound: indices of hosts that nobody can open a TCP connection to, as behind a NAT or
+            a stateful firewall: every TCP SYN (without ACK) into them is dropped at their switch
+            port, so a dial times out (it is never refused). What they dial works both ways.
 
     ``hosts[i]`` has ``.ns`` and ``.ip``; :meth:`popen` starts a process inside host i;
     :meth:`close` (or leaving the ``with`` block) removes everything. Construction either completes
@@ -317,13 +338,16 @@ class Testbed:
 
     def __init__(self, n_hosts: int, *, rate: str | None = "1gbit", delay: str | float | None = None,
                  loss: str | float | None = None, prefix: str | None = None, subnet: str | None = None,
-                 grace: float = 2.0) -> None:
+                 grace: float = 2.0, no_inbound: Iterable[int] = ()) -> None:
         if not 1 <= int(n_hosts) <= 250:
             raise TestbedError(f"n_hosts must be 1 .. 250, not {n_hosts}")
         self.n_hosts = int(n_hosts)
         self.rate_bps = parse_rate(rate) if rate else None
         self.delay_s = parse_time(delay) if delay else 0.0
         self.loss = parse_loss(loss) if loss else 0.0
+        self.no_inbound = frozenset(int(i) for i in no_inbound)
+        if not all(0 <= i < self.n_hosts for i in self.no_inbound):
+            raise TestbedError(f"no_inbound {sorted(self.no_inbound)}: host indices must be 0 .. {self.n_hosts - 1}")
         self.prefix = prefix or f"{NAME_ROOT}{os.getpid()}-{secrets.token_hex(2)}-"
         if not _PREFIX_RE.match(self.prefix):
             raise TestbedError(f"bad prefix {self.prefix!r}: 1-40 of [A-Za-z0-9_.-]")
@@ -399,21 +423,15 @@ class Testbed:
         sw = self.switch_ns
         if self.rate_bps:  # upload
             _run(["tc", "-n", h.ns, "qdisc", "add", "dev", h.ifname, "root", *self._tbf()])
+        blocked = h.index in self.no_inbound
         netem = features()["netem"] if (self.delay_s or self.loss) else False
-        if netem:  # download: netem (delay, loss), its child tbf (rate)
-            # netem holds what arrives during `delay` before its child tbf drains it at the rate,
-            # and up to n-1 hosts send into one port at once: size for that, in 1500-byte packets
-            rate_Bps = (self.rate_bps or 10e9) / 8
-            limit = max(1000, int(self.n_hosts * rate_Bps * (self.delay_s + 0.05) / 1500))
-            args = ["netem", "limit", str(limit)]
-            if self.delay_s:
-                args += ["delay", f"{self.delay_s * 1e6:.0f}us"]
-            if self.loss:
-                args += ["loss", f"{self.loss * 100:.6g}%"]
-            _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", "handle", "1:", *args])
+        if netem and not blocked:  # download: netem (delay, loss), its child tbf (rate)
+            _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", "handle", "1:", *self._netem()])
             if self.rate_bps:
                 _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "parent", "1:1", "handle", "10:", *self._tbf()])
-        elif self.loss:  # no netem: htb, default class at the rate, a random share into a dropping class
+        elif self.loss or blocked:
+            # htb with a default class at the rate and a class whose fifo holds nothing (a drop);
+            # filters send inbound SYNs (no_inbound) and, without netem, a random share (loss) there.
             rate = f"{int(self.rate_bps or 100e9)}bit"
             quantum = "60000"  # above the MTU; r2q's default would warn at high rates
             tc = ["tc", "-n", sw]
@@ -423,13 +441,32 @@ class Testbed:
             _run([*tc, "class", "add", "dev", port, "parent", "1:", "classid", "1:20", "htb", "rate", rate,
                   "ceil", rate, "quantum", quantum])
             _run([*tc, "qdisc", "add", "dev", port, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0"])
-            # classic BPF: A = random u32 (SKF_AD_RANDOM); A > threshold ? no match : class 1:20
-            threshold = min(2**32 - 1, int(self.loss * 2**32))
-            prog = f"4,32 0 0 {2**32 - 0x1000 + 56},37 0 1 {threshold},6 0 0 0,6 0 0 {2**32 - 1}"
-            _run([*tc, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1", "bpf",
-                  "bytecode", prog, "classid", "1:20"])
+            if netem:  # delay/loss by a netem leaf under the rate class (htb holds the rate, not a tbf)
+                _run([*tc, "qdisc", "add", "dev", port, "parent", "1:10", "handle", "10:", *self._netem()])
+            if blocked:
+                _run([*tc, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1", "bpf",
+                      "bytecode", _SYN_FILTER, "classid", "1:20"])
+            if self.loss and not netem:
+                # classic BPF: A = random u32 (SKF_AD_RANDOM); A > threshold ? no match : class 1:20
+                threshold = min(2**32 - 1, int(self.loss * 2**32))
+                prog = f"4,32 0 0 {2**32 - 0x1000 + 56},37 0 1 {threshold},6 0 0 0,6 0 0 {2**32 - 1}"
+                _run([*tc, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "2", "bpf",
+                      "bytecode", prog, "classid", "1:20"])
         elif self.rate_bps:  # download
             _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *self._tbf()])
+
+    def _netem(self) -> list[str]:
+        """netem arguments for ``delay_s`` and ``loss``. netem holds what arrives during ``delay``
+        before the rate limit drains it, and up to n-1 hosts send into one port at once: its
+        packet limit is sized for that, in 1500-byte packets."""
+        rate_Bps = (self.rate_bps or 10e9) / 8
+        limit = max(1000, int(self.n_hosts * rate_Bps * (self.delay_s + 0.05) / 1500))
+        args = ["netem", "limit", str(limit)]
+        if self.delay_s:
+            args += ["delay", f"{self.delay_s * 1e6:.0f}us"]
+        if self.loss:
+            args += ["loss", f"{self.loss * 100:.6g}%"]
+        return args
 
     # ---------------------------------------------------------------- use
 
@@ -441,6 +478,9 @@ class Testbed:
             parts.append(f"+{self.delay_s * 1e3:g} ms one way (RTT +{2 * self.delay_s * 1e3:g} ms, netem)")
         if self.loss:
             parts.append(f"{self.loss * 100:g}% loss into each host")
+        if self.no_inbound:
+            parts.append(f"no inbound TCP connections to host{'s' if len(self.no_inbound) > 1 else ''} "
+                         f"{', '.join(map(str, sorted(self.no_inbound)))}")
         return ", ".join(parts)
 
     def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:

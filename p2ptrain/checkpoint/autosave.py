@@ -1,0 +1,227 @@
+"""Periodic checkpoints of a trainer's shared state, and resuming from the newest one.
+
+Why a trainer needs this even though peers share live state: when every peer stops at once (a
+whole swarm restarted, a power cut) the live state is gone; only what was written to disk remains.
+So every ``every`` global epochs a few peers -- not all: the state is identical on every member of
+a group, and N copies of each checkpoint on N disks buy nothing -- save it to their
+:class:`~p2ptrain.checkpoint.store.CheckpointStore`, announce it in the DHT and serve it. Which
+peers is decided without coordination: each peer ranks the live peers it sees by
+``blake3(peer_id || epoch)`` and saves if it is among the ``writers`` lowest. Views differ a
+little between peers, so sometimes one more or one fewer peer saves; the ranking changes with the
+epoch, so the disk cost rotates through the swarm.
+
+The save never blocks training: the copy is taken in a worker thread under the trainer's lock
+(which the training thread holds only while it changes parameters), the hashing and writing
+happen after the lock is released. A peer that starts with no live peer ahead of it loads the
+newest checkpoint it can find, in the DHT ("latest" records, fetched from their providers) or in
+its own store.
+
+``choose_writers`` is the sans-IO policy; :class:`Checkpointer` is the shell a trainer owns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import blake3
+
+from dht import DHTError, DHTNode, InvalidRecord, PeerID
+
+from .manifest import ManifestError, build_snapshot, restore
+from .record import CheckpointRecord
+from .swarm import CheckpointService, fetch_checkpoint, find_latest
+from .transfer import StateServer, StateTransferError
+
+if TYPE_CHECKING:
+    from ..loop import LoopThread
+    from .store import CheckpointInfo, CheckpointStore
+
+log = logging.getLogger("p2ptrain.checkpoint")
+
+
+def choose_writers(peers: Iterable[PeerID], epoch: int, writers: int) -> list[PeerID]:
+    """The ``writers`` peers that save the checkpoint of ``epoch``: the lowest
+    ``blake3(peer id bytes || epoch as 8 bytes)``. Every peer computes it alone from the peers it
+    sees; the same view gives the same answer everywhere, and the choice rotates with the epoch."""
+    salt = int(epoch).to_bytes(8, "big", signed=True)
+    ranked = sorted(set(peers), key=lambda p: blake3.blake3(p.to_bytes() + salt).digest())
+    return ranked[: max(0, writers)]
+
+
+class Checkpointer:
+    """Saves a trainer's shared state every ``every`` epochs (when chosen), keeps the newest
+    ``keep`` per run in ``store``, serves and announces them, and finds one to resume from.
+
+    ``server``: the host's StateServer (a trainer's StateSync runs one); checkpoints are served
+    by it next to the live state. ``meta``: what must match for a checkpoint to load into this
+    trainer (mode, schema hash), stored in each manifest. ``on_saved(info)``: called from the
+    save thread after each checkpoint this peer wrote.
+    """
+
+    def __init__(self, node: DHTNode, loop: LoopThread, run_id: str, store: CheckpointStore, *,
+                 every: int | None, server: StateServer, meta: dict[str, Any], keep: int = 3, writers: int = 2,
+                 ttl: float = 300.0, on_saved: Callable[[CheckpointInfo], None] | None = None):
+        if every is not None and (type(every) is not int or every < 1):
+            raise ValueError(f"checkpoint_every must be a positive number of epochs, got {every!r}")
+        if type(keep) is not int or keep < 1:
+            raise ValueError(f"checkpoint_keep must be at least 1, got {keep!r}")
+        if type(writers) is not int or writers < 1:
+            raise ValueError(f"checkpoint_writers must be at least 1, got {writers!r}")
+        self.node = node
+        self.loop = loop
+        self.run_id = run_id
+        self.store = store
+        self.every = every
+        self.keep = keep
+        self.writers = writers
+        self.meta = dict(meta)
+        self.service = CheckpointService(node, store, run_id=run_id, server=server, ttl=ttl)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._last_epoch: int | None = None
+        self.saved = 0  # checkpoints this peer wrote
+        self.last_saved: CheckpointInfo | None = None
+        self.skipped = 0  # due checkpoints skipped because the previous save was still running
+        self._on_saved = on_saved  # called in the save thread
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def close(self) -> None:
+        await self.service.close()
+
+    def flush(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Wait until the checkpoint being written (if any) is on disk; returns it (None when
+        nothing was in flight or the save failed). TimeoutError after ``timeout`` seconds."""
+        future = self._future
+        if future is None:
+            return None
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the checkpoint save did not finish within {timeout} s") from None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Let a save in flight finish (bounded), then stop the save thread. A save cut short
+        leaves nothing visible (the store writes its record last)."""
+        try:
+            self.flush(timeout)
+        except TimeoutError:
+            log.warning("a checkpoint save was still running at close; it is abandoned (nothing half-written "
+                        "becomes visible)")
+        self._future = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ saving
+
+    def due(self, epoch: int) -> bool:
+        return self.every is not None and epoch > 0 and epoch % self.every == 0 and epoch != self._last_epoch
+
+    def maybe_save(self, epoch: int, peers: Iterable[PeerID], state: Callable[[], tuple[int, Any]],
+                   lock: AbstractContextManager[Any]) -> bool:
+        """From the training thread, after the update of ``epoch`` was applied: start saving
+        ``state()`` (read with ``lock`` held, in a worker thread) if the checkpoint is due and
+        this peer is one of its writers among ``peers``. Returns whether a save started."""
+        if not self.due(epoch):
+            return False
+        self._last_epoch = epoch
+        if self.node.peer_id not in choose_writers([*peers, self.node.peer_id], epoch, self.writers):
+            return False
+        if self._future is not None and not self._future.done():
+            # saving more often than the disk keeps up with would only queue copies of the state
+            self.skipped += 1
+            log.info("skipping the checkpoint of epoch %d: the previous one is still being written", epoch)
+            return False
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-ckpt")
+        self._future = self._executor.submit(self._save, state, lock)
+        return True
+
+    def _save(self, state: Callable[[], tuple[int, Any]], lock: AbstractContextManager[Any]) -> CheckpointInfo | None:
+        seen: dict[str, int] = {}
+
+        def read() -> Any:  # called by build_snapshot with the lock held
+            epoch, obj = state()
+            seen["epoch"] = epoch
+            return obj
+
+        try:
+            manifest, buffer = build_snapshot(read, lock=lock)
+            epoch = seen["epoch"]
+            manifest = dataclasses.replace(manifest, meta={**self.meta, "epoch": epoch})
+            info = self.store.save(manifest, buffer, run_id=self.run_id, epoch=epoch, identity=self.node.identity)
+            del buffer
+            gc = self.store.gc(self.keep)
+        except Exception as e:  # noqa: BLE001 - a failed save (disk full, ...) must not stop training
+            log.warning("could not save a checkpoint: %s: %s", type(e).__name__, e)
+            return None
+        self.saved += 1
+        self.last_saved = info
+        log.info("saved checkpoint %s (epoch %d, %.1f MB) in %s; %d older removed", info.cid, epoch,
+                 manifest.total_size / 1e6, self.store.root, len(gc.removed))
+        self.service.announce_soon(info)
+        if self._on_saved is not None:
+            self._on_saved(info)
+        return info
+
+    # ------------------------------------------------------------------ resuming
+
+    def find(self, timeout: float, at_least: int = 0) -> CheckpointInfo | None:
+        """The newest checkpoint of the run, in the DHT or in our store, in our store on return
+        (fetched from its providers if need be; when that fails, our own newest one). One in the
+        DHT older than epoch ``at_least`` is not fetched (live peers have a newer state). Blocking:
+        call it from the training thread."""
+        local = self.store.latest(self.run_id)
+        try:
+            remote = self.loop.run(find_latest(self.node, self.run_id), timeout=min(timeout, 30.0))
+        except (DHTError, InvalidRecord, OSError, TimeoutError) as e:
+            log.warning("could not look up the run's latest checkpoint in the DHT: %s", e)
+            remote = None
+        if remote is None or remote.epoch < at_least or (local is not None and not remote.newer_than(local.record)):
+            return local
+        held = [i for i in self.store.list(self.run_id) if i.manifest_id == remote.manifest_id]
+        if held:
+            return held[0]
+        try:
+            info = self.loop.run(fetch_checkpoint(self.node, self.store, run_id=self.run_id,
+                                                  manifest_id=remote.manifest_id, timeout=timeout))
+        except (StateTransferError, DHTError, ManifestError, OSError, ValueError) as e:
+            where = f"our own of epoch {local.epoch}" if local is not None else "none"
+            log.warning("could not fetch the run's latest checkpoint (epoch %d, %s): %s; resuming from %s",
+                        remote.epoch, remote.manifest_id.hex()[:12], e, where)
+            return local
+        log.info("fetched the run's latest checkpoint %s (epoch %d) from the swarm", info.cid, info.epoch)
+        return info
+
+    def endorse(self, info: CheckpointInfo) -> None:
+        """Sign our own record of ``info`` (we hold and verified every chunk of it) and announce
+        it as our latest: a swarm restarted with new identities would otherwise find no "latest"
+        record in the DHT at all, since only a record's writer may publish it. Best effort."""
+        if info.record.writer == self.node.peer_id:
+            return
+        try:
+            record = CheckpointRecord.sign(self.node.identity, run_id=info.run_id, epoch=info.epoch,
+                                           manifest_id=info.manifest_id, size=info.size)
+            mine = self.store.commit(self.store.manifest(info.manifest_id), record)
+        except Exception as e:  # noqa: BLE001 - the checkpoint is loaded; announcing it is a bonus
+            log.warning("could not endorse checkpoint %s: %s", info.cid, e)
+            return
+        self.service.announce_soon(mine)
+
+    def load(self, info: CheckpointInfo) -> Any:
+        """The state saved in ``info`` (tensors are views of one buffer read from disk, every
+        chunk verified); ValueError when it was saved by an incompatible trainer."""
+        manifest, buffer = self.store.load(info.manifest_id)
+        for key, want in self.meta.items():
+            got = manifest.meta.get(key)
+            if got != want:
+                raise ValueError(f"checkpoint {info.cid} was saved with {key} {got!r}, this trainer has {want!r}")
+        return restore(manifest, buffer)
+

@@ -1,0 +1,400 @@
+"""Checkpoints in the swarm: announce them in the DHT, find the latest, fetch from many providers.
+
+With no master there is no checkpoint directory to ask. A peer that holds a checkpoint in its
+:class:`~p2ptrain.checkpoint.store.CheckpointStore` serves it (a resolver on the host's
+:class:`~p2ptrain.checkpoint.transfer.StateServer` reads chunks from disk on demand) and says so in
+the DHT (``directory``: a provider entry per manifest, and the signed "latest checkpoint" record
+of its run). A peer that wants one looks the record up, finds the providers and downloads chunks
+from all of them in parallel, each verified against the manifest and written to its own store as
+it lands: a provider that sends bad bytes is dropped and its chunks fetched elsewhere, and a
+fetch that is killed resumes where it stopped.
+
+* :func:`announce`, :func:`find_latest`, :func:`find_providers`: one DHT round each.
+* :func:`fetch_checkpoint`: everything a "get the run's latest checkpoint" needs.
+* :class:`CheckpointService`: what a long-running peer owns: serves the store and keeps its
+  announcements alive (republished while the checkpoints are held, cancelled on close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dht import DHTError, DHTNode, InvalidRecord, PeerID
+from dht.aio import wait_event
+
+from .directory import (
+    LATEST_SUBKEY,
+    PROVIDER_SUBKEY,
+    Provider,
+    announce_period,
+    choose_latest,
+    latest_key,
+    latest_value,
+    parse_latest,
+    parse_provider,
+    provider_value,
+    providers_key,
+    run_of_transfer_key,
+    transfer_key,
+)
+from .manifest import Manifest
+from .record import CheckpointRecord, RecordError, check_run_id
+from .transfer import ChunkSource, StateServer, StateTimeoutError, StateTransferError, fetch_state
+
+if TYPE_CHECKING:
+    from .store import CheckpointInfo, CheckpointStore
+
+log = logging.getLogger("p2ptrain.checkpoint")
+
+#: how long announcements live in the DHT without a refresh
+DEFAULT_TTL = 300.0
+#: checkpoints per run a peer announces (the newest ones; a store keeps a few)
+ANNOUNCE_PER_RUN = 8
+
+
+class CheckpointUnavailable(StateTransferError):
+    """No checkpoint (or no provider of it) could be found; the message says what to check."""
+
+
+# ---------------------------------------------------------------------------------- DHT rounds
+
+
+def _addr(node: DHTNode) -> tuple[str, int] | None:
+    if node.client_mode or not node.multiaddrs:
+        return None
+    a = node.multiaddrs[0]
+    return a.host, a.port
+
+
+async def announce(node: DHTNode, store: CheckpointStore, info: CheckpointInfo, *, ttl: float = DEFAULT_TTL) -> None:
+    """Publish this peer as a provider of ``info``'s manifest and, when this peer wrote its
+    newest checkpoint of the run, that record as its "latest" entry. One round, no republishing
+    (:class:`CheckpointService` does that). A client-mode node serves nothing and announces
+    nothing."""
+    if _addr(node) is None:
+        return
+    await _announce_provider(node, info.record, ttl)
+    await _announce_latest(node, store, info.record.run_id, ttl)
+
+
+async def _announce_provider(node: DHTNode, record: CheckpointRecord, ttl: float) -> None:
+    await node.store(providers_key(record.run_id, record.manifest_id), provider_value(_addr(node), record),
+                     time.time() + ttl, subkey=node.owned(PROVIDER_SUBKEY))
+
+
+async def _announce_latest(node: DHTNode, store: CheckpointStore, run_id: str, ttl: float) -> None:
+    own = await asyncio.to_thread(_own_newest, store, run_id, node.peer_id)
+    if own is not None:
+        await node.store(latest_key(run_id), latest_value(own), time.time() + ttl, subkey=node.owned(LATEST_SUBKEY))
+
+
+def _own_newest(store: CheckpointStore, run_id: str, me: PeerID) -> CheckpointRecord | None:
+    return choose_latest(i.record for i in store.list(run_id) if i.record.writer == me)
+
+
+async def find_latest(node: DHTNode, run_id: str) -> CheckpointRecord | None:
+    """The newest valid "latest checkpoint" record of ``run_id`` in the DHT (forged, tampered or
+    replayed entries are ignored and logged once), or None when there is none."""
+    result = await node.lookup_value(latest_key(run_id), latest=True)
+    return choose_latest(parse_latest(r, run_id) for r in result.records)
+
+
+async def find_providers(node: DHTNode, run_id: str, manifest_id: bytes) -> list[Provider]:
+    """The peers that announced they serve ``manifest_id`` of ``run_id`` (this one excluded)."""
+    result = await node.lookup_value(providers_key(run_id, manifest_id), latest=True)
+    found = [parse_provider(r, run_id, manifest_id) for r in result.records]
+    return [p for p in found if p is not None and p.peer != node.peer_id]
+
+
+# ---------------------------------------------------------------------------------- fetching
+
+
+@dataclass
+class CheckpointFetch:
+    """What a checkpoint download did: the stored checkpoint and where its chunks came from."""
+
+    info: CheckpointInfo
+    downloaded: int  # chunks downloaded now
+    reused: int  # chunks already in the store (an earlier, interrupted fetch; shared blobs)
+    contributors: dict[PeerID, int] = field(default_factory=dict)  # provider -> chunks it delivered
+    dropped: dict[PeerID, str] = field(default_factory=dict)  # providers not used or given up on, and why
+    corrupt: set[PeerID] = field(default_factory=set)  # providers that sent bytes failing verification
+    seconds: float = 0.0
+
+
+async def download_checkpoint(
+    node: DHTNode, store: CheckpointStore, record: CheckpointRecord, providers: list[Provider], *,
+    progress: Callable[[int, int], None] | None = None, timeout: float = 600.0, stall_timeout: float = 10.0,
+    rpc_timeout: float = 5.0,
+) -> CheckpointFetch:
+    """Download ``record``'s checkpoint from ``providers`` into ``store`` and commit it.
+
+    Chunks the store holds already are skipped; every other chunk is verified as it lands and
+    written to the store at once, so an interrupted download loses at most the chunks in flight.
+    ``progress(done, total)`` (bytes) is called from the event loop as chunks land.
+    """
+    if not record.verify():
+        raise CheckpointUnavailable(f"the record of checkpoint {record.manifest_id.hex()[:12]} is not validly signed")
+    wire = [(p.peer, p.addr) for p in providers if p.peer != node.peer_id]
+    done = 0
+
+    async def have(m: Manifest) -> set[int]:
+        nonlocal done
+        missing = set(await asyncio.to_thread(store.missing_chunks, m))
+        held = set(range(m.num_chunks)) - missing
+        done = sum(b - a for a, b in map(m.chunk_span, held))
+        if progress is not None:
+            progress(done, m.total_size)
+        return held
+
+    async def on_chunk(m: Manifest, index: int, data: memoryview) -> None:
+        nonlocal done
+        await asyncio.to_thread(store.add_chunk, m, index, data)
+        done += len(data)
+        if progress is not None:
+            progress(done, m.total_size)
+
+    if not wire:
+        raise CheckpointUnavailable(
+            f"no peer announces checkpoint {record.manifest_id.hex()[:12]} (epoch {record.epoch}) of run "
+            f"{record.run_id!r}: its providers have left; try again later or fetch an older one")
+    result = await fetch_state(node.host, transfer_key(record.run_id), wire, manifest_id=record.manifest_id,
+                               have=have, on_chunk=on_chunk, timeout=timeout, stall_timeout=stall_timeout,
+                               rpc_timeout=rpc_timeout)
+    try:
+        info = await asyncio.to_thread(store.commit, result.manifest, record)
+    except RecordError as e:  # a validly signed record that does not describe this manifest (its size)
+        raise CheckpointUnavailable(f"checkpoint {record.manifest_id.hex()[:12]} of run {record.run_id!r}: {e}") from None
+    log.info("fetched checkpoint %s (epoch %d, %.1f MB) of run %r: %d chunks from %d providers, %d already held, "
+             "%.2f s", info.cid, record.epoch, result.manifest.total_size / 1e6, record.run_id,
+             sum(result.contributors.values()), len(result.contributors), result.reused, result.seconds)
+    return CheckpointFetch(info, sum(result.contributors.values()), result.reused, result.contributors,
+                           result.dropped, result.corrupt, result.seconds)
+
+
+async def fetch_checkpoint(
+    node: DHTNode, store: CheckpointStore, *, run_id: str, manifest_id: bytes | None = None,
+    progress: Callable[[int, int], None] | None = None, timeout: float = 600.0,
+) -> CheckpointInfo:
+    """Fetch a checkpoint of ``run_id`` from the swarm into ``store``: ``manifest_id``, or the
+    run's latest announced one. Returns at once when the store holds it already.
+
+    Chunks come from every provider in parallel, each verified; a fetch interrupted earlier
+    resumes from the chunks it stored. When a :class:`CheckpointService` runs on ``node``, the
+    new checkpoint is served and announced right away (a one-shot process does not announce what
+    it will not be there to serve).
+
+    Raises :class:`CheckpointUnavailable` (nothing announced, no provider left) or another
+    :class:`~p2ptrain.checkpoint.transfer.StateTransferError` (every provider failed, timeout).
+    """
+    check_run_id(run_id)
+    deadline = asyncio.timeout(timeout)
+    t0 = time.monotonic()
+    try:
+        async with deadline:
+            record: CheckpointRecord | None = None
+            if manifest_id is None:
+                record = await find_latest(node, run_id)
+                if record is None:
+                    raise CheckpointUnavailable(
+                        f"no checkpoint of run {run_id!r} is announced in the DHT: check the run id and the "
+                        "bootstrap peers (a peer announces its checkpoints while it runs)")
+                manifest_id = record.manifest_id
+            local = await asyncio.to_thread(_held, store, run_id, manifest_id)
+            if local is not None:
+                if progress is not None:
+                    progress(local.record.size, local.record.size)
+                return local
+            providers = await find_providers(node, run_id, manifest_id)
+            if record is None:
+                record = choose_latest(p.record for p in providers)
+            if record is None:
+                raise CheckpointUnavailable(
+                    f"no peer announces checkpoint {manifest_id.hex()[:12]} of run {run_id!r}: check the id "
+                    "(p2ptrain ckpt ls on a peer that has it) and that such a peer is running")
+            remaining = max(0.001, timeout - (time.monotonic() - t0))
+            fetched = await download_checkpoint(node, store, record, providers, progress=progress, timeout=remaining)
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        raise StateTimeoutError(f"fetching a checkpoint of run {run_id!r} timed out after {timeout} s "
+                                "(finding it in the DHT)") from None
+    service = _services.get(node)
+    if service is not None and Path(service.store.root).resolve() == Path(store.root).resolve():
+        service.announce_soon(fetched.info)
+    return fetched.info
+
+
+def _held(store: CheckpointStore, run_id: str, manifest_id: bytes) -> CheckpointInfo | None:
+    for info in store.list(run_id):
+        if info.record.manifest_id == manifest_id:
+            return info
+    return None
+
+
+# ---------------------------------------------------------------------------------- serving
+
+
+class StoreSource:
+    """One checkpoint of a store, as a :class:`~p2ptrain.checkpoint.transfer.ChunkSource`:
+    chunks are read from disk when a peer asks, in a worker thread, and verified by the store
+    (a rotten blob is never served: the request is reset and the fetcher goes elsewhere)."""
+
+    def __init__(self, store: CheckpointStore, manifest: Manifest):
+        self.store = store
+        self.manifest = manifest
+
+    async def chunk(self, index: int) -> bytes:
+        try:
+            return await asyncio.to_thread(self.store.read_chunk, self.manifest, index)
+        except (LookupError, OSError):
+            raise
+        except Exception as e:  # the store's CorruptBlobError and the like: not ours to serve
+            raise LookupError(f"chunk {index} of {self.manifest.id.hex()[:12]}: {e}") from e
+
+
+#: the running service of each node, so that fetch_checkpoint can announce what it fetched
+_services: weakref.WeakKeyDictionary[DHTNode, CheckpointService] = weakref.WeakKeyDictionary()
+
+
+class CheckpointService:
+    """Serves ``store``'s checkpoints from this peer and keeps its DHT announcements alive.
+
+    ``server``: the host's :class:`StateServer` to add the store to (a trainer already runs one
+    for its live state; one server per host answers both); None starts one of its own.
+    ``run_id``: announce only that run's checkpoints (every checkpoint in the store is served
+    either way). Announcements are refreshed every ``ttl / 3`` seconds while the checkpoints
+    are in the store; gc'd ones simply stop being refreshed and expire.
+    """
+
+    def __init__(self, node: DHTNode, store: CheckpointStore, *, run_id: str | None = None,
+                 server: StateServer | None = None, ttl: float = DEFAULT_TTL):
+        self.node = node
+        self.store = store
+        self.run_id = check_run_id(run_id) if run_id is not None else None
+        self.ttl = ttl
+        self.period = announce_period(ttl)
+        self._server = server
+        self._own_server = server is None
+        self._manifests: OrderedDict[bytes, Manifest] = OrderedDict()
+        self._task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self.announced = 0  # announcement rounds completed (for tests and metrics)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self._server is None:
+            self._server = StateServer(self.node.host)
+            await self._server.start()
+        self._server.add_resolver(self._resolve)
+        _services[self.node] = self
+        self._task = self._loop.create_task(self._run())
+
+    async def close(self) -> None:
+        """Stop announcing and serving (idempotent). Entries already in the DHT expire by themselves."""
+        if self._closed:
+            return
+        self._closed = True
+        if _services.get(self.node) is self:
+            del _services[self.node]
+        tasks = [t for t in (self._task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            self._server.remove_resolver(self._resolve)
+            if self._own_server:
+                await self._server.close()
+
+    async def __aenter__(self) -> CheckpointService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ announcing
+
+    def announce_soon(self, info: CheckpointInfo) -> None:
+        """Announce ``info`` now, from any thread (a trainer's save thread); the task is ours."""
+        if self._loop is None or self._closed:
+            return
+        self._loop.call_soon_threadsafe(self._spawn_announce, info)
+
+    def _spawn_announce(self, info: CheckpointInfo) -> None:
+        if self._closed:
+            return
+        task = asyncio.get_running_loop().create_task(self._announce_one(info))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _announce_one(self, info: CheckpointInfo) -> None:
+        try:
+            await announce(self.node, self.store, info, ttl=self.ttl)
+            log.debug("announced checkpoint %s (epoch %d)", info.cid, info.record.epoch)
+        except (DHTError, InvalidRecord, OSError) as e:
+            log.warning("could not announce checkpoint %s: %s (retrying in %.0f s)", info.cid, e, self.period)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._announce_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a bad store entry must not end the announcements
+                log.warning("announcing checkpoints failed: %s; retrying in %.0f s", e, self.period)
+            self.announced += 1
+            await wait_event(self._wake, self.period)
+            self._wake.clear()
+
+    async def _announce_all(self) -> None:
+        if _addr(self.node) is None:
+            return
+        infos = await asyncio.to_thread(self.store.list, self.run_id)
+        per_run: dict[str, int] = {}
+        for info in infos:  # newest first
+            run = info.record.run_id
+            per_run[run] = per_run.get(run, 0) + 1
+            if per_run[run] <= ANNOUNCE_PER_RUN:
+                await _announce_provider(self.node, info.record, self.ttl)
+        for run in per_run:
+            await _announce_latest(self.node, self.store, run, self.ttl)
+
+    # ------------------------------------------------------------------ serving
+
+    async def _resolve(self, key: str) -> list[ChunkSource]:
+        run_id = run_of_transfer_key(key)
+        if run_id is None:
+            return []
+        infos = await asyncio.to_thread(self.store.list, run_id)
+        sources: list[ChunkSource] = []
+        for info in infos[:ANNOUNCE_PER_RUN * 2]:
+            manifest = await self._manifest(info.record.manifest_id)
+            if manifest is not None:
+                sources.append(StoreSource(self.store, manifest))
+        return sources
+
+    async def _manifest(self, manifest_id: bytes) -> Manifest | None:
+        m = self._manifests.get(manifest_id)
+        if m is None:
+            try:
+                m = await asyncio.to_thread(self.store.manifest, manifest_id)
+            except Exception as e:  # noqa: BLE001 - gc'd or damaged meanwhile: serve the others
+                log.debug("cannot serve checkpoint %s: %s", manifest_id.hex()[:12], e)
+                return None
+            self._manifests[manifest_id] = m
+            while len(self._manifests) > 64:
+                self._manifests.popitem(last=False)
+        return m
+
