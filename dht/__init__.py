@@ -18,11 +18,14 @@ from .errors import (
 )
 from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
-from .node import DHTConfig, DHTNode, LookupResult, ValueWithExpiration
+from .node import BootstrapRefused, DHTConfig, DHTNode, LookupResult, ValueWithExpiration
+from .noise import SwarmKeyMismatch
+from .swarmkey import SwarmKey
 from .transport import Connection, Host, Limits
 
 __all__ = [
     "BootstrapError",
+    "BootstrapRefused",
     "ConfigError",
     "Connection",
     "DHTConfig",
@@ -41,5 +44,7 @@ __all__ = [
     "ProtocolError",
     "RPCError",
     "RPCTimeout",
+    "SwarmKey",
+    "SwarmKeyMismatch",
     "ValueWithExpiration",
 ]

@@ -108,3 +108,23 @@ def test_peer_runs_a_users_script_with_the_bootstrap_peers(tmp_path):
     finally:
         boot.kill()
         boot.wait()
+
+
+def test_client_mode_peer_trains_with_a_listening_one():
+    """``--client`` (behind NAT: no inbound connections) still averages in a group with a normal peer."""
+    server = subprocess.Popen([*CLI, "peer", "--json", "--epochs", "6", "--wait-peers", "2"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(server.stdout.readline())
+        assert started["event"] == "started" and started["multiaddrs"]
+        client = subprocess.run([*CLI, "peer", "--json", "--client", "--epochs", "6", "--bootstrap",
+                                 started["multiaddrs"][0]], capture_output=True, text=True, timeout=120)
+        assert client.returncode == 0, client.stderr
+        events = [json.loads(line) for line in client.stdout.splitlines()]
+        assert events[0]["event"] == "started" and events[0]["multiaddrs"] == []  # listens nowhere
+        done = events[-1]
+        assert done["event"] == "done" and done["epoch"] == 6 and done["group_size"] == 2 and done["failed_rounds"] == 0
+        assert server.wait(timeout=60) == 0
+    finally:
+        server.kill()
+        server.wait()

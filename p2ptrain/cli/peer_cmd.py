@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR",
                    help="address to listen on (default: %(default)s; use /ip4/0.0.0.0/tcp/PORT across machines)")
     p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: the listen host)")
+    p.add_argument("--client", action="store_true",
+                   help="client mode, for a peer behind NAT or a firewall: dial out, accept no connections "
+                   "(it trains and averages, but owns no shard and serves no state; --listen is ignored)")
     p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
     add_swarm_key_arg(p)
     add_training_args(p)
@@ -127,7 +130,7 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--checkpoint-every must be at least 1 (epochs between checkpoints)")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
-    listen = parse_listen(args.listen)
+    listen = None if args.client else parse_listen(args.listen)
     bootstrap = [str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)]
     from ..run import PeerConfig  # torch: only once the options are known to be good
 
