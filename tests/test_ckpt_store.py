@@ -430,7 +430,7 @@ def test_gc_keeps_chunks_of_a_fetch_in_progress_until_it_goes_stale(tmp_path):
 
 
 CHILD = r"""
-import os, sys
+import itertools, os, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_ckpt_store import CHUNK, model_state
@@ -439,13 +439,11 @@ from p2ptrain.checkpoint import build_snapshot
 from p2ptrain.checkpoint.store import CheckpointStore
 
 root, mode, seeds = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
-real_replace, count = os.replace, 0
+real_replace, renames = os.replace, itertools.count(1)  # next() is atomic: renames run in a thread pool
 
 def replace(src, dst, *args, **kwargs):
     # stop before the rename that `mode` names, tell the parent, wait for it to kill us or say go
-    global count
-    count += 1
-    if (mode == "chunk" and count == 4) or (mode == "record" and Path(dst).parent.name == "refs"):
+    if (mode == "chunk" and next(renames) == 4) or (mode == "record" and Path(dst).parent.name == "refs"):
         print("blocked", flush=True)
         sys.stdin.readline()
     return real_replace(src, dst, *args, **kwargs)
