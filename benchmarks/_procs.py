@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,8 +69,10 @@ class Children:
     def __enter__(self) -> Children:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.stop_all()
+        if exc_type is None:  # the children's logs are kept only when something went wrong
+            shutil.rmtree(self.logdir, ignore_errors=True)
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None, stdin: bool = False) -> Child:
         log_path = os.path.join(self.logdir, f"{name}.log")
