@@ -165,9 +165,9 @@ def main() -> None:
             marks.setdefault("load1", time.perf_counter())
             return ok
 
-        def _apply_shared_state(self, state):
+        def _apply_shared_state(self, *args, **kwargs):
             marks.setdefault("apply0", time.perf_counter())
-            super()._apply_shared_state(state)
+            super()._apply_shared_state(*args, **kwargs)
             marks.setdefault("apply1", time.perf_counter())
 
     # ---- commands from the benchmark

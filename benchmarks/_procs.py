@@ -59,8 +59,9 @@ class Child:
 
 
 class Children:
-    def __init__(self, tag: str = "bench", grace: float = 8.0):
+    def __init__(self, tag: str = "bench", grace: float = 8.0, keep_logs: bool = False):
         self.tag = tag
+        self.keep_logs = keep_logs  # else the log directory goes once every child ended without error
         self.grace = grace
         self.kids: dict[str, Child] = {}
         self.q: queue.Queue = queue.Queue()
@@ -71,7 +72,7 @@ class Children:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.stop_all()
-        if exc_type is None:  # the children's logs are kept only when something went wrong
+        if exc_type is None and not self.keep_logs:  # kept when something went wrong
             shutil.rmtree(self.logdir, ignore_errors=True)
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None, stdin: bool = False) -> Child:

@@ -151,7 +151,7 @@ def main() -> None:
     served: list[dict] = []
     digests: dict[str, dict] = {}
     deadline = time.monotonic() + a.timeout
-    with Children("late-join", grace=15) as kids:
+    with Children("late-join", grace=15, keep_logs=True) as kids:
         print(f"peer logs: {kids.logdir}", flush=True)
         rss = RssSampler(kids)
         try:
