@@ -324,7 +324,9 @@ def _show(args: argparse.Namespace) -> int:
 
     console = _console()
     console.print(f"[bold]{cid(mid)}[/bold]  ({mid.hex()})", highlight=False)
-    console.print(f"size {_size(m.total_size)} in {_n(m.num_chunks, 'chunk')} of {_size(m.chunk_size)}"
+    chunking = (f"{_n(m.num_chunks, 'chunk')} of up to {_size(m.chunk_size)}" if m.num_chunks > 1
+                else _n(m.num_chunks, "chunk"))
+    console.print(f"size {_size(m.total_size)} in {chunking}"
                   + (f", [red]{len(missing)} missing[/red]" if missing else ", all stored")
                   + (", pinned" if infos and infos[0].pinned else ""), highlight=False)
     for i in infos:
