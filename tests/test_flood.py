@@ -59,13 +59,19 @@ async def open_silent(port: int, n: int, source: str) -> list[tuple[asyncio.Tran
     return out
 
 
+async def closed(flood, k: int) -> None:
+    """Until at least ``k`` of the silent sockets were closed by the victim."""
+    pending = {p.closed for _, p in flood if not p.closed.done()}
+    while len(flood) - len(pending) < k:
+        _done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+
 async def test_silent_sockets_from_one_address_hold_at_most_the_per_ip_cap(hosts) -> None:
     victim = await hosts(Limits(max_handshakes_per_ip=4))
     flood = await open_silent(victim.listen_port, 12, "127.0.0.2")
     try:
         async with asyncio.timeout(5):  # the 8 over the cap are closed by the victim at once
-            while sum(p.closed.done() for _, p in flood) < 8:
-                await asyncio.sleep(0.01)
+            await closed(flood, 8)
         assert [p.closed.done() for _, p in flood[:4]] == [False] * 4  # the first four wait for their handshake
         assert len(victim._handshaking) == 4
         # a real peer from another address still joins, and calls work
@@ -82,13 +88,11 @@ async def test_global_handshake_cap_spans_addresses_and_slots_are_released(hosts
     flood = await open_silent(victim.listen_port, 3, "127.0.0.2") + await open_silent(victim.listen_port, 3, "127.0.0.3")
     try:
         async with asyncio.timeout(5):  # 2 + 1 held (per-IP cap, then the global one); the rest closed
-            while sum(p.closed.done() for _, p in flood) < 3:
-                await asyncio.sleep(0.01)
+            await closed(flood, 3)
         assert len(victim._handshaking) <= 3
         # the stalled ones run out of handshake time, which frees their slots
         async with asyncio.timeout(5):
-            while not all(p.closed.done() for _, p in flood):
-                await asyncio.sleep(0.02)
+            await closed(flood, len(flood))
         assert victim._handshaking == set() and victim._handshakes_per_ip == {}
     finally:
         for t, _ in flood:
