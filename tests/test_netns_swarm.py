@@ -162,7 +162,11 @@ def test_averaging_four_hosts_gives_the_exact_weighted_mean(delay: str | None, n
 @pytest.mark.timeout(240)
 def test_three_peers_and_a_client_behind_nat_train_to_the_target(no_leftovers: None) -> None:
     n, nat = 4, 3
-    train = ["--json", "--threads", "1", "--epochs", "40", "--wait-peers", str(n)]
+    # 100 ms of emulated compute per step: epochs of ~0.4 s. With epochs of a few ms, a peer delayed
+    # by the 2 loaded cores or by a retransmission on these lossy links (TCP's minimum RTO is 200 ms)
+    # missed most rounds and caught up by state loads instead (15-19 rounds in a group of 40, in 2 of
+    # 5 runs); with 20 ms steps still 1 run in 6
+    train = ["--json", "--threads", "1", "--epochs", "40", "--wait-peers", str(n), "--compute-delay", "0.1"]
     with _bed(n, no_inbound=(nat,)) as tb:
         # the NAT host really takes no connections: a dial times out (a closed port would refuse at once)
         probe = "import socket,sys\ntry: socket.create_connection((sys.argv[1], 9), timeout=1.5)\n" \

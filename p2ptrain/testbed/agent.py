@@ -150,7 +150,7 @@ def _train(args: argparse.Namespace) -> int:
 
     threading.Thread(target=watch_stdin, daemon=True).start()
     cfg = PeerConfig(task="digits", epochs=args.epochs, data_seed=args.data_seed, wait_peers=args.wait_peers,
-                     threads=args.threads, bootstrap=args.bootstrap, listen=None)
+                     threads=args.threads, compute_delay=args.compute_delay, bootstrap=args.bootstrap, listen=None)
     done = run_peer(cfg, _emit, stop)
     return 0 if done.get("event") == "done" else 1
 
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--data-seed", type=int, default=None)
     t.add_argument("--wait-peers", type=int, default=0)
     t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--compute-delay", type=float, default=0.0, metavar="S", help="extra seconds per step")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("P2PT_AGENT_LOGLEVEL", "WARNING"), stream=sys.stderr,
                         format=f"[agent {os.getpid()}] %(levelname)s %(name)s: %(message)s")
