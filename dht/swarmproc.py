@@ -99,7 +99,7 @@ class _Swarm:
                 try:
                     return await self.op_get(node, key, latest)
                 except Exception as e:  # one failed get is a data point, not a failed batch
-                    return {"value": None, "hops": 0, "ms": 0.0, "error": _one_line(e)}
+                    return {"value": None, "hops": 0, "ms": 0.0, "error": one_line(e)}
 
         return {"results": await asyncio.gather(*(one(n, k) for n, k in gets))}
 
@@ -125,32 +125,36 @@ class _Swarm:
             pass
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:500]
 
 
-def _reply(obj: dict) -> None:
+def reply(obj: dict) -> None:
+    """One JSON line on stdout, flushed (the parent reads replies and events line by line)."""
     sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
     sys.stdout.flush()
 
 
-async def _serve() -> None:
+async def serve_commands(target: Any) -> None:
+    """The child side of the JSON-lines protocol, for any ``target`` with ``op_<name>(**args)``
+    coroutines and ``close()``: says ready, runs each command line on stdin as a task (answered
+    ``{"id", **result}`` or ``{"id", "error": "one line"}``), and on ``exit`` or EOF (the parent
+    went away) cancels what still runs and closes ``target``."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=_LINE_LIMIT)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    swarm = _Swarm()
     tasks: set[asyncio.Task] = set()
-    _reply({"id": None, "ready": True, "pid": os.getpid()})
+    reply({"id": None, "ready": True, "pid": os.getpid()})
 
     async def handle(msg: dict) -> None:
         ident = msg.pop("id", None)
         try:
-            handler = getattr(swarm, "op_" + str(msg.pop("op", "")), None)
+            handler = getattr(target, "op_" + str(msg.pop("op", "")), None)
             if handler is None:
                 raise SwarmError("unknown op")
-            _reply({"id": ident, **await handler(**msg)})
+            reply({"id": ident, **await handler(**msg)})
         except Exception as e:  # an error answers this command; the child keeps serving
-            _reply({"id": ident, "error": _one_line(e)})
+            reply({"id": ident, "error": one_line(e)})
 
     try:
         while line := await reader.readline():  # EOF: the parent closed stdin or died
@@ -158,10 +162,10 @@ async def _serve() -> None:
                 msg = json.loads(line)
                 assert isinstance(msg, dict)
             except (ValueError, AssertionError):
-                _reply({"id": None, "error": "malformed command line"})
+                reply({"id": None, "error": "malformed command line"})
                 continue
             if msg.get("op") == "exit":
-                _reply({"id": msg.get("id")})
+                reply({"id": msg.get("id")})
                 break
             task = loop.create_task(handle(msg))
             tasks.add(task)
@@ -170,7 +174,7 @@ async def _serve() -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await swarm.close()
+        await target.close()
 
 
 def die_with_parent() -> None:
@@ -198,7 +202,7 @@ def main() -> None:
     except ImportError:
         runner = asyncio.run
     try:
-        runner(_serve())
+        runner(serve_commands(_Swarm()))
     except KeyboardInterrupt:
         pass
 

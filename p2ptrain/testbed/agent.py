@@ -4,7 +4,8 @@ Why a module of its own: the loopback helpers (``dht.swarmproc``, ``p2ptrain.ave
 listen on 127.0.0.1, which no other namespace can reach, and ``p2ptrain peer`` has no client mode.
 Here every node listens on the host's own address (``--listen IP``) or on nothing (``--client``).
 
-``python -m p2ptrain.testbed.agent node --listen IP|--client`` prints ``{"ready": true, "pid"}``,
+``python -m p2ptrain.testbed.agent node --listen IP|--client`` speaks ``dht.swarmproc``'s JSON-lines
+protocol (:func:`dht.swarmproc.serve_commands`): it prints ``{"id": null, "ready": true, "pid"}``,
 then answers one JSON line per command line on stdin (each carries an ``id`` echoed back; a failure
 answers ``{"id", "error": "one line"}`` and the node lives on). Commands:
 
@@ -13,7 +14,7 @@ answers ``{"id", "error": "one line"}`` and the node lives on). Commands:
   get      {"key"} -> {"value", "hops"}
   average  {"prefix", "rank", "numel", "weight", "expected", "timeout"} -> {"group_size", "weight_total",
            "values": the averaged flat tensor (``worker.flat_input(rank, numel)`` before the round)}
-  exit     {}
+  exit     {} -> {}   (then the node closes and the process exits)
 
 ``python -m p2ptrain.testbed.agent train --client --bootstrap ADDR [...]`` trains the digits example
 like ``p2ptrain peer --json`` (the same :func:`p2ptrain.run.run_peer`, the same JSON events), with
@@ -27,23 +28,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import threading
 import time
 from typing import Any
 
+from dht.swarmproc import die_with_parent, reply, serve_commands
+
 __all__ = ["main"]
-
-
-def _emit(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
-
-
-def _one_line(e: BaseException) -> str:
-    return (f"{type(e).__name__}: {e}".splitlines() or [type(e).__name__])[0][:500]
 
 
 class _Node:
@@ -100,44 +93,6 @@ class _Node:
             await self.node.close()
 
 
-async def _serve(listen: str | None) -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=64 << 20)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    node = _Node(listen)
-    tasks: set[asyncio.Task] = set()
-
-    async def handle(msg: dict) -> None:
-        ident = msg.pop("id", None)
-        try:
-            handler = getattr(node, "op_" + str(msg.pop("op", "")), None)
-            if handler is None:
-                raise ValueError("unknown op")
-            _emit({"id": ident, **await handler(**msg)})
-        except Exception as e:  # an error answers this command; the node keeps serving
-            _emit({"id": ident, "error": _one_line(e)})
-
-    _emit({"ready": True, "pid": os.getpid()})
-    try:
-        while line := await reader.readline():  # EOF: the parent closed stdin or died
-            try:
-                msg = json.loads(line)
-                assert isinstance(msg, dict)
-            except (ValueError, AssertionError):
-                _emit({"id": None, "error": "malformed command line"})
-                continue
-            if msg.get("op") == "exit":
-                break
-            task = loop.create_task(handle(msg))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await node.close()
-
-
 def _train(args: argparse.Namespace) -> int:
     """A client-mode ``p2ptrain peer --json``: the same run_peer, the same events on stdout."""
     from p2ptrain.run import PeerConfig, run_peer
@@ -151,14 +106,12 @@ def _train(args: argparse.Namespace) -> int:
     threading.Thread(target=watch_stdin, daemon=True).start()
     cfg = PeerConfig(task="digits", epochs=args.epochs, data_seed=args.data_seed, wait_peers=args.wait_peers,
                      threads=args.threads, compute_delay=args.compute_delay, bootstrap=args.bootstrap, listen=None)
-    done = run_peer(cfg, _emit, stop)
+    done = run_peer(cfg, reply, stop)
     return 0 if done.get("event") == "done" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     import logging
-
-    from dht.swarmproc import die_with_parent
 
     p = argparse.ArgumentParser(prog="python -m p2ptrain.testbed.agent", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -181,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "train":
         return _train(args)
     try:
-        asyncio.run(_serve(None if args.client else args.listen))
+        asyncio.run(serve_commands(_Node(None if args.client else args.listen)))
     except KeyboardInterrupt:
         pass
     return 0
