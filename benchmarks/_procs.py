@@ -92,15 +92,9 @@ class Children:
         assert child.proc.stdout is not None
         for line in child.proc.stdout:
             now = time.time()
-            line = line.strip()
-            if not line:
+            obj = event_of(line)
+            if obj is None:
                 continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    obj = {"text": line}
-            except ValueError:
-                obj = {"text": line}
             child.events.append((now, obj))
             self.q.put((child.name, now, obj))
         self.q.put((child.name, time.time(), {"event": "_eof"}))
@@ -159,6 +153,18 @@ class Children:
                 _signal_group(c.proc, signal.SIGKILL)
             c.proc.wait()
         self.kids.clear()
+
+
+def event_of(line: str) -> dict | None:
+    """A child's stdout line as an event: its JSON object, else ``{"text": line}``; None if blank."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return {"text": line}
+    return obj if isinstance(obj, dict) else {"text": line}
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

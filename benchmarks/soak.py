@@ -49,6 +49,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from _procs import _signal_group, event_of  # noqa: E402
 from dht.swarmproc import die_with_parent  # noqa: E402
 from p2ptrain.testbed.churn import ChurnSchedule, Kill, ProgressWatch, Start  # noqa: E402
 
@@ -121,16 +122,9 @@ class Swarm:
     def _pump(self, p: Proc) -> None:
         assert p.popen.stdout is not None
         for line in p.popen.stdout:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    obj = {"text": line}
-            except ValueError:
-                obj = {"text": line}
-            self.q.put((p.name, time.monotonic(), obj))
+            obj = event_of(line)
+            if obj is not None:
+                self.q.put((p.name, time.monotonic(), obj))
         self.q.put((p.name, time.monotonic(), {"event": "_eof"}))
 
     def kill(self, name: str) -> None:
@@ -151,13 +145,6 @@ class Swarm:
             if p.popen.poll() is None:
                 _signal_group(p.popen, signal.SIGKILL)
             p.popen.wait()
-
-
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(popen.pid, sig)  # start_new_session: the group id is the child's pid
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def leftover_processes(pids: set[int]) -> list[str]:
