@@ -178,27 +178,15 @@ def _round_record(opt: DecentralizedOptimizer, before: tuple[int, int, int, int,
 
 
 def save_model(model: torch.nn.Module, path: str, metadata: dict[str, str]) -> str:
-    """Write ``model``'s state dict as safetensors, atomically: a reader (or a crash) never sees a
-    half-written file. Returns the path."""
+    """Write ``model``'s state dict as safetensors, atomically and durably (the checkpoint
+    store's writer): a reader (or a crash) never sees a half-written file. Returns the path."""
     import os
-    import tempfile
 
-    from safetensors.torch import save_file
+    from .checkpoint.safetensors_io import write_safetensors
 
     target = os.path.abspath(path)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".p2ptrain-", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=metadata)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a model file is not a secret
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_safetensors(target, {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, metadata)
     return target
 
 

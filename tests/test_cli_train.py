@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -55,6 +56,9 @@ def test_swarm_trains_and_writes_the_model(tmp_path, child_pids):
     assert all(e["epoch"] == 12 and e["rounds"] > 0 for e in done)
     model = tmp_path / "digits-model.safetensors"
     assert model.exists() and model.stat().st_size > 10_000
+    umask = os.umask(0)
+    os.umask(umask)
+    assert model.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not a private temp file
     from safetensors.torch import load_file
 
     assert any(k.endswith("weight") for k in load_file(str(model)))

@@ -75,6 +75,9 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, torch.Ten
             save_file(tensors, tmp, metadata=metadata or None)
         except (KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:
             raise ValueError(f"safetensors cannot write this state: {e}") from None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates it private; a model file is not a secret
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
