@@ -348,10 +348,13 @@ async def test_a_rotten_blob_on_a_providers_disk_is_never_served(peers):
         info = rotten.save(0, epoch=3)
         good.save(0, epoch=3)
         m = rotten.store.manifest(info.manifest_id)
-        blob = rotten.store.blobs.path(m.chunk_digest(m.num_chunks // 2))
-        data = bytearray(blob.read_bytes())
-        data[100] ^= 1
-        blob.write_bytes(bytes(data))  # bit rot on the provider's disk
+        # bit rot in every chunk on this provider's disk: whichever segment the schedule hands it
+        # (that depends on which provider answered first), its first read hits a rotten blob
+        blobs = [rotten.store.blobs.path(m.chunk_digest(i)) for i in range(m.num_chunks)]
+        for blob in blobs:
+            data = bytearray(blob.read_bytes())
+            data[100 % len(data)] ^= 1
+            blob.write_bytes(bytes(data))
         for p in (rotten, good):
             await p.serve()
             await announce(p.node, p.store, p.store.latest(RUN))
@@ -361,7 +364,7 @@ async def test_a_rotten_blob_on_a_providers_disk_is_never_served(peers):
         assert result.corrupt == set() and "failed mid-transfer" in result.dropped[rotten.node.peer_id]
         assert result.contributors[good.node.peer_id] >= 1
         assert_state_equal(restore(*me.store.load(info.manifest_id)), make_state(0))
-        assert not blob.exists()  # the rotten file was removed (a fetch can replace it)
+        assert not all(b.exists() for b in blobs)  # the rotten file it read was removed (a fetch can replace it)
 
 
 async def test_a_failing_sink_ends_the_fetch_without_blaming_providers(peers):
