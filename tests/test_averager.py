@@ -93,3 +93,21 @@ def test_blocking_averager_from_synchronous_code():
             second.close()
     finally:
         first.close()
+
+
+async def test_robust_rule_refuses_pairs_unless_the_swarm_is_two(nodes):
+    """Two peers of a larger swarm (a split round) do not pair under a robust rule: a pair cannot
+    outvote a hostile member, so each keeps its own tensors. Told the swarm has 2 peers, they pair."""
+    peers = await nodes(2)
+    tensors = [torch.full((64,), float(i)) for i in range(2)]
+    avgs = [Averager(nd, "robust", [t], aggregation="trimmed_mean", matchmaking_timeout=1.0) for nd, t in zip(peers, tensors)]
+    try:
+        async with asyncio.timeout(20):
+            split = await asyncio.gather(*(a.step(round_id="split", expected=4) for a in avgs))
+            assert [r.group_size for r in split] == [1, 1]
+            assert [float(t[0]) for t in tensors] == [0.0, 1.0]
+            pair = await asyncio.gather(*(a.step(round_id="pair", expected=2) for a in avgs))
+            assert [r.group_size for r in pair] == [2, 2] and all(r.averaged for r in pair)
+            assert [float(t[0]) for t in tensors] == [0.5, 0.5]
+    finally:
+        await asyncio.gather(*(a.close() for a in avgs))

@@ -115,8 +115,11 @@ def test_peer_runs_a_users_script_with_the_bootstrap_peers(tmp_path):
 
 
 def test_client_mode_peer_trains_with_a_listening_one():
-    """``--client`` (behind NAT: no inbound connections) still averages in a group with a normal peer."""
-    server = subprocess.Popen([*CLI, "peer", "--json", "--epochs", "6", "--wait-peers", "2"], stdout=subprocess.PIPE,
+    """``--client`` (behind NAT: no inbound connections) still averages in a group with a normal peer.
+
+    The listening peer trains 3 epochs longer: with equal counts, a client delayed by one round
+    (state download, a loaded machine) did its last epoch alone after the other had left."""
+    server = subprocess.Popen([*CLI, "peer", "--json", "--epochs", "9", "--wait-peers", "2"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         started = json.loads(server.stdout.readline())

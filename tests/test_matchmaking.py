@@ -179,6 +179,24 @@ async def test_lone_peer_returns_itself_at_deadline(swarm):
     assert 0.8 <= elapsed <= 1.4, elapsed
 
 
+async def test_min_size_waits_for_a_late_third_instead_of_pairing(swarm):
+    """With ``min_size=3`` two early peers keep gathering (a pair is no group) until the third
+    arrives after their settle window, and all three form one group; alone, they would have paired."""
+    make, mm = swarm
+    peers = await make(3)
+    mms = [mm(n) for n in peers]
+    async with asyncio.timeout(12):
+        early = [asyncio.create_task(m.form_group("late", timeout=6.0, min_size=3)) for m in mms[:2]]
+        await asyncio.sleep(1.0)  # the scenario: the third arrives well after the first two settled
+        assert not any(t.done() for t in early)
+        groups = [*await asyncio.gather(mms[2].form_group("late", timeout=6.0, min_size=3), *early)]
+    assert [g.size for g in groups] == [3, 3, 3]
+    assert_consistent(groups, peers)
+    async with asyncio.timeout(12):
+        pairs = await asyncio.gather(*(m.form_group("pair", timeout=6.0) for m in mms[:2]))
+    assert [g.size for g in pairs] == [2, 2]
+
+
 @pytest.mark.parametrize("other", ["shape", "codec"])
 async def test_different_schemas_never_group(swarm, other, caplog):
     make, mm = swarm

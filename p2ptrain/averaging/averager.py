@@ -21,7 +21,7 @@ from ..compression import get_codec
 from ..loop import LoopThread
 from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService
 from .matchmaking import Matchmaker
-from .robust import check_aggregation
+from .robust import MIN_ROBUST_GROUP, check_aggregation
 from .schema import Schema, tensor_schema
 
 log = logging.getLogger("p2ptrain.averager")
@@ -139,7 +139,9 @@ class Averager:
                    timeout: float | None = None, expected: int | None = None) -> StepResult:
         """Average once. Peers meet by ``round_id`` (default: this averager's step counter, so
         peers that step together meet); ``timeout`` bounds the matchmaking; ``expected`` (peers
-        known to come, us included) lets matchmaking stop as soon as they are all there."""
+        known to come, us included) lets matchmaking stop as soon as they are all there. Under a
+        robust aggregation rule groups smaller than 3 are refused unless ``expected`` says the
+        swarm has only 2 peers (see :mod:`.robust`): such a peer gets a group of itself."""
         if not self._started:
             await self.start()
         if not (weight > 0 and weight < float("inf")):
@@ -147,7 +149,11 @@ class Averager:
         rid = str(self._round if round_id is None else round_id)
         self._round += 1
         t0 = time.perf_counter()
-        group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout, expected)
+        min_size = None
+        if self.aggregation != "mean" and (expected is None or expected >= MIN_ROBUST_GROUP):
+            # a pair cannot outvote a hostile member: see robust.py (a 2-peer swarm still pairs up)
+            min_size = max(self.matchmaker.min_group_size, MIN_ROBUST_GROUP)
+        group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout, expected, min_size)
         t1 = time.perf_counter()
         members = [m.peer_id for m in group.members]
         if group.size == 1:

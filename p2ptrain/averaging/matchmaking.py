@@ -181,9 +181,10 @@ class _Lead:
 
 
 class _Round:
-    def __init__(self, round_id: str, key: str):
+    def __init__(self, round_id: str, key: str, min_size: int):
         self.round_id = round_id
         self.key = key
+        self.min_size = min_size  # the smallest group this round may form (else: alone)
         self.state = "gathering"  # gathering | leading | following | done
         self.changed = asyncio.Event()
         self.join_hint = asyncio.Event()
@@ -327,12 +328,15 @@ class Matchmaker:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def form_group(self, round_id: str | int, timeout: float, expected: int | None = None) -> Group:
+    async def form_group(self, round_id: str | int, timeout: float, expected: int | None = None,
+                         min_size: int | None = None) -> Group:
         """Meet the peers averaging the same round and schema; at most ``timeout`` seconds.
 
         ``expected``: how many peers (us included) the caller knows will come, e.g. from the
         training progress in the DHT. Once that many are seen the gather stops at once instead of
         waiting out the settle window, which is most of a round's matchmaking time on a quiet swarm.
+        ``min_size``: this round's smallest acceptable group (default ``min_group_size``; at most
+        ``target_group_size``): a peer that cannot join one that large returns a group of itself.
         """
         if self._closed:
             raise RuntimeError("matchmaker is closed")
@@ -348,7 +352,8 @@ class Matchmaker:
         started = loop.time()
         deadline = started + timeout
         me = self.me()
-        rnd = _Round(round_id, self.round_key(round_id))
+        least = self.min_group_size if min_size is None else max(1, min(min_size, self.target_group_size))
+        rnd = _Round(round_id, self.round_key(round_id), least)
         self._rounds[round_id] = rnd
         self._rounds.move_to_end(round_id)
         while len(self._rounds) > _KEPT_ROUNDS:
@@ -574,7 +579,7 @@ class Matchmaker:
             settle = rnd.settle = settle_window(self.latency, arrivals, timeout)
             reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
             view = [me] + [e.member for e in candidates.values()]
-            if n >= self.min_group_size:
+            if n >= rnd.min_size:
                 everyone = expected is not None and n >= expected
                 if now - last_growth >= settle or everyone or rnd.join_hint.is_set() or now >= deadline - reserve:
                     log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
@@ -599,7 +604,7 @@ class Matchmaker:
                        deadline: float, failed: set[PeerID]) -> Group | None:
         plan = plan_groups(view, rnd.key, self.target_group_size)
         mine = next((g for g in plan if any(m.peer_id == me.peer_id for m in g)), None)
-        if mine is None or len(mine) < self.min_group_size:
+        if mine is None or len(mine) < rnd.min_size:
             await asyncio.sleep(min(_MIN_SETTLE, max(0.0, deadline - asyncio.get_running_loop().time())))
             return None
         if mine[0].peer_id == me.peer_id:
@@ -629,7 +634,7 @@ class Matchmaker:
         log.debug("round %s: leading, closed with %d joined of %d expected (+%d unexpected)", rnd.round_id,
                   len(lead.joined), len(lead.expected), len(set(lead.joined) - lead.expected))
         members = [me] + sorted(lead.joined.values(), key=lambda m: score(m.peer_id, rnd.key))
-        if len(members) < self.min_group_size:
+        if len(members) < rnd.min_size:
             lead.done.set_result(None)
             rnd.lead = None
             return None

@@ -20,6 +20,12 @@ up on) that chunk.
   median distance of the rows from the median: gradients have no natural scale, and an absolute
   ``tau`` that suits one model's gradients either clips nothing or everything on another's.
 
+Why groups of 2 are refused: with ``k = 2`` no rule can tell the hostile row from the honest one
+(the trimmed mean trims nothing, the median of two is their mean), so a hostile peer that lands in
+a pair, e.g. when a round's matchmaking splits the swarm, moves its partner as freely as under
+``mean``. The averager therefore asks matchmaking for groups of at least :data:`MIN_ROBUST_GROUP`
+when the swarm has that many peers; a peer that cannot join one steps on its own gradient.
+
 Why weights are capped: a sender declares its own weight (samples), so under a robust rule each
 weight is capped at the median declared weight; otherwise one peer claiming a huge batch would buy
 back the influence the rule takes away. (``mean`` keeps the declared weights: it trusts peers.)
@@ -32,11 +38,12 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["AGGREGATIONS", "aggregate", "centered_clip", "check_aggregation", "mean", "median", "trimmed_mean"]
+__all__ = ["AGGREGATIONS", "MIN_ROBUST_GROUP", "aggregate", "centered_clip", "check_aggregation", "mean", "median", "trimmed_mean"]
 
 AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip")
 DEFAULT_TRIM = 0.25  # the threat model: up to a quarter of the peers hostile
 DEFAULT_CLIP_ITERS = 20
+MIN_ROBUST_GROUP = 3  # the smallest group in which one hostile row can be outvoted (see above)
 
 
 def check_aggregation(name: object) -> str:
