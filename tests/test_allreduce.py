@@ -495,6 +495,32 @@ async def test_memory_is_per_shard(swarm):
             assert res.buffer_bytes < numel * 4 * 0.3
 
 
+async def test_none_accumulates_in_place(swarm):
+    """``none`` sums into the member's own shard of ``flat``: no shard-sized accumulator at all."""
+    async with asyncio.timeout(20):
+        numel, cn = 1 << 22, 1 << 16
+        group, _h, services = await swarm.group(4, config=AllReduceConfig(chunk_numel=cn))
+        xs, ws = data(4, numel)
+        flats = [x.clone() for x in xs]
+        results = await run_all(group, services, flats, ws, "none")
+        for res, flat in zip(results, flats):
+            assert res.ok
+            assert res.buffer_bytes <= 6 * cn * 4  # chunk buffers only
+            torch.testing.assert_close(flat, weighted_mean(xs, ws), atol=1e-6, rtol=0)
+
+
+async def test_lossy_gather_codec_leaves_members_identical(swarm):
+    """Exact reduce, fp16 replies: each owner keeps what the others decode, not its exact sum."""
+    async with asyncio.timeout(20):
+        group, _h, services = await swarm.group(3, config=AllReduceConfig(chunk_numel=4096))
+        xs, ws = data(3, 20_000, seed=5)
+        flats = [x.clone() for x in xs]
+        results = await run_all(group, services, flats, ws, "none", gather_codec="fp16")
+        assert all(r.ok for r in results)
+        assert torch.equal(flats[0], flats[1]) and torch.equal(flats[0], flats[2])
+        torch.testing.assert_close(flats[0], weighted_mean(xs, ws), atol=4e-3, rtol=1e-3)
+
+
 async def test_rejects_bad_arguments(swarm):
     async with asyncio.timeout(10):
         group, _h, services = await swarm.group(2, config=FAST)

@@ -208,6 +208,20 @@ def test_decode_add(name):
     torch.testing.assert_close(acc, expect, rtol=1e-6, atol=1e-6)
     with pytest.raises(CompressionError):
         codec.decode_add(enc.meta, wire, acc, float("nan"))
+    # with ``base``: acc = base + w * decoded, into a separate tensor or in place
+    base = torch.randn(777)
+    out = torch.full((777,), 7.0)
+    codec.decode_add(enc.meta, wire, out, 0.5, base=base)
+    torch.testing.assert_close(out, base + 0.5 * ref, rtol=1e-6, atol=1e-6)
+    same = base.clone()
+    codec.decode_add(enc.meta, wire, same, 0.5, base=same)
+    torch.testing.assert_close(same, base + 0.5 * ref, rtol=1e-6, atol=1e-6)
+    # a message that fails validation leaves the accumulator untouched, base or not
+    bad = bytearray(wire)
+    before = out.clone()
+    with pytest.raises(CompressionError):
+        codec.decode_add(enc.meta, bytes(bad[:-1]), out, 0.5, base=base)
+    assert torch.equal(out, before)
 
 
 # ---------------------------------------------------------------------------- NaN / inf / range

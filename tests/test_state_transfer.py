@@ -386,3 +386,32 @@ def test_chunk_schedule_hands_out_segments_and_requeues_failures():
     s.done("b")
     assert s.complete and s.idle and s.take("a") is None
     assert dict(s.chunks_from) == {"a": 2, "b": 8}
+
+
+async def test_snapshot_waits_for_the_round_in_flight_to_settle():
+    """A state request that arrives while a round is in flight is answered with the state after
+    it (the epoch the swarm is about to train), not the one whose round is closing."""
+    import threading
+
+    from p2ptrain.optim.state_sync import StateSync
+
+    lock, settled = threading.Lock(), threading.Event()
+    state = {"epoch": 4, "w": torch.zeros(1000)}
+    sync = StateSync(None, "k", lambda: (state["epoch"], {"w": state["w"]}), lock,  # type: ignore[arg-type]
+                     settled=settled, settle_timeout=30.0)
+    refresh = asyncio.ensure_future(sync._refresh())
+    # the round is still running: without the wait the snapshot (of epoch 4) is taken in ~1 ms
+    done, _ = await asyncio.wait([refresh], timeout=0.3)
+    assert not done
+    with lock:  # the round's update lands
+        state["epoch"], state["w"] = 5, torch.ones(1000)
+    settled.set()
+    async with asyncio.timeout(10):
+        result = await refresh
+    assert result is not None
+    manifest, buffer = result
+    assert manifest.meta["epoch"] == 5
+    assert torch.equal(buffer.view(torch.float32)[:1000], torch.ones(1000))
+    # no round in flight: answered at once (and not rebuilt for the same epoch)
+    async with asyncio.timeout(2):
+        assert await sync._refresh() is None

@@ -96,7 +96,7 @@ from dht.transport import Host
 from dht.wire import MAX_FRAME_BODY, pack, unpack
 
 from ..compression import Codec, CompressionError, ErrorFeedback, get_codec
-from ..compression.base import check_finite, frombuffer
+from ..compression.base import check_finite
 from ..compression.float import NoneCodec
 from .group import Group, partition
 from .robust import aggregate, check_aggregation
@@ -320,13 +320,28 @@ class _Round:
         self.buffer_bytes = 0
         self.bytes_sent = self.bytes_received = 0
         self.t_reduce = 0.0
+        # ``none`` on float32 (no error feedback): a chunk's wire bytes are the values themselves.
+        # ``run`` has already checked that ``flat`` is finite, so the sender sends views of ``flat``
+        # directly (no per-chunk encode pass, no worker hop) and the owner folds its own weighted
+        # values into the first foreign contribution in one pass.
+        self.raw = type(codec) is NoneCodec
+        self.acc_in_place = False
         if self.is_owner:
             # The accumulator, filled lazily chunk by chunk (in the worker, pipelined with the
-            # network): own part times own weight at the first foreign contribution. flat[s:e]
-            # itself stays untouched until the division, so a chunk nobody else contributed to
-            # keeps its exact local values.
-            self.acc = svc._take_scratch(e - s)
-            self.buffer_bytes += self.acc.numel() * 4
+            # network): own part times own weight at the first foreign contribution. A chunk
+            # nobody else contributed to keeps its exact local values.
+            if self.raw and not self.robust and codec.check_finite_on_decode:
+                # ``none`` checks every payload before it touches the accumulator, and nobody else
+                # reads our own shard of ``flat`` during the round: accumulate in flat[s:e] itself.
+                # No second shard-sized buffer, and a third less memory traffic than writing a
+                # separate accumulator (and later dividing it back into flat).
+                self.acc = flat[s:e]
+                self.acc_in_place = True
+            else:
+                # Other codecs may reject a message after decode_add began, and robust rules need
+                # our own row at combine time: flat[s:e] stays untouched until the division.
+                self.acc = svc._take_scratch(e - s)
+                self.buffer_bytes += self.acc.numel() * 4
             self.wsum = [float(weight)] * len(self.my_chunks)
             self.count = [1] * len(self.my_chunks)
             if self.robust:
@@ -339,11 +354,6 @@ class _Round:
         self.combined = 0  # robust: chunks of our shard combined so far (a prefix)
         self.combined_ev = asyncio.Event()  # set when ``combined`` grows or the reduce closes
         self.own_shard: ShardResult | None = None
-        # ``none`` on float32 (no error feedback): a chunk's wire bytes are the values themselves.
-        # ``run`` has already checked that ``flat`` is finite, so the sender sends views of ``flat``
-        # directly (no per-chunk encode pass, no worker hop) and the owner folds its own weighted
-        # values into the first foreign contribution in one pass.
-        self.raw = type(codec) is NoneCodec
         self._nbytes: dict[tuple[int, int], int] = {}
 
     def _enc_nbytes(self, codec: Codec, numel: int) -> int:
@@ -455,25 +465,13 @@ class _Round:
             return False
         a, b = self.my_chunks[ci]
         acc = self.acc[a - self.my_start : b - self.my_start]
-        if self.raw and self.count[ci] == 1:
-            # The first foreign contribution: acc = w_own * own + w * theirs, one pass. The size was
-            # checked by the reader (exactly 4 * numel bytes); the values are checked here exactly
-            # as NoneCodec.decode_add would (a rejected message leaves acc untouched).
-            x = frombuffer(buf, torch.float32, 0, b - a)
-            if self.codec.check_finite_on_decode:
-                try:
-                    check_finite(x, "none: received payload")
-                except CompressionError:
-                    raise CompressionError("none: received payload contains NaN or inf; rejecting the message") from None
-            if self.weight == 1.0:
-                torch.add(self.flat[a:b], x, alpha=inc.weight, out=acc)
-            else:
-                torch.mul(self.flat[a:b], self.weight, out=acc)
-                acc.add_(x, alpha=inc.weight)
-        else:
-            if self.count[ci] == 1:  # (re)initialise: a rejected message never counts, see finalize
-                torch.mul(self.flat[a:b], self.weight, out=acc)
-            self.codec.decode_add(dict(self.rmeta, numel=b - a), buf, acc, inc.weight)
+        # acc holds sum_i (w_i / w_own) * x_i with our own values at ratio 1 (``_finalize`` divides
+        # by wsum / w_own): starting it from our own values then needs no multiply pass. The first
+        # foreign contribution writes acc = own + ratio * theirs in one pass; a message that fails
+        # validation leaves acc untouched and never counts (a chunk still at count 1 keeps flat).
+        meta = dict(self.rmeta, numel=b - a)
+        ratio = inc.weight / self.weight
+        self.codec.decode_add(meta, buf, acc, ratio, base=self.flat[a:b] if self.count[ci] == 1 else None)
         self.wsum[ci] += inc.weight
         self.count[ci] += 1
         inc.done = ci + 1
@@ -597,24 +595,25 @@ class _Round:
                 check_finite(x, "none: input chunk")
                 out.copy_(x)
                 return memoryview(out.numpy()).cast("B")
-        elif type(self.gcodec) is NoneCodec and self.wsum[ci] >= 1.0:
-            # Lossless and no overflow possible (|acc / wsum| <= |acc|): check the sum first, then
-            # divide straight into flat and send that (saves the division's pass and a copy).
+        elif type(self.gcodec) is NoneCodec:
+            # Lossless and no overflow possible (the divisor wsum / w_own >= 1 once another
+            # contribution counted): check the sum first, then divide straight into flat and send
+            # that (saves the division's pass and a copy).
             check_finite(x, "none: input chunk")
-            torch.div(x, self.wsum[ci], out=out)
+            torch.div(x, self.wsum[ci] / self.weight, out=out)
             return memoryview(out.numpy()).cast("B")
         else:
-            x.div_(self.wsum[ci])
+            x.div_(self.wsum[ci] / self.weight)
         enc = self.gcodec.encode(x)
         bufs = enc.buffers
         data = bufs[0] if len(bufs) == 1 else torch.cat([t if isinstance(t, torch.Tensor) else
                                                          torch.frombuffer(bytearray(t), dtype=torch.uint8) for t in bufs])
         mv = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)
-        if x is not out:
-            if self.gcodec.lossless:
-                out.copy_(x)
-            else:  # hold exactly what the other members will decode
+        if not self.gcodec.lossless:
+            if self.count[ci] > 1:  # hold exactly what the other members will decode
                 self.gcodec.decode(dict(self.gmeta, numel=b - a), mv, out=out)
+        elif x.data_ptr() != out.data_ptr():  # (an in-place accumulator is ``out`` already)
+            out.copy_(x)
         return mv
 
     async def _own_shard(self) -> None:
@@ -858,7 +857,7 @@ class AllReduceService:
         """Keep ``rnd``'s accumulator for the next round once no work of ``rnd`` can touch it: the
         worker is FIFO, so a no-op submitted now runs after every job ``rnd`` queued."""
         acc = getattr(rnd, "acc", None)
-        if acc is None or acc.numel() < self._SCRATCH_MIN or self._closed:
+        if acc is None or rnd.acc_in_place or acc.numel() < self._SCRATCH_MIN or self._closed:
             return
         base = acc._base if acc._base is not None else acc
         if not rnd.offload:

@@ -127,6 +127,10 @@ class Averager:
             self._flat[offset : offset + n].copy_(t.detach().reshape(-1))
             offset += n
 
+    def scatter(self) -> None:
+        """Write the last round's result into the tensors (what ``step(scatter=False)`` skipped)."""
+        self._scatter()
+
     def _scatter(self) -> None:
         offset = 0
         with torch.no_grad():
@@ -136,12 +140,14 @@ class Averager:
                 offset += n
 
     async def step(self, weight: float = 1.0, round_id: str | int | None = None,
-                   timeout: float | None = None, expected: int | None = None) -> StepResult:
+                   timeout: float | None = None, expected: int | None = None, scatter: bool = True) -> StepResult:
         """Average once. Peers meet by ``round_id`` (default: this averager's step counter, so
         peers that step together meet); ``timeout`` bounds the matchmaking; ``expected`` (peers
         known to come, us included) lets matchmaking stop as soon as they are all there. Under a
         robust aggregation rule groups smaller than 3 are refused unless ``expected`` says the
-        swarm has only 2 peers (see :mod:`.robust`): such a peer gets a group of itself."""
+        swarm has only 2 peers (see :mod:`.robust`): such a peer gets a group of itself.
+        ``scatter=False`` leaves the tensors as they were and the result in the averager until
+        :meth:`scatter`, so a caller can write it back under its own lock."""
         if not self._started:
             await self.start()
         if not (weight > 0 and weight < float("inf")):
@@ -161,7 +167,8 @@ class Averager:
         self._gather()
         result = await self.service.run(group, group.rank_of(self.dht.peer_id), self._flat, weight, self.codec_name,
                                        aggregation=self.aggregation)
-        self._scatter()
+        if scatter:
+            self._scatter()
         t2 = time.perf_counter()
         return StepResult(
             rid, group.size, members,

@@ -160,17 +160,22 @@ class Codec:
         self._decode_into(meta, mv, numel, out)
         return out
 
-    def decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+    def decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0,
+                   base: torch.Tensor | None = None) -> torch.Tensor:
         """``acc += weight * decode(meta, buffer)`` without a full-size temporary where the codec allows.
 
         ``acc`` is a flat float tensor (float32 recommended) of ``meta["numel"]`` values. A message
-        that fails validation leaves ``acc`` untouched."""
+        that fails validation leaves ``acc`` untouched. With ``base`` (same shape, may be ``acc``
+        itself): ``acc = base + weight * decode(...)`` instead, in one pass over memory where the
+        codec allows; it starts an accumulator from one's own values without a separate copy."""
         numel, _dtype, mv = self._validate(meta, buffer)
         self._check_out(acc, numel)
+        if base is not None and base.shape != acc.shape:
+            raise ValueError(f"base has shape {list(base.shape)}, acc {list(acc.shape)}")
         weight = float(weight)
         if not math.isfinite(weight):
             raise CompressionError(f"weight must be finite, got {weight}")
-        self._decode_add(meta, mv, numel, acc, weight)
+        self._decode_add(meta, mv, numel, acc, weight, base)
         return acc
 
     def __repr__(self) -> str:
@@ -186,10 +191,11 @@ class Codec:
     def _decode_into(self, meta: dict, buf: memoryview, numel: int, out: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _decode_add(self, meta: dict, buf: memoryview, numel: int, acc: torch.Tensor, weight: float) -> None:
+    def _decode_add(self, meta: dict, buf: memoryview, numel: int, acc: torch.Tensor, weight: float,
+                    base: torch.Tensor | None) -> None:
         tmp = torch.empty(numel, dtype=torch.float32, device=acc.device)
-        self._decode_into(meta, buf, numel, tmp)
-        acc.add_(tmp, alpha=weight)
+        self._decode_into(meta, buf, numel, tmp)  # validates before acc is touched
+        torch.add(acc if base is None else base, tmp, alpha=weight, out=acc)
 
     def _extra_meta_keys(self) -> dict[str, type]:
         """Codec-specific meta keys and their types (validated to equal this codec's settings)."""

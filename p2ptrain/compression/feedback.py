@@ -75,5 +75,6 @@ class ErrorFeedback(Codec):
     def decode(self, meta: Any, buffer: BufferLike, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.codec.decode(meta, buffer, out)
 
-    def decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
-        return self.codec.decode_add(meta, buffer, acc, weight)
+    def decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0,
+                   base: torch.Tensor | None = None) -> torch.Tensor:
+        return self.codec.decode_add(meta, buffer, acc, weight, base)

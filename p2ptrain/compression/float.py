@@ -69,15 +69,12 @@ class _CastCodec(Codec):
     def _decode_into(self, meta, buf, numel, out):
         out.copy_(self._payload(meta, buf, numel, out.device))
 
-    def _decode_add(self, meta, buf, numel, acc, weight):
+    def _decode_add(self, meta, buf, numel, acc, weight, base):
         x = self._payload(meta, buf, numel, acc.device)
         if x.dtype != acc.dtype:
             # a mixed-dtype add would cast x into a fresh full-size temporary: cast into scratch
             x = scratch("cast.dec", numel, acc.dtype, acc.device).copy_(x)
-        if weight == 1.0:
-            acc.add_(x)
-        else:
-            acc.add_(x, alpha=weight)
+        torch.add(acc if base is None else base, x, alpha=weight, out=acc)
 
 
 def _meta_dtype(meta: dict) -> torch.dtype:

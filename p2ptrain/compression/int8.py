@@ -127,12 +127,14 @@ class Int8Codec(Codec):
         if f32 is not out:
             out.copy_(f32)
 
-    def _decode_add(self, meta, buf, numel, acc, weight):
+    def _decode_add(self, meta, buf, numel, acc, weight, base):
         scales, q = self._unpack(buf, numel, acc.device)
         if weight != 1.0:
             scales = scales * weight
         qf = scratch("int8.dec", numel, torch.float32, acc.device)
         qf.copy_(q)  # addcmul_ with an int8 operand would cast it into a fresh temporary
+        src = acc if base is None else base
         for start, stop, rows, cols, b0 in self._parts(numel):
             s = scales[b0 : b0 + rows].unsqueeze(1)
-            acc[start:stop].view(rows, cols).addcmul_(qf[start:stop].view(rows, cols), s)
+            torch.addcmul(src[start:stop].view(rows, cols), qf[start:stop].view(rows, cols), s,
+                          out=acc[start:stop].view(rows, cols))

@@ -108,6 +108,8 @@ class TopKCodec(Codec):
         out.zero_()
         out.index_put_((idx,), vals.to(out.dtype))
 
-    def _decode_add(self, meta, buf, numel, acc, weight):
+    def _decode_add(self, meta, buf, numel, acc, weight, base):
         vals, idx = self._unpack(buf, numel, acc.device)
+        if base is not None and base.data_ptr() != acc.data_ptr():
+            acc.copy_(base)
         acc.index_add_(0, idx, vals.to(acc.dtype), alpha=weight)

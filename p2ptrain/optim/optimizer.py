@@ -223,6 +223,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
         self._state_lock = threading.Lock()  # held while parameters change (snapshots wait on it)
+        # Clear while this epoch's round (and its update) is in flight: a joiner asking for our
+        # state then gets the state right after it, at the start of the epoch the swarm is about
+        # to train, instead of the state of an epoch whose round is already closing, which left
+        # it a step behind, so it had to download everything again at its first step.
+        self._settled = threading.Event()
+        self._settled.set()
         self._closed = False
         self._applied = 0  # global updates contained in our state (what a snapshot is labelled)
         self._outer_momentum_in_state = outer_momentum_in_state
@@ -232,7 +238,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._state_shapes: list[Any] = []
         self._last_expected = 1
         self.load_state_timeout = load_state_timeout
-        self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock)
+        self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock,
+                                    settled=self._settled, settle_timeout=matchmaking_timeout)
         self.scheduler = scheduler(self) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
         self.checkpointer: Checkpointer | None = None
         try:
@@ -391,6 +398,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._corrupt is not None:
             self._corrupt(self._buffers)
         epoch = self.epoch
+        if not self.delay_updates:  # (delayed: the round overlaps training; snapshots do not wait)
+            self._settled.clear()
         self.tracker.report(epoch, samples, self._sps, ready=True)
         future = self._average(epoch, samples, view)
         self.epoch += 1
@@ -423,6 +432,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if future is None or (not wait and not future.done()):
             return
         self._pending = None
+        try:
+            self._apply_round(future)
+        finally:
+            self._settled.set()
+
+    def _apply_round(self, future: Future[StepResult | None]) -> None:
         result = self._round_result(future)
         if self._last_expected > 1 and (result is None or result.group_size == 1):
             # Others were there but we met nobody (we came late, or the round failed): stepping
@@ -487,11 +502,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 matchmaking_timeout=self.matchmaking_timeout, service=self.averager.service,
             )
             self._state_shapes = shapes
-        with self._state_lock:
-            future = self._loop.submit(self._state_averager.step(weight=1.0, round_id=f"s{epoch}",
-                                                                 timeout=self.matchmaking_timeout,
-                                                                 expected=self._last_expected))
-            result = self._round_result(future)
+        # Only this (training) thread changes the state, and it waits here for the round: the
+        # state lock is needed for writing the average back, not across matchmaking and the
+        # network (a snapshot for a joiner would wait for all of it).
+        future = self._loop.submit(self._state_averager.step(weight=1.0, round_id=f"s{epoch}",
+                                                             timeout=self.matchmaking_timeout,
+                                                             expected=self._last_expected, scatter=False))
+        result = self._round_result(future)
+        if result is not None and result.group_size > 1:
+            with self._state_lock:
+                self._state_averager.scatter()
         if result is not None:
             self.stats.state_rounds += 1
             self.stats.bytes_sent += result.bytes_sent
@@ -666,6 +686,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._corrupt is not None:
             self._corrupt(self._buffers)
         epoch = self.epoch
+        self._settled.clear()
+        try:
+            self._outer_round(epoch, samples, view)
+        finally:
+            self._settled.set()
+
+    def _outer_round(self, epoch: int, samples: int, view: SwarmView) -> None:
+        assert self.outer_optimizer is not None
         self.tracker.report(epoch, samples, self._sps, ready=True)
         result = self._round_result(self._average(epoch, samples, view))
         with self._state_lock:

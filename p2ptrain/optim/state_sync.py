@@ -37,11 +37,16 @@ class StateSync:
     ``lock`` held, which the training thread holds while it changes parameters, so a snapshot never
     mixes two steps) and fetches other peers' state."""
 
-    def __init__(self, host: Host, key: str, state: Callable[[], tuple[int, Any]], lock: threading.Lock):
+    def __init__(self, host: Host, key: str, state: Callable[[], tuple[int, Any]], lock: threading.Lock,
+                 *, settled: threading.Event | None = None, settle_timeout: float = 5.0):
         self.host = host
         self.key = key
         self._state = state
         self._lock = lock
+        #: set while no round is in flight: a snapshot waits for it (at most ``settle_timeout``),
+        #: so a joiner gets the state of the epoch about to start, not of one whose round is closing
+        self._settled = settled
+        self.settle_timeout = settle_timeout
         self._served_epoch: int | None = None
         self.server = StateServer(host)
 
@@ -63,6 +68,8 @@ class StateSync:
                 seen["epoch"] = epoch
                 return state
 
+            if self._settled is not None:
+                self._settled.wait(self.settle_timeout)
             with self._lock:
                 if self._state()[0] == self._served_epoch:
                     return None
