@@ -16,6 +16,10 @@ process starts (from source address 127.0.0.2, so a per-IP limit can tell it fro
   with its DH and signature work) and then never the third;
 * ``rpc``: ``--rpc-conns`` completed handshakes (a fresh identity each) spamming ``find_node`` calls,
   64 in flight per connection (the per-connection cap), as fast as answers come.
+* ``streams``: ``--rpc-conns`` completed handshakes, each opening as many all-reduce streams as the
+  victim accepts (64 tried), headed for rounds that never start (the victim's service holds such a
+  stream up to its accept wait, unread), and filling each one's flow-control window with junk;
+  every stream the victim resets is opened again. What a peer can make another hold in memory.
 
 Per row: the victim's local samples/s over the attack window (its progress events), the ratio to
 ``none``, how long the swarm took to finish, the victim's RSS (MB, at attack start and the max) and
@@ -55,6 +59,7 @@ def _raise_nofile() -> int:
 class _Counts:
     def __init__(self) -> None:
         self.opened = self.closed_by_victim = self.refused = self.rpcs = self.rpc_errors = 0
+        self.streams = self.stream_resets = self.junk_mb = 0
 
 
 async def _hold(host: str, port: int, counts: _Counts, first: Callable[[], bytes] | None, stop: asyncio.Event) -> None:
@@ -136,6 +141,52 @@ async def _spam(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.
             await h.close()
 
 
+async def _fill_streams(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, per_conn: int) -> None:
+    """One fresh identity, one completed handshake, ``per_conn`` stream slots: open an all-reduce
+    stream for a made-up group, write a window of junk, wait for the victim's reset, repeat."""
+    from dht.identity import Identity, PeerID
+    from dht.transport import Host
+    from p2ptrain.averaging.allreduce import PROTOCOL
+
+    junk = os.urandom(1 << 20)
+
+    async def slot(conn) -> None:  # type: ignore[no-untyped-def]
+        while not stop.is_set() and not conn.is_closed:
+            try:
+                stream = await conn.open_stream(PROTOCOL, {"g": os.urandom(16)})
+                counts.streams += 1
+                for _ in range(conn.remote_window // len(junk)):
+                    await stream.write(junk, timeout=30)
+                    counts.junk_mb += 1
+                await stream.read(timeout=60)  # until the victim gives up on it
+            except Exception:
+                counts.stream_resets += 1
+                await asyncio.sleep(0.05)
+
+    while not stop.is_set():
+        h = Host(Identity(), None)
+        await h.start()
+        try:
+            conn = await h.connect(host, port, PeerID.from_base58(peer), timeout=10)
+            counts.opened += 1
+            await asyncio.gather(*(slot(conn) for _ in range(per_conn)))
+        except Exception:
+            counts.refused += 1
+            await asyncio.sleep(0.1)
+        finally:
+            await h.close()
+
+
+def _from_attacker(orig: Callable) -> Callable:
+    """``loop.create_connection`` dialing from the attacker's address (a Host dials from the default one)."""
+
+    def create_connection(*a, **kw):  # type: ignore[no-untyped-def]
+        kw.setdefault("local_addr", (ATTACKER_IP, 0))
+        return orig(*a, **kw)
+
+    return create_connection
+
+
 async def _attack(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -143,15 +194,12 @@ async def _attack(args: argparse.Namespace) -> None:
     counts = _Counts()
     host, port = args.target.rsplit(":", 1)
     if args.mode == "rpc":
-        # the Host dials from the default source: bind it to the attacker address
-        orig = loop.create_connection
-
-        def create_connection(*a, **kw):  # type: ignore[no-untyped-def]
-            kw.setdefault("local_addr", (ATTACKER_IP, 0))
-            return orig(*a, **kw)
-
-        loop.create_connection = create_connection  # type: ignore[method-assign]
+        loop.create_connection = _from_attacker(loop.create_connection)  # type: ignore[method-assign]
         tasks = [loop.create_task(_spam(host, int(port), args.peer, counts, stop, 64)) for _ in range(args.rpc_conns)]
+    elif args.mode == "streams":
+        loop.create_connection = _from_attacker(loop.create_connection)  # type: ignore[method-assign]
+        tasks = [loop.create_task(_fill_streams(host, int(port), args.peer, counts, stop, 64))
+                 for _ in range(args.rpc_conns)]
     else:
         first = _msg1_factory() if args.mode == "stall" else None
         tasks = [loop.create_task(_hold(host, int(port), counts, first, stop)) for _ in range(args.sockets)]
@@ -269,6 +317,7 @@ def run_row(mode: str, args: argparse.Namespace) -> dict:
             "rounds": v["rounds"], "failed": v["failed_rounds"], "rss0": rss0,
             "rss_max": max((s[0] for s in samples), default=rss0), "fds_max": max((s[1] for s in samples), default=0),
             "opened": last.get("opened", 0), "rpcs": last.get("rpcs", 0), "t_first": t_first,
+            "streams": last.get("streams", 0), "junk_mb": last.get("junk_mb", 0),
             "joins_ok": sum(ok for ok, _ in joins), "joins": len(joins),
             "join_ms": 1e3 * statistics.median([t for ok, t in joins if ok]) if any(ok for ok, _ in joins) else float("nan")}
 
@@ -277,7 +326,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd")
     a = sub.add_parser("attack", help="(internal) the attacker process")
-    a.add_argument("--mode", required=True, choices=["cpu", "connect", "stall", "rpc"])
+    a.add_argument("--mode", required=True, choices=["cpu", "connect", "stall", "rpc", "streams"])
     a.add_argument("--target", required=True, help="host:port")
     a.add_argument("--peer", required=True, help="the victim's PeerID")
     a.add_argument("--sockets", type=int, default=2000)
@@ -310,7 +359,8 @@ def main() -> None:
               f"{r['wall']:5.1f} s  acc {r['acc']:.3f}  rounds {r['rounds']} (failed {r['failed']})  "
               f"RSS {r['rss0']:.0f} -> max {r['rss_max']:.0f} MB  fds max {r['fds_max']}  "
               f"newcomers {r['joins_ok']}/{r['joins']} in {r['join_ms']:.0f} ms  "
-              f"attacker: {r['opened']} conns, {r['rpcs']} rpcs", flush=True)
+              f"attacker: {r['opened']} conns, {r['rpcs']} rpcs, {r['streams']} streams, {r['junk_mb']} MB sent",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,7 @@ class Result:
     hangs: list[str] = field(default_factory=list)
     losses: list[str] = field(default_factory=list)
     failed_joins: list[str] = field(default_factory=list)  # all its bootstrap peers died first
+    cache_joins: list[str] = field(default_factory=list)  # same, but it joined through its peer cache
     stopped_while_joining: int = 0
     survivors: int = 0
     accuracies: list[float] = field(default_factory=list)
@@ -387,6 +388,7 @@ def run_swarm(opts: argparse.Namespace, workdir: Path, churn: bool, stop: thread
         res.mean_training_peers = peer_seconds / res.seconds
         res.samples = samples_at_stop - samples_at_t0
     res.leftover = leftover_processes(swarm.pids)
+    res.cache_joins = [p.name for p in swarm.procs.values() if _joined_through_cache(p)]
     survivors = [p for p in swarm.procs.values() if not p.bootstrap and p.stopping and p.started is not None]
     res.survivors = len(survivors)
     res.accuracies = [a for p in survivors if (a := _evaluate_file(opts.example, p.save)) is not None]
@@ -401,6 +403,15 @@ def run_swarm(opts: argparse.Namespace, workdir: Path, churn: bool, stop: thread
             res.checkpoint.update(ok=False, error=f"gc found problems: {gc.problems[:3]}")
     res.temp_after_gc = temp_files(workdir)
     return res
+
+
+def _joined_through_cache(p: Proc) -> bool:
+    """Whether the process logged that every bootstrap address failed and its peer cache (shared
+    in ``--data-dir``, as peers of one machine share it) got it in: a join that used to fail."""
+    try:
+        return "from the peer cache" in p.log_path.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _shutdown(swarm: Swarm, res: Result, grace: float, pump: Any, say: Any) -> None:
@@ -533,6 +544,7 @@ def table(results: list[Result], target: float | None) -> str:
     row("newcomer start s (median)", lambda r: f"{sorted(j['start_s'] for j in r.joins)[len(r.joins) // 2]:.1f}"
         if r.joins else "-")
     row("failed joins (all bootstrap peers gone)", lambda r: str(len(r.failed_joins)))
+    row("joins through the peer cache (same)", lambda r: str(len(r.cache_joins)))
     row("hangs", lambda r: str(len(r.hangs)))
     row("losses", lambda r: str(len(r.losses)))
     row("temp files after kills / after gc", lambda r: f"{len(r.temp_before_gc)} / {len(r.temp_after_gc)}")

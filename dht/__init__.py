@@ -1,7 +1,8 @@
 """A standalone Kademlia DHT over authenticated, encrypted asyncio connections.
 
 Knows nothing of torch or training. Layers, each depending only on the ones before it:
-identity/multiaddr -> wire/noise -> transport/stream -> routing/storage -> node.
+identity/multiaddr -> wire/noise -> transport/stream -> relay (circuits through a public peer)
+-> routing/storage -> node.
 """
 
 from .errors import (
@@ -20,12 +21,14 @@ from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
 from .node import BootstrapRefused, DHTConfig, DHTNode, LookupResult, ValueWithExpiration
 from .noise import SwarmKeyMismatch
+from .relay import CircuitLimit, RelayRefused, RelayService
 from .swarmkey import SwarmKey
 from .transport import Connection, Host, Limits
 
 __all__ = [
     "BootstrapError",
     "BootstrapRefused",
+    "CircuitLimit",
     "ConfigError",
     "Connection",
     "DHTConfig",
@@ -44,6 +47,8 @@ __all__ = [
     "ProtocolError",
     "RPCError",
     "RPCTimeout",
+    "RelayRefused",
+    "RelayService",
     "SwarmKey",
     "SwarmKeyMismatch",
     "ValueWithExpiration",

@@ -18,12 +18,15 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
-from .errors import BootstrapError, DHTError, InvalidRecord, ProtocolError
+from .bootstrap import DialPlan
+from .errors import BootstrapError, DHTError, HandshakeError, InvalidRecord, PeerUnreachable, ProtocolError
 from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
 from .noise import SwarmKeyMismatch
+from .peercache import MAX_PEERS, cache_entries, load_peer_cache, save_peer_cache
 from .routing import Contact, Lookup, RoutingTable, key_id, node_id_of
 from .storage import Record, RecordStore, merge_records, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
@@ -64,6 +67,11 @@ class DHTConfig:
     max_records: int = 100_000
     max_records_per_source: int = 2_000
     max_ttl: float = 86_400.0
+    #: a file where the node keeps the addresses of peers it recently talked to (see
+    #: ``dht.peercache``), dialed when every bootstrap address fails; None (the default): no cache
+    peer_cache: str | Path | None = None
+    peer_cache_size: int = MAX_PEERS
+    peer_cache_interval: float = 30.0  # at most one rewrite this often (and one on close)
 
 
 def _key_bytes(key: str | bytes) -> bytes:
@@ -162,6 +170,10 @@ class DHTNode:
         self._received_at: dict[bytes, float] = {}  # key -> when a peer last replicated it to us
         self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
         self._started = False
+        self._joined = False  # start() succeeded and close() has not run: the routing table is worth saving
+        self._cache_saved: set[str] = set()
+        self._cache_saved_at: float | None = None
+        self._cache_warned = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -176,8 +188,16 @@ class DHTNode:
     async def start(self, bootstrap: Iterable[Multiaddr | str] = ()) -> None:
         """Listen, then join through ``bootstrap``; with no bootstrap this is the first peer.
 
-        Raises BootstrapError (and cleans up) when none of the bootstrap peers answers within
-        ``config.bootstrap_timeout``.
+        Addresses that refuse or time out are retried with backoff until ``config.bootstrap_timeout``
+        (see ``dht.bootstrap``): under churn the peers a newcomer was told about may be dead, or
+        still starting. Once every given address has failed at least once, the peers listed in
+        ``config.peer_cache`` are dialed too. With no bootstrap address at all the cache is *not*
+        used: "no bootstrap" means "start a new swarm", and joining whatever swarm a previous run on
+        this machine belonged to would be a surprise (the cache is still written, for a restart
+        that names a bootstrap peer which has since died).
+
+        Raises BootstrapError (and cleans up) when no peer answers within the timeout, and
+        BootstrapRefused at once when every given peer refuses our swarm key.
         """
         h = self.host
         h.on_request("ping", self._rpc_ping)
@@ -194,43 +214,133 @@ class DHTNode:
         except BaseException:
             await self.close()
             raise
+        self._joined = True
         self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
 
     async def _bootstrap(self, addrs: list[Multiaddr]) -> None:
-        errors: list[str] = []
+        cfg = self.config
+        cache = self._peer_cache
+        cached = load_peer_cache(cache, cfg.peer_cache_size) if cache is not None else []
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        plan = DialPlan(addrs, cached, now=t0, timeout=cfg.bootstrap_timeout, rng=self._rng)
+        attempts: dict[asyncio.Task, Multiaddr] = {}
         refusals: list[SwarmKeyMismatch] = []
-
-        async def reach(addr: Multiaddr) -> bool:
-            try:
-                conn = await self.host.connect_addr(addr, timeout=self.config.bootstrap_timeout)
-                await conn.call("ping", None, timeout=self.config.rpc_timeout)
-                self._learn(conn)
-                return True
-            except (DHTError, OSError) as e:
-                errors.append(f"{addr}: {e}")
-                if isinstance(e, SwarmKeyMismatch):
-                    refusals.append(e)
-                return False
-
+        joined = False
         try:
-            async with asyncio.timeout(self.config.bootstrap_timeout + 1):
-                results = await asyncio.gather(*(reach(a) for a in addrs))
-        except TimeoutError:
-            results = []
-        if not any(results) and refusals and len(refusals) == len(errors):
-            raise BootstrapRefused(refusals[0])
-        if not any(results):
-            detail = "; ".join(errors) or "timed out"
-            raise BootstrapError(
-                f"could not reach any bootstrap peer within {self.config.bootstrap_timeout:.0f} s ({detail}); "
-                "check the address and that the peer is running"
-            )
+            while not joined:
+                now = loop.time()
+                for addr in plan.due(now):
+                    attempts[self._spawn(self._reach(addr))] = addr
+                if plan.expired(now) or plan.given_up or (not attempts and plan.idle):
+                    break
+                if not attempts:
+                    await asyncio.sleep(plan.wait(now))
+                    continue
+                done, _ = await asyncio.wait(attempts, timeout=plan.wait(now), return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    addr = attempts.pop(task)
+                    error = task.exception() if not task.cancelled() else PeerUnreachable("dial cancelled")
+                    if error is None:
+                        joined = True
+                        if plan.targets[str(addr)].cached:
+                            log.warning("every bootstrap address failed; joined through %s from the peer cache %s",
+                                        addr, cache)
+                        continue
+                    if not isinstance(error, (DHTError, OSError)):
+                        raise error  # a bug, not a network failure: let it surface
+                    if isinstance(error, SwarmKeyMismatch):
+                        refusals.append(error)
+                    plan.failed(addr, str(error) or type(error).__name__, loop.time(),
+                                permanent=self._permanent_failure(addr, error),
+                                refused=isinstance(error, SwarmKeyMismatch))
+        finally:
+            for task in attempts:
+                task.cancel()
+            if attempts:
+                await asyncio.gather(*attempts, return_exceptions=True)
+        if not joined:
+            if plan.all_refused:
+                raise BootstrapRefused(refusals[0])
+            raise BootstrapError(self._bootstrap_failure(plan, loop.time() - t0))
         # Kademlia join: look ourselves up to fill the near buckets; the far ones are refreshed
         # in the background (``_maintain``) so that start() returns as soon as we are routable.
         await self._lookup_nodes(self.node_id)
 
+    async def _reach(self, addr: Multiaddr) -> None:
+        """One bootstrap attempt: dial and ping. The plan's deadline bounds it (the caller cancels
+        what is still in flight), so the dial itself may take the whole budget."""
+        conn = await self.host.connect_addr(addr, timeout=self.config.bootstrap_timeout)
+        await conn.call("ping", None, timeout=self.config.rpc_timeout)
+        self._learn(conn)
+
+    def _permanent_failure(self, addr: Multiaddr, error: BaseException) -> bool:
+        """Failures no retry can fix: the peer is in another swarm, the address is our own, or
+        another peer answers there. A handshake cut short (peer dying, listener overloaded) is
+        transient. The identity mismatch is only told apart by its message (noise.py's "dialed X but
+        reached Y"): the transport re-raises every handshake failure as a plain HandshakeError."""
+        if isinstance(error, SwarmKeyMismatch) or addr.peer_id == self.peer_id:
+            return True
+        return isinstance(error, HandshakeError) and "but reached" in str(error)
+
+    def _bootstrap_failure(self, plan: DialPlan, elapsed: float) -> str:
+        given = plan.given
+        if plan.given_up:
+            return (f"could not join: every bootstrap peer rejected the connection ({plan.summary()}); "
+                    "check the addresses (the /p2p/ part must be the peer id the peer prints) and --swarm-key-file")
+        cached = plan.cached
+        tried_cache = sum(1 for t in cached if t.attempts)
+        also = f", nor any of {tried_cache} cached peer(s) from {self._peer_cache}" if tried_cache else ""
+        return (f"could not reach any bootstrap peer within {elapsed:.1f} s ({len(given)} address(es), "
+                f"{sum(t.attempts for t in given)} attempt(s); {plan.summary()}){also}; "
+                "check the address and that the peer is running")
+
+    @property
+    def _peer_cache(self) -> Path | None:
+        pc = self.config.peer_cache
+        return None if pc is None else Path(pc).expanduser()
+
+    def peer_cache_entries(self) -> list[Multiaddr]:
+        """What the peer cache would hold now: listening peers that answered, newest first."""
+        return cache_entries(self.routing, self.peer_id, self.config.peer_cache_size)
+
+    def save_peer_cache(self) -> bool:
+        """Write the peer cache now (atomically); False when there is none, nothing to save (an
+        empty table never overwrites a useful cache), or it could not be written (one warning)."""
+        entries = self.peer_cache_entries()
+        return self._write_peer_cache(entries) if entries else False
+
+    def _write_peer_cache(self, entries: list[Multiaddr]) -> bool:
+        """The file write alone, safe in a worker thread (``entries`` were read on the loop)."""
+        path = self._peer_cache
+        if path is None:
+            return False
+        try:
+            save_peer_cache(path, entries, self.config.peer_cache_size)
+        except OSError as e:
+            if not self._cache_warned:
+                self._cache_warned = True
+                log.warning("cannot write the peer cache %s (%s); continuing without it", path, e.strerror or e)
+            return False
+        self._cache_saved = {str(a) for a in entries}
+        self._cache_saved_at = time.monotonic()
+        return True
+
+    async def _refresh_peer_cache(self) -> None:
+        """Rewrite the cache when its peers changed, at most every ``peer_cache_interval`` (the
+        first time right after joining: a peer SIGKILLed early still leaves a useful cache). The
+        write (with its fsync) runs in a thread so that a slow disk never stalls the node."""
+        if self._peer_cache is None:
+            return
+        if self._cache_saved_at is not None and \
+                time.monotonic() - self._cache_saved_at < self.config.peer_cache_interval:
+            return
+        entries = self.peer_cache_entries()
+        if entries and {str(a) for a in entries} != self._cache_saved:
+            await asyncio.to_thread(self._write_peer_cache, entries)
+
     async def close(self) -> None:
-        """Cancel every task this node owns and close all connections."""
+        """Cancel every task this node owns, save the peer cache, and close all connections."""
         tasks = list(self._tasks)
         if self._maintenance is not None:
             tasks.append(self._maintenance)
@@ -238,6 +348,9 @@ class DHTNode:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self._joined:
+            self._joined = False
+            self.save_peer_cache()
         if self._started:
             await self.host.close()
 
@@ -494,6 +607,7 @@ class DHTNode:
             try:
                 self.storage.remove_expired(time.time())
                 await self._refresh()
+                await self._refresh_peer_cache()
                 if time.monotonic() >= self._next_republish:
                     await self.republish()
                     # Timed from the end of the round: an overrunning round never runs back to back.

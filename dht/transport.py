@@ -26,7 +26,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .aio import wait_event
 from .errors import (
@@ -59,6 +59,9 @@ from .wire import (
     unpack,
 )
 
+if TYPE_CHECKING:
+    from .relay import RelayClient
+
 log = logging.getLogger("dht.transport")
 
 DEFAULT_PROLOGUE = b"p2ptrain/noise/1"
@@ -76,8 +79,16 @@ class Limits:
     frame_timeout: float = 30.0  # a started frame must complete within this (slow-loris guard)
     idle_timeout: float = 300.0  # connections with nothing in flight are closed after this
     max_concurrent_requests: int = 64  # per connection; more get a "busy" error
-    max_streams: int = 64  # per connection
+    max_streams: int = 64  # per connection, both directions
     stream_window: int = 8 << 20
+    #: Memory a peer can make us hold: every stream it opens may fill its window (``stream_window``)
+    #: with data its handler has not read yet, so streams opened by the remote side are capped per
+    #: connection (16 x 8 MiB = 128 MiB per peer, with at most 64 x 1 MiB RPC bodies in flight) and,
+    #: summed over all connections, to ``max_inbound_stream_memory`` of windows (128 streams by
+    #: default). Past either cap a new stream is reset with a reason ("too many streams", "busy")
+    #: and the streams already open go on. An averaging round opens 1-2 streams per peer pair.
+    max_inbound_streams: int = 16
+    max_inbound_stream_memory: int = 1 << 30
     max_connections: int = 1024
     #: inbound connections still in their handshake, from all addresses / from one IP address.
     #: Past either cap a new inbound connection is closed at once: a flood of sockets that never
@@ -188,6 +199,7 @@ class Connection(asyncio.BufferedProtocol):
         self._calls: dict[int, asyncio.Future] = {}
         self._serving: dict[int, asyncio.Task] = {}
         self._streams: dict[int, Stream] = {}
+        self._inbound: set[int] = set()  # ids of the streams the remote side opened
         self._tasks: set[asyncio.Task] = set()
         self._write_ok = asyncio.Event()
         self._write_ok.set()
@@ -463,12 +475,23 @@ class Connection(asyncio.BufferedProtocol):
         if not (isinstance(msg, list) and len(msg) == 2 and isinstance(msg[0], str)):
             raise ProtocolError("malformed stream open")
         protocol, header = msg
-        handler = self.host._stream_handlers.get(protocol)
-        if handler is None or len(self._streams) >= self.host.limits.max_streams:
-            reason = f"unknown protocol {protocol!r}" if handler is None else "too many streams"
+        host, limits = self.host, self.host.limits
+        handler = host._stream_handlers.get(protocol)
+        reason = None
+        if handler is None:
+            reason = f"unknown protocol {protocol!r}"
+        elif len(self._streams) >= limits.max_streams or len(self._inbound) >= limits.max_inbound_streams:
+            reason = "too many streams"
+        elif host.inbound_stream_memory + limits.stream_window > limits.max_inbound_stream_memory:
+            reason = "busy: too many incoming streams on this host; retry later"
+            host.log_refusal(self.remote_host, self.remote_port, f"stream {protocol!r} from {self.remote_peer}: {reason}")
+        if reason is not None:
             self.post(Kind.STREAM_RESET, ident, pack(reason))
             return
-        self._spawn(self._serve_stream(self._add_stream(ident, protocol, header), handler))
+        stream = self._add_stream(ident, protocol, header)
+        self._inbound.add(ident)
+        host.inbound_stream_memory += limits.stream_window
+        self._spawn(self._serve_stream(stream, handler))
 
     async def _serve_stream(self, stream: Stream, handler: StreamHandler) -> None:
         try:
@@ -575,6 +598,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def forget_stream(self, ident: int) -> None:
         self._streams.pop(ident, None)
+        if ident in self._inbound:
+            self._inbound.discard(ident)
+            self.host.inbound_stream_memory -= self.host.limits.stream_window
 
     @property
     def is_closed(self) -> bool:
@@ -630,6 +656,7 @@ class Host:
 
     ``listen=None`` is client mode: the host dials out but accepts nothing, for peers behind NAT
     or firewalls; it can still call any method and open streams on the connections it makes.
+    ``reserve_relay`` makes such a host reachable all the same, through a relay (``dht.relay``).
     """
 
     def __init__(
@@ -662,6 +689,9 @@ class Host:
         self._handshakes_per_ip: dict[str, int] = {}
         self._disconnect_listeners: list[Callable[[PeerID], None]] = []
         self._dialing: dict[tuple[str, int, PeerID | None], asyncio.Future[Connection]] = {}
+        self._relay_client: RelayClient | None = None
+        #: windows of the streams remote peers opened to us, summed (see Limits.max_inbound_streams)
+        self.inbound_stream_memory = 0
         self._watchdog: asyncio.Task | None = None
         self._closed = False
         self.on_connect: list[Callable[[Connection], None]] = []
@@ -684,13 +714,28 @@ class Host:
 
     @property
     def listen_addrs(self) -> list[Multiaddr]:
-        """Full multiaddrs (with /p2p/<id>) others can dial; empty in client mode."""
+        """Full multiaddrs (with /p2p/<id>) others can dial: the direct one first (none in client
+        mode), then a circuit address per relay that holds a reservation for us."""
+        circuits = self._relay_client.addrs if self._relay_client is not None else []
         if self._server is None or self.listen_port is None:
-            return []
+            return circuits
         host = self._announce_host or self._listen[0]  # type: ignore[index]
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        return [Multiaddr.from_host_port(host, self.listen_port, self.peer_id)]
+        return [Multiaddr.from_host_port(host, self.listen_port, self.peer_id), *circuits]
+
+    async def reserve_relay(self, relay: Multiaddr | str, timeout: float = 5.0) -> Multiaddr:
+        """Become reachable through the relay at ``relay`` (a peer running ``relay.RelayService``,
+        full address with /p2p/<id>): reserves a slot there and keeps it while this host runs,
+        reconnecting when the connection drops. Returns our circuit address through it, which
+        ``listen_addrs`` then lists too. Raises (e.g. ``relay.RelayRefused``) if the first try fails."""
+        if self._closed or self.loop is None:
+            raise PeerUnreachable("start the host before reserving a relay" if not self._closed else "host is closed")
+        if self._relay_client is None:
+            from .relay import RelayClient  # relay builds on this module
+
+            self._relay_client = RelayClient(self)
+        return await self._relay_client.reserve(relay, timeout)
 
     def on_request(self, method: str, handler: RequestHandler) -> None:
         self._handlers[method] = handler
@@ -731,10 +776,14 @@ class Host:
                 return existing
             if peer == self.peer_id:
                 raise PeerUnreachable("refusing to dial ourselves")
-        key = (host, port, peer)
+        return await self._dial_once((host, port, peer), lambda: self._dial(host, port, peer, timeout))
+
+    async def _dial_once(self, key: tuple[str, int, PeerID | None],
+                         dial: Callable[[], Awaitable[Connection]]) -> Connection:
+        """One dial per ``key`` at a time: concurrent callers share it."""
         pending = self._dialing.get(key)
         if pending is None:
-            pending = self.loop.create_task(self._dial(host, port, peer, timeout))  # type: ignore[assignment]
+            pending = self.loop.create_task(dial())  # type: ignore[assignment,arg-type]
             self._dialing[key] = pending
             pending.add_done_callback(lambda _f: self._dialing.pop(key, None))
             # Every waiter may have been cancelled: mark a failure as seen so asyncio stays quiet.
@@ -757,6 +806,10 @@ class Host:
             raise PeerUnreachable(f"cannot reach {host}:{port}: {e.strerror or e}") from None
 
     async def connect_addr(self, addr: Multiaddr, timeout: float = 5.0) -> Connection:
+        """A ready connection to the peer at ``addr``, reusing an open one; a circuit address
+        (``.../p2p/<relay>/p2p-circuit/p2p/<peer>``) is dialed through its relay, end-to-end secure."""
+        if addr.is_circuit:
+            return await self._connect_circuit(addr, timeout)
         host = addr.host
         if addr.host_proto.startswith("dns"):
             family = {"dns4": socket.AF_INET, "dns6": socket.AF_INET6}.get(addr.host_proto, 0)
@@ -768,6 +821,22 @@ class Host:
                 raise PeerUnreachable(f"cannot resolve {addr.host}: {e}") from None
             host = infos[0][4][0]
         return await self.connect(host, addr.port, addr.peer_id, timeout)
+
+    async def _connect_circuit(self, addr: Multiaddr, timeout: float) -> Connection:
+        from .relay import dial_circuit  # relay builds on this module
+
+        target = addr.peer_id
+        assert target is not None and addr.relay_id is not None
+        if self._closed:
+            raise PeerUnreachable("host is closed")
+        existing = self.connection(target)
+        if existing is not None:
+            return existing
+        if target == self.peer_id:
+            raise PeerUnreachable("refusing to dial ourselves")
+        # the key's "host" cannot collide with a real address: it holds the relay's id
+        key = (f"p2p-circuit/{addr.relay_id}", 0, target)
+        return await self._dial_once(key, lambda: dial_circuit(self, addr, timeout))
 
     async def call(self, peer: PeerID, addr: tuple[str, int] | None, method: str, args: Any = None,
                    timeout: float = 5.0) -> Any:
@@ -875,6 +944,8 @@ class Host:
         if self._closed:
             return
         self._closed = True
+        if self._relay_client is not None:
+            await self._relay_client.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self._server is not None:

@@ -35,7 +35,8 @@ ENV_PREFIX = "P2PTRAIN_"
 
 _NOT_CONFIGURABLE = {"help", "config", "version"}
 _GROUPS = ({"bootstrap", "bootstrap_file"},)  # keys that are one setting together
-_PATH_KEYS = {"bootstrap_file", "key_file", "save", "round_log", "out", "script", "swarm_key_file", "data_dir"}  # relative to the config file
+_PATH_KEYS = {"bootstrap_file", "key_file", "save", "round_log", "out", "script", "swarm_key_file", "data_dir",
+              "peer_cache"}  # relative to the config file
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
@@ -265,6 +266,18 @@ def validate(args: argparse.Namespace, sources: Mapping[str, str]) -> None:
         if parsed.host_proto not in ("ip4", "ip6"):
             raise ConfigError(f"{_where('listen', sources)} {listen!r}: listen on an IP address (/ip4/... or "
                               "/ip6/...), not a DNS name")
+        if parsed.is_circuit:
+            raise ConfigError(f"{_where('listen', sources)}: a /p2p-circuit address is reached through its relay, "
+                              "nobody listens on it: listen on an IP address of this machine, or run --client "
+                              "--relay-via RELAY_MULTIADDR to be reachable through a relay")
+    aggregation, compression = getattr(args, "aggregation", None), getattr(args, "compression", None)
+    if isinstance(aggregation, str) and isinstance(compression, str):
+        from .averaging.robust import check_codec
+
+        try:
+            check_codec(aggregation, compression)
+        except ValueError as e:
+            raise ConfigError(f"{_where('aggregation', sources)}: {e}") from None
     key_file = getattr(args, "key_file", None)
     if key_file is not None:
         check_key_file(key_file, _where("key_file", sources))

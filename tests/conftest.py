@@ -52,3 +52,12 @@ async def loop_errors():
     finally:
         loop.set_exception_handler(previous)
     assert [(c.get("message"), repr(c.get("exception"))) for c in reports] == []
+
+
+@pytest.fixture(autouse=True)
+def _isolated_data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peers a test starts (in-process or as subprocesses) keep their peer cache and default
+    checkpoint store in a fresh directory: never the user's ~/.cache, and never a cache that an
+    earlier test filled, through which a test expecting a dead bootstrap to fail could join
+    another test's live peer instead."""
+    monkeypatch.setenv("P2PTRAIN_DATA_DIR", str(tmp_path_factory.mktemp("data")))

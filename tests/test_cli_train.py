@@ -135,3 +135,17 @@ def test_client_mode_peer_trains_with_a_listening_one():
     finally:
         server.kill()
         server.wait()
+
+
+def test_started_line_without_a_listening_address(capsys):
+    """A client-mode peer (no address, or only a relay circuit one) prints no bogus join hint."""
+    from p2ptrain.cli.peer_cmd import _printer
+
+    show = _printer(False)
+    circuit = "/ip4/1.2.3.4/tcp/1/p2p/R/p2p-circuit/p2p/P"
+    for addrs in ([], [circuit]):
+        show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": addrs})
+        out = capsys.readouterr().out
+        assert "client mode" in out and "--bootstrap" not in out
+    show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": [circuit, "/ip4/1.2.3.4/tcp/1/p2p/P"]})
+    assert "--bootstrap /ip4/1.2.3.4/tcp/1/p2p/P\n" in capsys.readouterr().out

@@ -118,6 +118,10 @@ ERRORS = [
     ('key_file = "no/such/dir/peer.key"\n', {}, [], "directory"),
     ("", {}, ["--key-file", "."], "--key-file: cannot read key file"),
     ("", {}, ["--metrics-port", "70000"], "--metrics-port must be between 0 and 65535"),
+    ('compression = "topk"\naggregation = "median"\n', {}, [], "run.toml: aggregation: aggregation 'median' cannot "
+     "combine 'topk' parts"),
+    ("", {}, ["--listen", "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA/p2p-circuit"
+              "/p2p/12D3KooWQXRfbfuE3BJJNkgCQ3VMFVtT7n4kGfJrc5oFKqFvgQ9T"], "--listen: a /p2p-circuit address is reached"),
 ]
 
 

@@ -270,3 +270,15 @@ def test_optimizer_excludes_and_reports_a_peer_sending_nan():
     assert r["hostile_peers"][0] in r["excluded_peers"], r
     assert any("NaN" in why for why in r["excluded_reasons"]), r["excluded_reasons"]
     assert r["epochs"] == 8 and r["accuracy"] > 0.5, r
+
+
+def test_robust_rules_refuse_sparse_codecs_at_construction():
+    """A coordinate-wise rule over top-k parts is zero almost everywhere: refused up front."""
+    from dht import DHTNode
+    from p2ptrain.averaging import Averager
+
+    node = DHTNode()
+    with pytest.raises(ValueError, match="'median' cannot combine 'topk' parts.*aggregation 'mean'"):
+        Averager(node, "a", [torch.zeros(4)], codec="topk", aggregation="median")
+    Averager(node, "b", [torch.zeros(4)], codec="topk", aggregation="mean")  # fine
+    Averager(node, "c", [torch.zeros(4)], codec="int8", aggregation="median")  # fine

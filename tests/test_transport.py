@@ -564,6 +564,51 @@ async def test_unknown_protocol_resets_stream(make_host):
         assert await conn.call("echo", 3) == 3
 
 
+async def test_peer_cannot_hold_more_than_its_share_of_stream_memory(make_host):
+    """Streams a peer opens are capped per connection, and their windows summed over all peers
+    are capped per host: past either, new streams are reset with the reason, open ones go on, and
+    the budget comes back as streams end (including with their connection)."""
+    async with asyncio.timeout(20):
+        window = 1 * MiB
+        victim = await make_host(Limits(stream_window=window, max_inbound_streams=3, max_inbound_stream_memory=5 * window))
+        release = asyncio.Event()
+
+        async def hold(stream: Stream):  # a handler that reads nothing until told
+            await release.wait()
+            await stream.read_all(64 * MiB)
+
+        victim.on_stream("hold", hold)
+        first, second = await make_host(), await make_host()
+        c1, c2 = await connect(first, victim), await connect(second, victim)
+        mine = [await c1.open_stream("hold") for _ in range(4)]
+        with pytest.raises(StreamReset, match="too many streams"):
+            await mine[3].read(timeout=5)
+        assert await c1.call("echo", 1) == 1  # the connection itself is fine
+        for st in mine[:3]:
+            await st.write(os.urandom(window), timeout=5)  # each fills its window: 3 MiB held for this peer
+        theirs = [await c2.open_stream("hold") for _ in range(3)]
+        with pytest.raises(StreamReset, match="busy"):
+            await theirs[2].read(timeout=5)  # 3 + 2 windows open on the victim: the host cap
+        assert victim.inbound_stream_memory == 5 * window
+        release.set()
+        for st in mine[:3] + theirs[:2]:
+            st.write_eof()
+            assert await st.read(timeout=5) is None
+        assert victim.inbound_stream_memory == 0  # ended streams gave their windows back
+        held = await c1.open_stream("hold")
+        assert held and await c1.call("echo", 2) == 2  # (frames are ordered: the open was served)
+        assert victim.inbound_stream_memory == window
+        gone = asyncio.Event()
+        victim.on_disconnect(lambda _peer: gone.set())
+        await first.close()
+        await gone.wait()
+        assert victim.inbound_stream_memory == 0  # and so did the streams of a dead connection
+        again = [await c2.open_stream("hold") for _ in range(3)]
+        for st in again:
+            st.write_eof()
+            assert await st.read(timeout=5) is None
+
+
 async def test_streams_die_with_their_connection(make_host):
     async with asyncio.timeout(10):
         a, b = await make_host(), await make_host()

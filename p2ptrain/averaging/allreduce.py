@@ -99,7 +99,7 @@ from ..compression import Codec, CompressionError, ErrorFeedback, get_codec
 from ..compression.base import check_finite
 from ..compression.float import NoneCodec
 from .group import Group, partition
-from .robust import aggregate, check_aggregation
+from .robust import aggregate, check_aggregation, check_codec
 
 __all__ = ["PROTOCOL", "AllReduceConfig", "AllReduceResult", "AllReduceService", "ShardResult", "codec_id"]
 
@@ -966,6 +966,7 @@ class AllReduceService:
         elif isinstance(gather_codec, str):
             gather_codec = get_codec(gather_codec)
         gather_codec = _base(gather_codec)  # stateless: no error feedback on averages
+        check_codec(aggregation, _base(codec).name)
         if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.float32 and flat.device.type == "cpu"
                 and flat.dim() == 1 and flat.is_contiguous()):
             raise ValueError("flat must be a 1-D contiguous CPU float32 tensor")

@@ -21,7 +21,7 @@ from ..compression import get_codec
 from ..loop import LoopThread
 from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService
 from .matchmaking import Matchmaker
-from .robust import MIN_ROBUST_GROUP, check_aggregation
+from .robust import MIN_ROBUST_GROUP, check_aggregation, check_codec
 from .schema import Schema, tensor_schema
 
 log = logging.getLogger("p2ptrain.averager")
@@ -89,6 +89,7 @@ class Averager:
         self.codec_name = codec
         get_codec(codec)  # fail now, with the list of codecs, on a typo
         self.aggregation = check_aggregation(aggregation)
+        check_codec(self.aggregation, codec)
         # The aggregation rule joins the codec in the schema (hence the matchmaking key): peers that
         # combine differently never meet, and a mismatch message names it with the codec.
         self.schema: Schema = tensor_schema(named, codec if aggregation == "mean" else f"{codec}+{aggregation}")

@@ -38,7 +38,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["AGGREGATIONS", "MIN_ROBUST_GROUP", "aggregate", "centered_clip", "check_aggregation", "mean", "median", "trimmed_mean"]
+__all__ = ["AGGREGATIONS", "MIN_ROBUST_GROUP", "check_codec", "aggregate", "centered_clip", "check_aggregation", "mean", "median", "trimmed_mean"]
 
 AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip")
 DEFAULT_TRIM = 0.25  # the issue's threat model: up to a quarter of the peers hostile
@@ -51,6 +51,22 @@ def check_aggregation(name: object) -> str:
     if not isinstance(name, str) or name not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {name!r:.40}: choose one of {', '.join(AGGREGATIONS)}")
     return name
+
+
+#: codecs whose parts are sparse: each peer sends its own few coordinates and zeros elsewhere
+SPARSE_CODECS = ("topk",)
+
+
+def check_codec(aggregation: str, codec: str) -> None:
+    """ValueError if ``aggregation`` cannot combine parts encoded with ``codec``.
+
+    A robust rule compares the peers' values coordinate by coordinate; with top-k parts almost
+    every coordinate is a zero from all but one peer, so the median or trimmed mean is zero
+    nearly everywhere and training silently stalls. Said at construction, not found in training."""
+    if aggregation != "mean" and codec in SPARSE_CODECS:
+        raise ValueError(f"aggregation {aggregation!r} cannot combine {codec!r} parts (each peer sends its own few "
+                         "coordinates, so a coordinate-wise rule sees mostly zeros): use aggregation 'mean', or a "
+                         "dense codec (none, fp16, bf16, int8)")
 
 
 def _check(x: Tensor, w: Tensor) -> None:

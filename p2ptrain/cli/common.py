@@ -127,6 +127,44 @@ def swarm_key_of(args: Any) -> SwarmKey | None:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def add_peer_cache_args(p: Any) -> None:
+    """``--peer-cache PATH`` / ``--no-peer-cache``, the same on every command that runs a peer."""
+    p.add_argument("--peer-cache", metavar="PATH",
+                   help="file of recently seen peers, dialed when every bootstrap peer is unreachable, so a "
+                   "restarted peer can rejoin after its bootstrap peer died (default: peers.json in the data "
+                   "directory: --data-dir where the command has it, else $P2PTRAIN_DATA_DIR, else "
+                   "~/.cache/p2ptrain; a private swarm's file is named after its key's fingerprint)")
+    p.add_argument("--no-peer-cache", action="store_true", help="neither read nor write a peer cache")
+
+
+def peer_cache_of(args: Any, swarm_key: SwarmKey | None = None) -> Path | None:
+    """Where this peer keeps its peer cache: ``--peer-cache``, else a file in the data directory
+    (one per swarm key, so the peers of two private swarms sharing a data directory stay apart);
+    None with ``--no-peer-cache``."""
+    if getattr(args, "no_peer_cache", False):
+        return None
+    path = getattr(args, "peer_cache", None)
+    if path is not None:
+        if not str(path).strip():
+            raise ConfigError("--peer-cache: empty path (use --no-peer-cache to disable the cache)")
+        return Path(path).expanduser()
+    from dht.peercache import default_cache_name
+
+    root = getattr(args, "data_dir", None)
+    base = Path(root).expanduser() if root else _default_data_dir()
+    return base / default_cache_name(swarm_key.fingerprint if swarm_key is not None else None)
+
+
+def _default_data_dir() -> Path:
+    """The same directory as ``p2ptrain.checkpoint.store.default_data_dir``, without importing
+    torch (that module needs it): ``p2ptrain dht`` stays light."""
+    env = os.environ.get("P2PTRAIN_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME")
+    return (Path(cache).expanduser() if cache else Path.home() / ".cache") / "p2ptrain"
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     addr = Multiaddr.parse(text)
     if addr.host_proto not in ("ip4", "ip6"):

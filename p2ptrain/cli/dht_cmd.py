@@ -14,6 +14,8 @@ from typing import Any
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
 from .common import EXIT_OK, add_swarm_key_arg, bootstrap_addrs, parse_listen, run, swarm_key_of, until
+from .common import add_peer_cache_args, peer_cache_of
+from .relay_opts import add_relay_args, relay_vias, start_relaying
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,11 +38,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--key-file", metavar="PATH",
                    help="Ed25519 identity key (created with mode 0600 if missing; default: a fresh identity)")
     p.add_argument("--client", action="store_true", help="client mode: accept no inbound connections")
+    add_relay_args(p)
     p.add_argument("--subkey", help="get/put: a sub-key of KEY (dictionary entry)")
     p.add_argument("--ttl", type=float, default=3600.0, help="put: seconds until the record expires (default: %(default)s)")
     p.add_argument("--latest", action="store_true", help="get: ask all k closest peers and merge")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for bootstrap (default: %(default)s)")
     add_swarm_key_arg(p)
+    add_peer_cache_args(p)
     p.set_defaults(func=main)
 
 
@@ -96,12 +100,13 @@ def main(args: argparse.Namespace) -> int:
     if args.action != "run" and not boot:
         raise ConfigError("get/put need a swarm: give --bootstrap MULTIADDR (or entries in bootstrap_peers.txt)")
     listen = None if (args.client or args.action != "run") else parse_listen(args.listen)
+    vias = relay_vias(args, listen is not None) if args.action == "run" else []
     identity = Identity.load_or_create(args.key_file)
     announce = args.announce_host
     if listen is not None and announce is None and listen[0] in ("0.0.0.0", "::"):
         announce = _guess_host()
-    config = DHTConfig(bootstrap_timeout=args.timeout)
     swarm_key = swarm_key_of(args)
+    config = DHTConfig(bootstrap_timeout=args.timeout, peer_cache=peer_cache_of(args, swarm_key))
 
     async def session(stop: asyncio.Event) -> int:
         node = DHTNode(identity, listen, config=config, announce_host=announce, swarm_key=swarm_key)
@@ -109,6 +114,9 @@ def main(args: argparse.Namespace) -> int:
             if boot:
                 print(f"joining through {len(boot)} bootstrap peer(s)...", file=sys.stderr)
             await node.start(boot)
+            relay = await start_relaying(node.host, args.relay and args.action == "run", vias, args.timeout)
+            if relay is not None:
+                print("relaying for peers that accept no connections", file=sys.stderr)
             if args.action == "get":
                 return await _get(node, args)
             if args.action == "put":

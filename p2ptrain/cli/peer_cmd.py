@@ -14,6 +14,8 @@ from dht.noise import SwarmKeyMismatch
 
 from .common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SWARM_KEY_ENV, add_swarm_key_arg,
                      bootstrap_addrs, fail, interrupts, parse_listen)
+from .common import add_peer_cache_args, peer_cache_of, swarm_key_of
+from .relay_opts import add_relay_args, relay_vias, start_relaying
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(it trains and averages, but owns no shard and serves no state; --listen is ignored)")
     p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
     add_swarm_key_arg(p)
+    add_peer_cache_args(p)
+    add_relay_args(p)
     add_training_args(p)
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this port (0: any free port, printed at start)")
@@ -154,8 +158,13 @@ def _printer(as_json: bool):
             return
         kind = event["event"]
         if kind == "started":
-            print(f"peer {event['peer_id']} in run {event['run_id']!r} at epoch {event['epoch']}; others join with\n"
-                  f"  p2ptrain peer --bootstrap {event['multiaddrs'][0]}", flush=True)
+            direct = [a for a in event.get("multiaddrs") or [] if "/p2p-circuit/" not in a]
+            head = f"peer {event['peer_id']} in run {event['run_id']!r} at epoch {event['epoch']}"
+            if direct:
+                print(f"{head}; others join with\n  p2ptrain peer --bootstrap {direct[0]}", flush=True)
+            else:  # client mode: others cannot bootstrap through us (a relay address only reaches us)
+                print(f"{head} (client mode: it accepts no connections, so others join through another peer)",
+                      flush=True)
             if event.get("metrics_url"):
                 print(f"metrics at {event['metrics_url']}", flush=True)
         elif kind in ("progress", "done"):
@@ -256,7 +265,11 @@ def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> 
     t0 = time.monotonic()
     try:
         with interrupts(stop.set, "stopping after the current step (Ctrl+C again to exit at once)..."):
-            done = run_peer(cfg, on_event, stop, on_round=on_round if round_hooks else None)
+            dht = _start_dht(args, cfg)
+            try:
+                done = run_peer(cfg, on_event, stop, dht=dht, on_round=on_round if round_hooks else None)
+            finally:
+                dht.close()
     except SwarmKeyMismatch as e:  # refused by the swarm: the settings must change, not a retry
         return fail(str(e), EXIT_USAGE)
     except (DHTError, ConfigError) as e:
@@ -267,6 +280,26 @@ def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> 
         print(f"left the swarm after {time.monotonic() - t0:.1f} s", file=sys.stderr)
         return EXIT_OK
     return EXIT_OK if done.get("event") == "done" else EXIT_FAILURE
+
+
+def _start_dht(args: argparse.Namespace, cfg: Any) -> Any:
+    """The peer's DHT node, started as ``run_peer`` would start it, plus the peer cache: a default
+    of the command line (in the data directory), not of the library, so it is configured here."""
+    from dht import DHTConfig
+
+    from ..background import DHT
+
+    config = DHTConfig(peer_cache=peer_cache_of(args, swarm_key_of(args)))
+    vias = relay_vias(args, cfg.listen is not None)
+    dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host,
+              config=config)
+    if args.relay or vias:
+        try:
+            dht.run(start_relaying(dht.node.host, args.relay, vias), timeout=30)
+        except BaseException:
+            dht.close()
+            raise
+    return dht
 
 
 _TRAINING_ACTIONS = _collect_training_actions()
