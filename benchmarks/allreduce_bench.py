@@ -491,7 +491,8 @@ def main() -> None:
                     help="seconds into the round to kill (default 40%% of the measured 'none' round)")
     ap.add_argument("--netem", metavar="RATE[,DELAY[,LOSS]]",
                     help="one network namespace per process, links shaped to RATE up and down per host, "
-                         "DELAY one way (e.g. 1gbit or 1gbit,1ms; needs root, DELAY needs netem)")
+                         "DELAY one way (e.g. 1gbit or 1gbit,1ms; needs root; without netem DELAY runs through a "
+                         "userspace delay line of ~100 Mbit/s at most)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", help=argparse.SUPPRESS)
     ap.add_argument("--listen-ip", default="127.0.0.1", help=argparse.SUPPRESS)

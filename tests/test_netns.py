@@ -110,13 +110,20 @@ def test_tcp_between_namespaces_at_the_configured_rate() -> None:
 
 
 @needs_netns
-@pytest.mark.skipif(not features()["netem"], reason="this kernel has no netem (CONFIG_NET_SCH_NETEM): no delay")
-def test_delay_adds_rtt() -> None:
-    with Testbed(2, rate=None) as tb:
+@pytest.mark.parametrize("rate", [None, "100mbit"])
+def test_delay_adds_rtt(rate: str | None) -> None:
+    """netem's delay, or without netem the userspace delay line: the TCP handshake (one RTT)
+    takes 2 x 25 ms longer, and bulk data still arrives whole."""
+    with Testbed(2, rate=rate) as tb:
         base = _tcp(tb, 1)["connect"]
-    with Testbed(2, rate=None, delay="25ms") as tb:
-        delayed = _tcp(tb, 1)["connect"]
+    with Testbed(2, rate=rate, delay="25ms") as tb:
+        assert (tb.delay_line is None) == features()["netem"]
+        r = _tcp(tb, 2 << 20)
+        delayed = r["connect"]
+        assert r["got"] == 2 << 20
+        prefix = tb.prefix
     assert delayed >= 0.045 and delayed - base >= 0.04, (base, delayed)  # RTT = 2 x 25 ms
+    assert _ours(prefix) == ([], [])
 
 
 @needs_netns

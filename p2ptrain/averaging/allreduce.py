@@ -328,8 +328,8 @@ class _Round:
         self.acc_in_place = False
         if self.is_owner:
             # The accumulator, filled lazily chunk by chunk (in the worker, pipelined with the
-            # network): own part times own weight at the first foreign contribution. A chunk
-            # nobody else contributed to keeps its exact local values.
+            # network), from our own values at the first foreign contribution (see _accumulate).
+            # A chunk nobody else contributed to keeps its exact local values.
             if self.raw and not self.robust and codec.check_finite_on_decode:
                 # ``none`` checks every payload before it touches the accumulator, and nobody else
                 # reads our own shard of ``flat`` during the round: accumulate in flat[s:e] itself.
@@ -953,7 +953,9 @@ class AllReduceService:
         whose sparsification of an average would lose most of it). Never raises because of what a
         peer did: failures are in the result. ``aggregation``: ``mean`` (streaming, the default)
         or a robust rule of :mod:`.robust`; every member must use the same. Raises ValueError for
-        bad arguments, CompressionError if ``flat`` holds NaN/inf, RuntimeError once closed."""
+        bad arguments, CompressionError if ``flat`` holds NaN/inf, RuntimeError once closed. A
+        round cancelled midway leaves ``flat`` part input, part result (and the ``none`` codec sums
+        in place): keep a copy if the input is needed after a cancellation."""
         if self._closed or self._executor is None:
             raise RuntimeError("AllReduceService is not running (call start())")
         check_aggregation(aggregation)

@@ -33,8 +33,10 @@ Shaping, per host link (``rate`` like tc: ``"1gbit"``, ``"100mbit"``, ``"500kbit
   are already detached from their sending socket; netem on the sender's own egress would hold
   them against TCP small queues (tcp_limit_output_bytes per socket) and cap throughput at
   limit/delay. netem's ``limit`` (packets) is sized for n x rate x (delay + 50 ms), since the
-  default 1000 packets silently drops at high rates. Without netem in the kernel: ``delay`` raises
-  :class:`TestbedError`, and ``loss`` falls back to a classic-BPF filter that sends a random
+  default 1000 packets silently drops at high rates. Without netem in the kernel: ``delay`` is a
+  userspace delay line (:mod:`.delayline`: each port's ingress redirected through a tap whose
+  reader holds every frame ``delay`` before the bridge forwards it; exact, but a Python process
+  moving every frame, so about 100 Mbit/s at most), and ``loss`` falls back to a classic-BPF filter that sends a random
   fraction of IPv4 packets into an htb class whose fifo holds nothing (i.e. drops them). Either
   way loss applies per sk_buff, and veth passes TCP as GSO super-packets of up to 64 KiB, so one
   "lost packet" can be a whole burst of segments.
@@ -61,6 +63,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -99,6 +102,7 @@ _SYN_FILTER = ",".join([
 ])
 _HOST_IF = "eth0"  # inside each host namespace: the only link, named like a real machine's
 _BRIDGE = "br0"  # inside the switch namespace
+_DELAY_TAP = "dl0"  # the userspace delay line's tap (switch namespace), when netem is missing
 
 
 class TestbedError(RuntimeError):
@@ -319,7 +323,9 @@ class Testbed:
         rate: link rate per host and direction, tc syntax (``"1gbit"``); None: unshaped veth
             (tens of Gbit/s, CPU-bound like loopback).
         delay: one-way delay added on the way into each host (RTT = 2 x delay), e.g. ``"1ms"``.
-            Needs netem in the kernel (see :func:`features`).
+            By netem where the kernel has it (see :func:`features`), else by a userspace delay
+            line in the switch (:mod:`.delayline`, a process of this test bed): exact and
+            jitter-free, but CPU-bound well below 1 Gbit/s.
         loss: probability that a packet into a host is dropped, e.g. ``"1%"`` (per GSO sk_buff).
         prefix: namespace name prefix; default ``p2pt-<pid>-<4 hex>-``. Two live test beds must
             not share one.
@@ -363,8 +369,7 @@ class Testbed:
         self._namespaces: list[str] = []  # in creation order: the switch first
         self._finalizer = weakref.finalize(self, _teardown, self._procs, self._namespaces, grace)
         _preflight()
-        if self.delay_s and not features()["netem"]:
-            raise TestbedError("delay needs netem (CONFIG_NET_SCH_NETEM), which this kernel lacks")
+        self.delay_line: subprocess.Popen | None = None  # the userspace delay, without netem
         try:
             self._build()
         except BaseException:  # KeyboardInterrupt included: never leave half a test bed behind
@@ -400,6 +405,8 @@ class Testbed:
             _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", h.ifname])
             _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"])
             self._shape(h, port)
+        if self.delay_s and not features()["netem"]:
+            self._start_delay_line()
         # Static neighbours: no ARP on the wire, so no first-packet resolution delay, and no lost
         # ARP request (with ``loss``) stalling a connection for the 1 s ARP retransmit timer.
         for h in self.hosts:
@@ -407,6 +414,31 @@ class Testbed:
                             for o in self.hosts if o is not h)
             if neigh:
                 _run(["ip", "-n", h.ns, "-batch", "-"], stdin=neigh)
+
+    def _start_delay_line(self) -> None:
+        """Every frame into the switch goes through :mod:`.delayline` first: each port's ingress
+        redirects it to a tap in the bridge, whose reader writes it back ``delay_s`` later. Static
+        forwarding entries (and no learning on the tap, which re-sends every host's frames) keep
+        the bridge delivering each frame to its host's port only."""
+        sw, tap = self.switch_ns, _DELAY_TAP
+        _run(["ip", "-n", sw, "tuntap", "add", "dev", tap, "mode", "tap"])
+        _run(["ip", "-n", sw, "link", "set", tap, "master", _BRIDGE])
+        _run(["ip", "-n", sw, "link", "set", "dev", tap, "type", "bridge_slave", "learning", "off"])
+        _run(["ip", "-n", sw, "link", "set", tap, "up"])
+        batch = "".join(f"fdb replace {h.mac} dev p{h.index} master static\n" for h in self.hosts)
+        _run(["bridge", "-n", sw, "-batch", "-"], stdin=batch)
+        p = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, "-m", "p2ptrain.testbed.delayline", tap,
+                              repr(self.delay_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._procs.append(p)
+        self.delay_line = p
+        line = p.stdout.readline().strip() if p.stdout is not None else ""
+        if line != "ready":
+            raise TestbedError(f"the userspace delay line did not start (exit code {p.poll()})")
+        for h in self.hosts:
+            port = f"p{h.index}"
+            _run(["tc", "-n", sw, "qdisc", "add", "dev", port, "ingress"])
+            _run(["tc", "-n", sw, "filter", "add", "dev", port, "parent", "ffff:", "protocol", "all", "u32",
+                  "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", tap])
 
     def _tbf(self) -> list[str]:
         """tbf arguments for ``rate_bps``: a burst of 1 ms at line rate (at least 16 KiB, so that it
