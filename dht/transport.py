@@ -79,6 +79,13 @@ class Limits:
     frame_timeout: float = 30.0  # a started frame must complete within this (slow-loris guard)
     idle_timeout: float = 300.0  # connections with nothing in flight are closed after this
     max_concurrent_requests: int = 64  # per connection; more get a "busy" error
+    #: Requests a peer may send on one connection per second, with bursts of ``request_burst``
+    #: (a token bucket; 0 disables). Past it we stop reading that peer's socket until a token is
+    #: due: its requests wait in the kernel's buffers and TCP pushes back on it, instead of every
+    #: one costing us a decrypt, a decode and a handler on the event loop that training shares.
+    #: Honest peers send tens per second (DHT lookups, matchmaking polls, progress reports).
+    request_rate: float = 200.0
+    request_burst: int = 400
     max_streams: int = 64  # per connection, both directions
     stream_window: int = 8 << 20
     #: Memory a peer can make us hold: every stream it opens may fill its window (``stream_window``)
@@ -211,6 +218,10 @@ class Connection(asyncio.BufferedProtocol):
         self.opened_at = now
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._tokens = float(host.limits.request_burst)  # request_rate's bucket
+        self._tokens_at = now
+        self._throttled: asyncio.TimerHandle | None = None
+        self.throttled_s = 0.0  # time this peer's socket was left unread for going over the rate
 
     # ------------------------------------------------------------------ protocol callbacks
 
@@ -396,7 +407,10 @@ class Connection(asyncio.BufferedProtocol):
         else:
             view = memoryview(self._recv.decrypt(header, frame[HEADER_SIZE:]))  # fresh, read-only bytes
         if kind == Kind.REQUEST:
-            self._on_request(ident, view)
+            if self._spend_request_token():
+                self._on_request(ident, view)
+            else:  # frames of one read already in hand: refused cheaply, no handler runs
+                self.post(Kind.ERROR, ident, pack("busy: more requests than this peer serves per second"))
         elif kind == Kind.RESPONSE or kind == Kind.ERROR:
             fut = self._calls.get(ident)
             if fut is not None and not fut.done():
@@ -467,6 +481,32 @@ class Connection(asyncio.BufferedProtocol):
             self.post(Kind.ERROR, ident, pack(f"{method}: internal error"))
         finally:
             self._serving.pop(ident, None)
+
+    def _spend_request_token(self) -> bool:
+        """Account one request against ``Limits.request_rate``: False when the bucket is empty.
+        Then the socket is left unread until a token is due, and the requests of the current read
+        that are over the limit get a "busy" error (the caller may retry) instead of a handler."""
+        rate = self.host.limits.request_rate
+        if rate <= 0:
+            return True
+        now = time.monotonic()
+        self._tokens = min(float(self.host.limits.request_burst), self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        allowed = self._tokens >= 1.0
+        if allowed:
+            self._tokens -= 1.0
+        if self._tokens < 1.0 and self._throttled is None and self._transport is not None:
+            # the bucket is empty: read this peer's next request only once it has a token
+            wait = (1.0 - self._tokens) / rate
+            self.throttled_s += wait
+            self._transport.pause_reading()
+            self._throttled = self.host.loop.call_later(wait, self._unthrottle)
+        return allowed
+
+    def _unthrottle(self) -> None:
+        self._throttled = None
+        if not self._closed and self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
 
     def _on_stream_open(self, ident: int, body: memoryview) -> None:
         if ident in self._streams or (ident % 2 == 1) != (not self.initiator):
@@ -642,6 +682,8 @@ class Connection(asyncio.BufferedProtocol):
             stream._on_reset(self.close_reason)
         for task in list(self._tasks):
             task.cancel()
+        if self._throttled is not None:
+            self._throttled.cancel()
         self.host.connection_closed(self)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:

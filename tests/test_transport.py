@@ -306,6 +306,35 @@ async def test_busy_beyond_max_concurrent_requests(make_host):
         assert await conn.call("block", 6) == 6
 
 
+async def test_request_flood_is_paced_per_connection(make_host):
+    """Past ``request_rate`` a peer's requests get "busy" (those already read) and its socket is
+    left unread until a token is due: it is served at the rate, while another peer's calls to the
+    same host stay fast."""
+    async with asyncio.timeout(20):
+        victim = await make_host(Limits(request_rate=50, request_burst=10))
+        flooder, other = await make_host(), await make_host()
+        conn, calm = await connect(flooder, victim), await connect(other, victim)
+        results = await asyncio.gather(*(conn.call("echo", i, timeout=10) for i in range(60)), return_exceptions=True)
+        served = [r for r in results if not isinstance(r, Exception)]
+        refused = [r for r in results if isinstance(r, RPCError)]
+        # the burst (plus what refills while it is served), then "busy" for the rest of that read
+        assert 10 <= len(served) <= 13 and served == list(range(len(served))), results
+        assert len(refused) == 60 - len(served)
+        assert all("busy" in str(e) for e in refused)
+        t0 = time.monotonic()
+        assert await calm.call("echo", "hi") == "hi"  # another peer is not held up
+        assert time.monotonic() - t0 < 0.5
+        t0 = time.monotonic()
+        assert await conn.call("echo", "again", timeout=10) == "again"  # read once a token is due
+        assert time.monotonic() - t0 >= 0.01
+        for _ in range(20):  # at the rate: served, none refused
+            assert await conn.call("echo", 1, timeout=10) == 1
+        assert time.monotonic() - t0 >= 0.3  # 20 calls at 50/s
+        flood_side, calm_side = victim.connection(flooder.peer_id), victim.connection(other.peer_id)
+        assert flood_side is not None and flood_side.throttled_s > 0
+        assert calm_side is not None and calm_side.throttled_s == 0
+
+
 # ------------------------------------------------------------------ dialing and identity
 
 async def test_impersonation_is_refused(make_host):

@@ -11,7 +11,8 @@ One round, seen from one peer (``Matchmaker.form_group``):
    later ones ask 3 of the holders it found directly), and stop once at least
    ``min_group_size`` peers are present and the set has not grown for the *settle window*
    ``max(100 ms, 3 x measured DHT read latency, 2 x mean gap between the recent arrivals)``
-   (capped at a fifth of the timeout), or as soon as another peer's join reaches us (it has
+   (capped at a fifth of the timeout; at least 0.5 s, or a tenth of the timeout, while fewer
+   peers than the caller's ``expected`` are there), or as soon as another peer's join reaches us (it has
    settled already), or when only the time to hand the group over is left before the deadline.
 3. **Plan.** Every peer splits what it saw the same way (``plan_groups``): members sorted by
    ``blake2b(peer id | round key)``, peers with an address first, dealt round-robin into
@@ -108,6 +109,10 @@ def plan_groups(members: Iterable[Member], round_key: str, target: int) -> list[
     for i, member in enumerate(ordered):
         groups[i % n_groups].append(member)
     return groups
+
+
+#: the settle window's floor while ``expected`` peers are not all there yet (see _gather)
+_EXPECTED_GRACE = 0.5
 
 
 def settle_window(latency: float, arrivals: Iterable[float], timeout: float) -> float:
@@ -577,6 +582,11 @@ class Matchmaker:
                 e.arrived for e in candidates.values() if now_wall - timeout - 60 <= e.arrived <= now_wall + 5
             ] + [rnd.entry_value["t"] if rnd.entry_value else now_wall]
             settle = rnd.settle = settle_window(self.latency, arrivals, timeout)
+            if expected is not None and n < expected:
+                # Peers we were told to expect are still missing: on a loaded machine a process
+                # that arrives a few hundred ms after a burst of others is common, and closing
+                # without it splits the round. Wait a little longer for it (bounded: it may be gone).
+                settle = max(settle, min(_EXPECTED_GRACE, 0.1 * timeout))
             reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
             view = [me] + [e.member for e in candidates.values()]
             if n >= rnd.min_size:
