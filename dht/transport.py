@@ -96,6 +96,10 @@ class Limits:
     #: and the streams already open go on. An averaging round opens 1-2 streams per peer pair.
     max_inbound_streams: int = 16
     max_inbound_stream_memory: int = 1 << 30
+    #: A peer whose streams were refused for capacity this many times is disconnected: each
+    #: refused stream may still bring a window of data in flight (decrypted, then dropped), so a
+    #: peer that keeps opening past the caps costs us bandwidth and CPU without holding memory.
+    max_refused_streams: int = 64
     max_connections: int = 1024
     #: inbound connections still in their handshake, from all addresses / from one IP address.
     #: Past either cap a new inbound connection is closed at once: a flood of sockets that never
@@ -207,6 +211,7 @@ class Connection(asyncio.BufferedProtocol):
         self._serving: dict[int, asyncio.Task] = {}
         self._streams: dict[int, Stream] = {}
         self._inbound: set[int] = set()  # ids of the streams the remote side opened
+        self._refused_streams = 0  # its stream opens we refused for capacity (see Limits)
         self._tasks: set[asyncio.Task] = set()
         self._write_ok = asyncio.Event()
         self._write_ok.set()
@@ -527,6 +532,12 @@ class Connection(asyncio.BufferedProtocol):
             host.log_refusal(self.remote_host, self.remote_port, f"stream {protocol!r} from {self.remote_peer}: {reason}")
         if reason is not None:
             self.post(Kind.STREAM_RESET, ident, pack(reason))
+            if handler is not None:
+                self._refused_streams += 1
+                if self._refused_streams > limits.max_refused_streams:
+                    host.log_refusal(self.remote_host, self.remote_port,
+                                     f"{self.remote_peer}: kept opening streams past our limits; disconnected")
+                    self.close(f"opened {self._refused_streams} streams past our limits", abort=True)
             return
         stream = self._add_stream(ident, protocol, header)
         self._inbound.add(ident)

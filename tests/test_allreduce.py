@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dht.identity import Identity
+from dht.stream import StreamReset
 from dht.transport import Host
 from p2ptrain.averaging.allreduce import (
     PROTOCOL,
@@ -227,6 +228,28 @@ async def test_unknown_group_stream_is_reset(swarm):
         stream = await conn.open_stream(PROTOCOL, {"g": b"nope"})
         with pytest.raises(Exception, match="unknown group"):
             await stream.read(timeout=5)
+
+
+async def test_one_peer_cannot_fill_the_registry_of_rounds_not_started(swarm):
+    """Streams for rounds that have not started wait (``accept_wait``), but at most
+    ``MAX_WAITING_PER_PEER`` per sender: a peer opening more is reset at once (and the registry,
+    shared by every peer, keeps room for the others' streams of rounds about to start)."""
+    from p2ptrain.averaging.allreduce import MAX_WAITING_PER_PEER
+
+    async with asyncio.timeout(20):
+        host = await swarm.host()
+        svc = AllReduceService(host, accept_wait=10)
+        await svc.start()
+        swarm.services.append(svc)
+        spammer = await swarm.host()
+        conn = await spammer.connect("127.0.0.1", host.listen_port, host.peer_id)
+        held = [await conn.open_stream(PROTOCOL, {"g": os.urandom(16)}) for _ in range(MAX_WAITING_PER_PEER)]
+        extra = await conn.open_stream(PROTOCOL, {"g": os.urandom(16)})
+        with pytest.raises(StreamReset, match="too many streams for rounds that have not started"):
+            await extra.read(timeout=5)
+        assert all(not s.closed for s in held)  # still waiting: within its share
+        for s in held:
+            s.reset("done")
 
 
 # ---------------------------------------------------------------------- failures

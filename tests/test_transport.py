@@ -638,6 +638,31 @@ async def test_peer_cannot_hold_more_than_its_share_of_stream_memory(make_host):
             assert await st.read(timeout=5) is None
 
 
+async def test_peer_that_keeps_opening_refused_streams_is_disconnected(make_host):
+    async with asyncio.timeout(20):
+        victim = await make_host(Limits(max_inbound_streams=1, max_refused_streams=3))
+        hold = asyncio.Event()
+
+        async def wait(stream: Stream):
+            await hold.wait()
+
+        victim.on_stream("hold", wait)
+        peer = await make_host()
+        conn = await connect(peer, victim)
+        await conn.open_stream("hold")
+        for _ in range(3):  # refused, but tolerated
+            st = await conn.open_stream("hold")
+            with pytest.raises(StreamReset, match="too many streams"):
+                await st.read(timeout=5)
+        assert await conn.call("echo", 1) == 1
+        st = await conn.open_stream("hold")  # one more: the victim hangs up
+        with pytest.raises(StreamReset):
+            await st.read(timeout=5)
+        with pytest.raises(PeerUnreachable):
+            await conn.call("echo", 2, timeout=5)
+        hold.set()
+
+
 async def test_streams_die_with_their_connection(make_host):
     async with asyncio.timeout(10):
         a, b = await make_host(), await make_host()

@@ -106,6 +106,8 @@ __all__ = ["PROTOCOL", "AllReduceConfig", "AllReduceResult", "AllReduceService",
 log = logging.getLogger("p2ptrain.allreduce")
 
 PROTOCOL = "p2ptrain/allreduce/1"
+#: streams one peer may have waiting for rounds that have not started here (see _on_stream)
+MAX_WAITING_PER_PEER = 4
 _PREFIX = struct.Struct(">I")
 MAX_SUMMARY = 1 << 16
 _HEADER_KEYS = frozenset({"g", "from", "w", "n", "codec", "gcodec"})
@@ -829,13 +831,14 @@ class AllReduceService:
     progress (keyed by group id), the worker thread, and every task it starts."""
 
     def __init__(self, host: Host, config: AllReduceConfig | None = None, *, accept_wait: float = 5.0,
-                 max_waiting_groups: int = 64):
+                 max_waiting_groups: int = 256):
         self.host = host
         self.config = config or AllReduceConfig()
         self.accept_wait = accept_wait
         self.max_waiting_groups = max_waiting_groups
         self._rounds: dict[bytes, _Round] = {}
         self._waiting: dict[bytes, asyncio.Future] = {}
+        self._waiting_by_peer: collections.Counter[PeerID] = collections.Counter()  # streams waiting, per sender
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -924,12 +927,19 @@ class AllReduceService:
                 if gid in self._finished:
                     stream.reset("round already finished")
                     return
+                peer = stream.peer_id
+                if self._waiting_by_peer[peer] >= MAX_WAITING_PER_PEER:
+                    # An honest member is at most a round or two ahead of us; a peer holding more
+                    # streams for rounds that never start is filling the registry for others.
+                    stream.reset("too many streams for rounds that have not started here")
+                    return
                 fut = self._waiting.get(gid)
                 if fut is None:
                     if len(self._waiting) >= self.max_waiting_groups:
                         stream.reset("too many unknown groups")
                         return
                     fut = self._waiting[gid] = asyncio.get_running_loop().create_future()
+                self._waiting_by_peer[peer] += 1
                 try:
                     rnd = await asyncio.wait_for(asyncio.shield(fut), self.accept_wait)
                 except TimeoutError:
@@ -938,6 +948,10 @@ class AllReduceService:
                         fut.cancel()
                     stream.reset("unknown group")
                     return
+                finally:
+                    self._waiting_by_peer[peer] -= 1
+                    if not self._waiting_by_peer[peer]:
+                        del self._waiting_by_peer[peer]
             await rnd.serve_sender(stream)
         finally:
             self._tasks.discard(task)
