@@ -403,6 +403,16 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError("frame shorter than its authentication tag")
         if len(frame) > MAX_CONTROL_FRAME and kind != Kind.STREAM_DATA:
             raise ProtocolError(f"frame of kind {kind} exceeds the {MAX_MESSAGE}-byte message limit")
+        if kind == Kind.STREAM_DATA and ident not in self._streams:
+            # Data for a stream we reset or never had (it was in flight when the reset left, or
+            # the peer ignores resets): authenticated, then dropped. Decrypted into one reusable
+            # scratch buffer, not a fresh one per frame: a peer pushing data into refused streams
+            # otherwise makes us allocate (and the allocator keep) hundreds of MB a second.
+            n = len(frame) - HEADER_SIZE - TAG_SIZE
+            if n > MAX_FRAME_BODY:
+                raise ProtocolError("stream data frame larger than the frame limit")
+            self._recv.decrypt_into(header, frame[HEADER_SIZE:], self.host.discard_buffer[:n])
+            return
         if kind == Kind.STREAM_DATA and len(frame) >= POOLED_FRAME_MIN and self.host.pool.keep:
             # decrypted into a pooled buffer; handed on read-only and never reused while viewed
             n = len(frame) - HEADER_SIZE - TAG_SIZE
@@ -749,7 +759,16 @@ class Host:
         self._closed = False
         self.on_connect: list[Callable[[Connection], None]] = []
         self.pool = BufferPool(MAX_FRAME_BODY + TAG_SIZE, self.limits.buffer_pool)
+        self._discard: memoryview | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+
+    @property
+    def discard_buffer(self) -> memoryview:
+        """Where frames whose content is dropped unread are decrypted (one buffer, reused: the
+        event loop handles one frame at a time). Allocated on first use."""
+        if self._discard is None:
+            self._discard = memoryview(bytearray(MAX_FRAME_BODY))
+        return self._discard
 
     @property
     def client_mode(self) -> bool:
