@@ -147,5 +147,6 @@ def test_started_line_without_a_listening_address(capsys):
         show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": addrs})
         out = capsys.readouterr().out
         assert "client mode" in out and "--bootstrap" not in out
+        assert (f"reachable through a relay at {circuit}" in out) == bool(addrs)
     show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": [circuit, "/ip4/1.2.3.4/tcp/1/p2p/P"]})
     assert "--bootstrap /ip4/1.2.3.4/tcp/1/p2p/P\n" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -141,14 +141,16 @@ class Averager:
                 offset += n
 
     async def step(self, weight: float = 1.0, round_id: str | int | None = None,
-                   timeout: float | None = None, expected: int | None = None, scatter: bool = True) -> StepResult:
+                   timeout: float | None = None, expected: int | None = None, scatter: bool = True,
+                   on_group: Callable[[], None] | None = None) -> StepResult:
         """Average once. Peers meet by ``round_id`` (default: this averager's step counter, so
         peers that step together meet); ``timeout`` bounds the matchmaking; ``expected`` (peers
         known to come, us included) lets matchmaking stop as soon as they are all there. Under a
         robust aggregation rule groups smaller than 3 are refused unless ``expected`` says the
         swarm has only 2 peers (see :mod:`.robust`): such a peer gets a group of itself.
         ``scatter=False`` leaves the tensors as they were and the result in the averager until
-        :meth:`scatter`, so a caller can write it back under its own lock."""
+        :meth:`scatter`, so a caller can write it back under its own lock. ``on_group`` is called
+        (on the event loop) once a group of two or more formed, as its all-reduce starts."""
         if not self._started:
             await self.start()
         if not (weight > 0 and weight < float("inf")):
@@ -165,6 +167,8 @@ class Averager:
         members = [m.peer_id for m in group.members]
         if group.size == 1:
             return StepResult(rid, 1, members, matchmaking_s=t1 - t0, total_s=t1 - t0, weight_total=weight)
+        if on_group is not None:
+            on_group()
         self._gather()
         result = await self.service.run(group, group.rank_of(self.dht.peer_id), self._flat, weight, self.codec_name,
                                        aggregation=self.aggregation)

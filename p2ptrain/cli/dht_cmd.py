@@ -157,8 +157,16 @@ async def _serve(node: DHTNode, stop: asyncio.Event, first: bool) -> int:
         print(f"private swarm: swarm key fingerprint {node.host.swarm_key.fingerprint}", file=sys.stderr)
     if first:
         print("no bootstrap peers given: this is the first peer of a new swarm", file=sys.stderr)
-    print("others can join with:", file=sys.stderr)
-    for a in addrs:
+    direct = [a for a in addrs if "/p2p-circuit/" not in a]
+    circuits = [a for a in addrs if "/p2p-circuit/" in a]
+    if direct:
+        print("others can join with:", file=sys.stderr)
+    elif circuits:  # a relayed peer can be called, but the DHT does not route through relays yet
+        print("client mode: others join through another peer; this one is reachable through a relay at:",
+              file=sys.stderr)
+    else:
+        print("client mode: others join through another peer (this one accepts no connections)", file=sys.stderr)
+    for a in direct + circuits:
         print(a, flush=True)  # stdout: the multiaddr alone, for scripts
     interactive = sys.stderr.isatty()
     while not stop.is_set():

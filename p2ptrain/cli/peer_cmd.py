@@ -158,13 +158,17 @@ def _printer(as_json: bool):
             return
         kind = event["event"]
         if kind == "started":
-            direct = [a for a in event.get("multiaddrs") or [] if "/p2p-circuit/" not in a]
+            addrs = event.get("multiaddrs") or []
+            direct = [a for a in addrs if "/p2p-circuit/" not in a]
+            circuits = [a for a in addrs if "/p2p-circuit/" in a]
             head = f"peer {event['peer_id']} in run {event['run_id']!r} at epoch {event['epoch']}"
             if direct:
                 print(f"{head}; others join with\n  p2ptrain peer --bootstrap {direct[0]}", flush=True)
             else:  # client mode: others cannot bootstrap through us (a relay address only reaches us)
                 print(f"{head} (client mode: it accepts no connections, so others join through another peer)",
                       flush=True)
+                for a in circuits:
+                    print(f"reachable through a relay at {a}", flush=True)
             if event.get("metrics_url"):
                 print(f"metrics at {event['metrics_url']}", flush=True)
         elif kind in ("progress", "done"):

@@ -223,10 +223,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
         self._state_lock = threading.Lock()  # held while parameters change (snapshots wait on it)
-        # Clear while this epoch's round (and its update) is in flight: a joiner asking for our
-        # state then gets the state right after it, at the start of the epoch the swarm is about
-        # to train, instead of the state of an epoch whose round is already closing, which left
-        # it a step behind, so it had to download everything again at its first step.
+        # Clear while a round's all-reduce (and then its update) is in flight: a joiner asking for
+        # our state then gets the state right after it, at the start of the epoch the swarm is
+        # about to train, instead of the state of an epoch whose round is already closing, which
+        # left it a step behind, so it had to download everything again at its first step. Not
+        # cleared during matchmaking: a round may be waiting for that very joiner, whose
+        # construction waits for our snapshot (each would wait out the other's timeout).
         self._settled = threading.Event()
         self._settled.set()
         self._closed = False
@@ -398,8 +400,6 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._corrupt is not None:
             self._corrupt(self._buffers)
         epoch = self.epoch
-        if not self.delay_updates:  # (delayed: the round overlaps training; snapshots do not wait)
-            self._settled.clear()
         self.tracker.report(epoch, samples, self._sps, ready=True)
         future = self._average(epoch, samples, view)
         self.epoch += 1
@@ -423,8 +423,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             done: Future[StepResult | None] = Future()
             done.set_result(None)
             return done
+        # (delayed updates overlap training with the round: snapshots do not wait for it)
+        on_group = None if self.delay_updates and self.mode == "sync" else self._settled.clear
         return self._loop.submit(self.averager.step(weight=samples, round_id=f"e{epoch}",
-                                                    timeout=self.matchmaking_timeout, expected=expected))
+                                                    timeout=self.matchmaking_timeout, expected=expected,
+                                                    on_group=on_group))
 
     def _apply_pending(self, wait: bool) -> None:
         """Take the inner step with the averaged gradients of the round in flight, once it is done."""
@@ -455,6 +458,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self._applied = self._pending_epoch + 1
         for p, g in zip(self.params, grads):  # the user's current gradients stay as they were
             p.grad = g
+        self._settled.set()  # the update is in (a state round, if due, clears it again once grouped)
         self._record(result)
         self._maybe_average_state(self._pending_epoch)
         self._maybe_checkpoint()
@@ -507,11 +511,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         # network (a snapshot for a joiner would wait for all of it).
         future = self._loop.submit(self._state_averager.step(weight=1.0, round_id=f"s{epoch}",
                                                              timeout=self.matchmaking_timeout,
-                                                             expected=self._last_expected, scatter=False))
-        result = self._round_result(future)
-        if result is not None and result.group_size > 1:
-            with self._state_lock:
-                self._state_averager.scatter()
+                                                             expected=self._last_expected, scatter=False,
+                                                             on_group=self._settled.clear))
+        try:
+            result = self._round_result(future)
+            if result is not None and result.group_size > 1:
+                with self._state_lock:
+                    self._state_averager.scatter()
+        finally:
+            self._settled.set()
         if result is not None:
             self.stats.state_rounds += 1
             self.stats.bytes_sent += result.bytes_sent
@@ -686,11 +694,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._corrupt is not None:
             self._corrupt(self._buffers)
         epoch = self.epoch
-        self._settled.clear()
         try:
             self._outer_round(epoch, samples, view)
         finally:
-            self._settled.set()
+            self._settled.set()  # (cleared by _average's round once it grouped)
 
     def _outer_round(self, epoch: int, samples: int, view: SwarmView) -> None:
         assert self.outer_optimizer is not None
@@ -705,6 +712,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if self.scheduler is not None:
                 self.scheduler.step()
             self._applied = epoch + 1
+        self._settled.set()  # the update is in (a state round, if due, clears it again once grouped)
         self.epoch += 1
         self.local_samples = 0
         self._local_steps_done = 0
