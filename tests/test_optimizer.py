@@ -327,3 +327,46 @@ def test_a_snapshot_taken_mid_round_is_labelled_with_the_updates_it_holds(swarm)
     finally:
         release.set()
         opt.close()
+
+
+def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
+    """Under churn the most advanced peers a joiner read about may have died: it leaves them out
+    and downloads from the next ones (a fresh read of the progress), instead of giving up."""
+    import asyncio
+    import types
+
+    from dht import Identity
+    from p2ptrain.checkpoint import StateTransferError
+    from p2ptrain.optim.progress import PeerReport, SwarmView
+    from p2ptrain.optim.state_sync import StateSync
+
+    me, dead, alive = (Identity().peer_id for _ in range(3))
+
+    def report(peer, epoch):
+        return PeerReport(peer, epoch, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1))
+
+    first = SwarmView(epoch=9, samples=0, target=64, peers=[report(dead, 9)], behind=[report(alive, 8)])
+    fresh = SwarmView(epoch=8, samples=0, target=64, peers=[report(alive, 8)])
+    asked, ignored = [], []
+
+    async def fetch(providers, timeout):
+        asked.append([p.peer for p in providers])
+        if providers[0].peer == dead:
+            raise StateTransferError("unreachable: connection refused")
+        return "state of epoch 8"
+
+    async def refresh_now():
+        return fresh
+
+    fake = types.SimpleNamespace(
+        load_state_timeout=10.0,
+        state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
+        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend,
+                                      refresh_now=refresh_now),
+        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
+    )
+    assert DecentralizedOptimizer._fetch_state(fake, first) == "state of epoch 8"  # type: ignore[arg-type]
+    assert asked == [[dead], [alive]] and ignored == [dead]
+    fake.state_sync.fetch = lambda providers, timeout: fetch([report(dead, 9)], timeout)
+    with pytest.raises(StateTransferError):  # nobody can give it: a bounded number of tries
+        DecentralizedOptimizer._fetch_state(fake, first)  # type: ignore[arg-type]

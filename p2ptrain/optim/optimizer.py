@@ -567,13 +567,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._pending is not None:  # a round still in flight would land on top of the new state
             self._round_result(self._pending)
             self._pending = None
-        providers = self.state_sync.choose([p for p in (*view.peers, *view.behind) if p.peer != self.tracker.me.peer])
         loaded = False
         epoch = self.epoch
+        result = None
         try:
-            if not providers:
-                raise StateTransferError("no peer serves it")
-            result = self._loop.run(self.state_sync.fetch(providers, self.load_state_timeout))
+            result = self._fetch_state(view)
             epoch = int(result.manifest.meta.get("epoch", view.epoch))
             self.stats.last_state_providers = len(result.contributors)
             applied = epoch
@@ -584,9 +582,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 # flight: join at their epoch (that update reaches us with the next state round)
                 epoch = max(epoch, view.epoch)
         except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
-            # Peers whose state we cannot get do not get to set our epoch either: a peer that
-            # trained alone and left (its record lingers) must not drag the swarm along.
-            self.tracker.ignore([p.peer for p in providers])
+            if result is not None:  # fetched, but it does not fit us: not a state to follow either
+                self.tracker.ignore(list(result.contributors))
             log.warning("could not load the swarm's state (%s); continuing from our own at epoch %d", e, self.epoch)
         for acc in self._grad_acc:
             acc.zero_()
@@ -600,6 +597,29 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self._loop.run(self.tracker.refresh_now())
         self._paused += time.perf_counter() - t0
         return loaded
+
+    def _fetch_state(self, view: SwarmView, attempts: int = 3) -> Any:
+        """Download the state from the most advanced peers of ``view``; if none of them can give
+        it (under churn they may have died since they last reported), leave them out of the view
+        and try the next most advanced ones, from a fresh read of the swarm's progress.
+
+        Peers whose state we cannot get do not get to set our epoch either: a peer that trained
+        alone and left (its record lingers) must not drag the swarm along."""
+        deadline = time.monotonic() + self.load_state_timeout
+        for attempt in range(attempts):
+            me = self.tracker.me.peer
+            providers = self.state_sync.choose([p for p in (*view.peers, *view.behind) if p.peer != me])
+            if not providers:
+                raise StateTransferError("no peer serves it")
+            try:
+                return self._loop.run(self.state_sync.fetch(providers, max(1.0, deadline - time.monotonic())))
+            except StateTransferError as e:
+                self.tracker.ignore([p.peer for p in providers])
+                if attempt + 1 == attempts or time.monotonic() >= deadline:
+                    raise
+                log.info("could not load the state from %d peer(s) (%s); asking others", len(providers), e)
+                view = self._loop.run(self.tracker.refresh_now())
+        raise StateTransferError("no peer serves it")  # (not reached: the last attempt raises)
 
     @torch.no_grad()
     def _apply_shared_state(self, state: dict[str, Any], epoch: int) -> None:
