@@ -353,7 +353,9 @@ def run_swarm(opts: argparse.Namespace, workdir: Path, churn: bool, stop: thread
             for h in watch.check(now):
                 res.hangs.append(f"{h[1]}: {h[2]} (at {h[0] - t0:.0f} s)")
                 say(f"HANG {res.hangs[-1]}")
-            if churn:
+            # no churn in the last few seconds: the swarm must be seen to advance past the last
+            # kill (progress lines come once a second) and newcomers to finish joining
+            if churn and now - t0 < opts.minutes * 60 - min(5.0, 0.2 * opts.minutes * 60):
                 for action in sched.step(now, swarm.live(False), swarm.live(True)):
                     if isinstance(action, Kill):
                         if res.epoch_at_first_kill is None:

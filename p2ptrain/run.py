@@ -72,7 +72,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
              stop: threading.Event | None = None, dht: DHT | None = None,
              on_round: Callable[[Event], None] | None = None) -> Event:
     """Train until ``cfg.epochs`` global epochs are done (or ``stop`` is set); returns the ``done``
-    event. ``dht``: an already started node to use (else one is created from ``cfg``).
+    event, or a ``stopped`` one (no ``started`` event either) when ``stop`` was set before the
+    peer had joined. ``dht``: an already started node to use (else one is created from ``cfg``).
     ``on_round``: called in the training thread after each step that finished averaging rounds."""
     from .tasks import get_task
 
@@ -95,6 +96,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
             checkpoint_dir=cfg.data_dir,
         )
+        if stop.is_set():  # asked to stop while joining (e.g. Ctrl+C during the state download)
+            return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
         on_event({"event": "started", "peer_id": str(dht.peer_id),
                   "multiaddrs": [str(a) for a in dht.multiaddrs], "run_id": opt.run_id, "epoch": opt.epoch,
                   "state_loads": opt.stats.state_loads, "resumed_epoch": opt.stats.resumed_epoch,

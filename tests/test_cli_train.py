@@ -150,3 +150,17 @@ def test_started_line_without_a_listening_address(capsys):
         assert (f"reachable through a relay at {circuit}" in out) == bool(addrs)
     show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": [circuit, "/ip4/1.2.3.4/tcp/1/p2p/P"]})
     assert "--bootstrap /ip4/1.2.3.4/tcp/1/p2p/P\n" in capsys.readouterr().out
+
+
+def test_peer_asked_to_stop_while_joining_does_not_start():
+    """Ctrl+C during the join (e.g. the state download): no ``started`` event, no training."""
+    import threading
+
+    from p2ptrain.run import PeerConfig, run_peer
+
+    stop = threading.Event()
+    stop.set()
+    events: list[dict] = []
+    done = run_peer(PeerConfig(task="digits", epochs=3), events.append, stop)
+    assert done["event"] == "stopped" and done["stopped"] and done["epoch"] == 0
+    assert [e["event"] for e in events] == []
