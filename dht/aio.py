@@ -9,6 +9,18 @@ progress tracker's refresh loop; ``asyncio.timeout`` has no such race.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
+
+
+async def cancel_all(tasks: Iterable[asyncio.Future]) -> None:
+    """Cancel ``tasks`` and wait until every one has finished, consuming its result or error:
+    how an owner's ``close()`` ends the background work it started (nothing is left running, and
+    asyncio reports no "exception was never retrieved")."""
+    pending = list(tasks)
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:

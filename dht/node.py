@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
+from .aio import cancel_all
 from .bootstrap import DialPlan
 from .errors import BootstrapError, DHTError, HandshakeError, InvalidRecord, PeerUnreachable, ProtocolError
 from .identity import Identity, PeerID
@@ -344,10 +345,7 @@ class DHTNode:
         tasks = list(self._tasks)
         if self._maintenance is not None:
             tasks.append(self._maintenance)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
         if self._joined:
             self._joined = False
             self.save_peer_cache()

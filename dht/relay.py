@@ -35,6 +35,7 @@ import struct
 import time
 from typing import Any
 
+from .aio import cancel_all, wait_event
 from .errors import DHTError, PeerUnreachable, ProtocolError, RPCError
 from .identity import PeerID
 from .multiaddr import Multiaddr
@@ -110,6 +111,20 @@ async def read_status(stream: Stream, timeout: float = STATUS_TIMEOUT) -> tuple[
         raise ProtocolError(f"malformed status line from {stream.peer_id}")
     error = None if msg["ok"] else str(msg.get("error") or "refused")
     return error, bytes(buf[end:])
+
+
+async def _accepted(stream: Stream, refused: str) -> bytes:
+    """Wait for the other end's status line on ``stream``: the bytes that followed it when it says
+    ok; else the stream is reset and RelayRefused(``refused: <its reason>``) raised."""
+    try:
+        error, leftover = await read_status(stream)
+    except BaseException:
+        stream.reset("no status")
+        raise
+    if error is not None:
+        stream.reset("refused")
+        raise RelayRefused(f"{refused}: {error}")
+    return leftover
 
 
 def _peer_of(header: Any) -> PeerID:
@@ -208,9 +223,7 @@ async def splice(a: Stream, b: Stream, *, max_bytes: int | None, max_seconds: fl
         reason = "relay closing"
         raise
     finally:
-        for t in pumps:
-            t.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
+        await cancel_all(pumps)
         if reason is not None:
             a.reset(reason[:200])
             b.reset(reason[:200])
@@ -270,11 +283,7 @@ class RelayService:
         if self._unsubscribe is not None:
             self._unsubscribe()
         self.reservations.clear()
-        tasks = list(self._circuits)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._circuits)
 
     async def __aenter__(self) -> RelayService:
         self.start()
@@ -334,15 +343,7 @@ class RelayService:
             self.reservations.drop(target)
             raise RelayRefused(f"{target} has no reservation at this relay (not connected, or it expired)")
         stop = await conn.open_stream(STOP_PROTOCOL, {"peer": source.to_bytes()})
-        try:
-            error, leftover = await read_status(stop)
-        except BaseException:
-            stop.reset("no status")
-            raise
-        if error is not None:
-            stop.reset("refused")
-            raise RelayRefused(f"{target} refused the circuit: {error}")
-        return stop, leftover
+        return stop, await _accepted(stop, f"{target} refused the circuit")
 
 
 # ---------------------------------------------------------------------------------- both ends
@@ -369,15 +370,9 @@ async def _dial_circuit(host: Host, addr: Multiaddr, target: PeerID) -> Connecti
         raise RelayRefused(f"relay {addr.relay_id} is itself reached through a relay: relays do not chain")
     stream = await relay_conn.open_stream(HOP_PROTOCOL, {"peer": target.to_bytes()})
     try:
-        error, leftover = await read_status(stream)
+        leftover = await _accepted(stream, f"relay {addr.relay_id} cannot reach {target}")
     except StreamReset as e:
         raise RelayRefused(f"peer {addr.relay_id} does not relay (is it running with --relay?): {e}") from None
-    except BaseException:
-        stream.reset("no status")
-        raise
-    if error is not None:
-        stream.reset("refused")
-        raise RelayRefused(f"relay {addr.relay_id} cannot reach {target}: {error}")
     conn = Connection(host, initiator=True, expected_peer=target)
     transport = StreamTransport(stream, conn, extra={"relay": addr.relay_id}, leftover=leftover)
     # Owned by the connection to the relay: the circuit cannot outlive it.
@@ -479,11 +474,7 @@ class RelayClient:
                 log.info("reservation at relay %s failed (%s); retrying in %.0f s", relay, e, delay)
                 wait, delay = delay, min(delay * 2, self.retry_max)
             wake.clear()
-            try:
-                async with asyncio.timeout(wait):
-                    await wake.wait()  # set when the connection to the relay closes
-            except TimeoutError:
-                pass
+            await wait_event(wake, wait)  # set when the connection to the relay closes
 
     def _on_disconnect(self, peer: PeerID) -> None:
         if peer in self._wake:
@@ -510,10 +501,6 @@ class RelayClient:
         """Stop refreshing reservations (the relay lets them expire) and accepting circuits."""
         self.host.off_stream(STOP_PROTOCOL)
         self._unsubscribe()
-        tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks.values())
         for relay in list(self._relays):
             self._forget(relay)

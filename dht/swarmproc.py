@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .aio import cancel_all
 from .node import DHTConfig, DHTNode
 
 _LINE_LIMIT = 64 << 20  # get_many replies can be large; the stdio default (64 KiB) is not enough
@@ -171,9 +172,7 @@ async def serve_commands(target: Any) -> None:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
         await target.close()
 
 

@@ -88,7 +88,7 @@ from typing import Any, Callable
 
 import torch
 
-from dht.aio import wait_event
+from dht.aio import cancel_all, wait_event
 from dht.errors import DHTError, ProtocolError
 from dht.identity import PeerID
 from dht.stream import Stream
@@ -894,11 +894,7 @@ class AllReduceService:
         self.host.off_stream(PROTOCOL)
         for rnd in list(self._rounds.values()):
             rnd.abort("all-reduce service closing")
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         self._scratch = None

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dht import DHTError, DHTNode, Host, InvalidRecord, PeerID, ProtocolError
-from dht.aio import wait_event
+from dht.aio import cancel_all, wait_event
 from dht.routing import Contact
 from dht.storage import Record, owned_name, record_owner, validate_record
 from dht.wire import unpack
@@ -321,11 +321,7 @@ class Matchmaker:
             if rnd.lead is not None and rnd.lead.done is not None and not rnd.lead.done.done():
                 rnd.lead.done.set_result(None)
             rnd.set_state("done")
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
 
     async def __aenter__(self) -> Matchmaker:
         return self

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dht import DHTError, DHTNode, InvalidRecord, PeerID
-from dht.aio import wait_event
+from dht.aio import cancel_all, wait_event
 
 from .directory import (
     LATEST_SUBKEY,
@@ -308,10 +308,7 @@ class CheckpointService:
         self._closed = True
         if _services.get(self.node) is self:
             del _services[self.node]
-        tasks = [t for t in (self._task, *self._tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(t for t in (self._task, *self._tasks) if t is not None)
         if self._server is not None:
             self._server.remove_resolver(self._resolve)
             if self._own_server:

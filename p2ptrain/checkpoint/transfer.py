@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import blake3
 import torch
 
+from dht.aio import cancel_all
 from dht.errors import DHTError
 from dht.identity import PeerID
 from dht.stream import Stream
@@ -206,11 +207,7 @@ class StateServer:
             self.host.off_stream(MANIFEST_PROTOCOL)
             self.host.off_stream(CHUNKS_PROTOCOL)
             self.host.off_request(MANIFEST_METHOD, self._on_manifest)
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         self._snapshots.clear()
         self._resolvers.clear()
 
