@@ -38,7 +38,8 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,8 +113,10 @@ def _msg1_factory() -> Callable[[], bytes]:
     return make
 
 
-async def _spam(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, inflight: int) -> None:
-    """One fresh identity, one completed handshake, ``inflight`` concurrent find_node loops."""
+async def _as_fresh_peers(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, lanes: int,
+                          lane: Callable[[Any], Awaitable[None]]) -> None:
+    """Until ``stop``: a fresh identity completes a handshake with the victim and runs ``lanes``
+    concurrent ``lane(conn)`` loops on that connection; when the victim drops it, start over."""
     from dht.identity import Identity, PeerID
     from dht.transport import Host
 
@@ -123,17 +126,7 @@ async def _spam(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.
         try:
             conn = await h.connect(host, port, PeerID.from_base58(peer), timeout=10)
             counts.opened += 1
-
-            async def loop_calls() -> None:
-                while not stop.is_set() and not conn.is_closed:
-                    try:
-                        await conn.call("find_node", os.urandom(32), timeout=10)
-                        counts.rpcs += 1
-                    except Exception:
-                        counts.rpc_errors += 1
-                        if conn.is_closed:
-                            return
-            await asyncio.gather(*(loop_calls() for _ in range(inflight)))
+            await asyncio.gather(*(lane(conn) for _ in range(lanes)))
         except Exception:
             counts.refused += 1
             await asyncio.sleep(0.1)
@@ -141,11 +134,25 @@ async def _spam(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.
             await h.close()
 
 
+async def _spam(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, inflight: int) -> None:
+    """Fresh identities, each with ``inflight`` concurrent find_node loops."""
+
+    async def loop_calls(conn) -> None:  # type: ignore[no-untyped-def]
+        while not stop.is_set() and not conn.is_closed:
+            try:
+                await conn.call("find_node", os.urandom(32), timeout=10)
+                counts.rpcs += 1
+            except Exception:
+                counts.rpc_errors += 1
+                if conn.is_closed:
+                    return
+
+    await _as_fresh_peers(host, port, peer, counts, stop, inflight, loop_calls)
+
+
 async def _fill_streams(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, per_conn: int) -> None:
-    """One fresh identity, one completed handshake, ``per_conn`` stream slots: open an all-reduce
-    stream for a made-up group, write a window of junk, wait for the victim's reset, repeat."""
-    from dht.identity import Identity, PeerID
-    from dht.transport import Host
+    """Fresh identities, each with ``per_conn`` stream slots: open an all-reduce stream for a
+    made-up group, write a window of junk, wait for the victim's reset, repeat."""
     from p2ptrain.averaging.allreduce import PROTOCOL
 
     junk = os.urandom(1 << 20)
@@ -163,18 +170,7 @@ async def _fill_streams(host: str, port: int, peer: str, counts: _Counts, stop: 
                 counts.stream_resets += 1
                 await asyncio.sleep(0.05)
 
-    while not stop.is_set():
-        h = Host(Identity(), None)
-        await h.start()
-        try:
-            conn = await h.connect(host, port, PeerID.from_base58(peer), timeout=10)
-            counts.opened += 1
-            await asyncio.gather(*(slot(conn) for _ in range(per_conn)))
-        except Exception:
-            counts.refused += 1
-            await asyncio.sleep(0.1)
-        finally:
-            await h.close()
+    await _as_fresh_peers(host, port, peer, counts, stop, per_conn, slot)
 
 
 def _from_attacker(orig: Callable) -> Callable:

@@ -130,9 +130,6 @@ class Averager:
 
     def scatter(self) -> None:
         """Write the last round's result into the tensors (what ``step(scatter=False)`` skipped)."""
-        self._scatter()
-
-    def _scatter(self) -> None:
         offset = 0
         with torch.no_grad():
             for t in self.tensors:
@@ -173,7 +170,7 @@ class Averager:
         result = await self.service.run(group, group.rank_of(self.dht.peer_id), self._flat, weight, self.codec_name,
                                        aggregation=self.aggregation)
         if scatter:
-            self._scatter()
+            self.scatter()
         t2 = time.perf_counter()
         return StepResult(
             rid, group.size, members,

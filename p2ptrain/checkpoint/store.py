@@ -45,6 +45,7 @@ import torch
 
 from dht.identity import Identity, PeerID
 
+from ..paths import default_data_dir
 from .blobs import BlobStore, CorruptBlobError, MissingBlobError, Progress, StoreError, fsync_dir
 from .cid import CID_COMMON_PREFIX, cid as make_cid, parse_cid
 from .manifest import DIGEST_SIZE, Manifest, ManifestError
@@ -59,15 +60,6 @@ _MANIFEST_CACHE = 32
 _READ_THREADS = 2
 #: hex prefixes shorter than this are refused (they would match by accident)
 MIN_PREFIX = 4
-
-
-def default_data_dir() -> Path:
-    """``$P2PTRAIN_DATA_DIR``, else ``$XDG_CACHE_HOME/p2ptrain``, else ``~/.cache/p2ptrain``."""
-    env = os.environ.get("P2PTRAIN_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME")
-    return (Path(cache).expanduser() if cache else Path.home() / ".cache") / "p2ptrain"
 
 
 class IncompleteCheckpointError(StoreError):

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Iterator
 
 from dht import ConfigError, DHTError, Multiaddr
+from dht.aio import cancel_all
 from dht.noise import SwarmKeyMismatch
 from dht.swarmkey import SwarmKey
+
+from ..paths import default_data_dir
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -151,18 +154,15 @@ def peer_cache_of(args: Any, swarm_key: SwarmKey | None = None) -> Path | None:
     from dht.peercache import default_cache_name
 
     root = getattr(args, "data_dir", None)
-    base = Path(root).expanduser() if root else _default_data_dir()
+    base = Path(root).expanduser() if root else default_data_dir()
     return base / default_cache_name(swarm_key.fingerprint if swarm_key is not None else None)
 
 
-def _default_data_dir() -> Path:
-    """The same directory as ``p2ptrain.checkpoint.store.default_data_dir``, without importing
-    torch (that module needs it): ``p2ptrain dht`` stays light."""
-    env = os.environ.get("P2PTRAIN_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME")
-    return (Path(cache).expanduser() if cache else Path.home() / ".cache") / "p2ptrain"
+def split_relayed(addrs: list[str]) -> tuple[list[str], list[str]]:
+    """A peer's addresses as (direct, relayed): others can join the swarm through a direct one; a
+    /p2p-circuit one only reaches this peer (the DHT does not route through relays)."""
+    relayed = [a for a in addrs if "/p2p-circuit/" in a]
+    return [a for a in addrs if a not in relayed], relayed
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -212,7 +212,4 @@ async def until(stop: asyncio.Event, awaitable: Awaitable[Any]) -> Any:
             return task.result()
         return None
     finally:
-        for t in (task, stopper):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, stopper, return_exceptions=True)
+        await cancel_all((task, stopper))

@@ -13,8 +13,8 @@ from typing import Any
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
-from .common import EXIT_OK, add_swarm_key_arg, bootstrap_addrs, parse_listen, run, swarm_key_of, until
-from .common import add_peer_cache_args, peer_cache_of
+from .common import (EXIT_OK, add_peer_cache_args, add_swarm_key_arg, bootstrap_addrs, parse_listen, peer_cache_of,
+                     run, split_relayed, swarm_key_of, until)
 from .relay_opts import add_relay_args, relay_vias, start_relaying
 
 
@@ -157,8 +157,7 @@ async def _serve(node: DHTNode, stop: asyncio.Event, first: bool) -> int:
         print(f"private swarm: swarm key fingerprint {node.host.swarm_key.fingerprint}", file=sys.stderr)
     if first:
         print("no bootstrap peers given: this is the first peer of a new swarm", file=sys.stderr)
-    direct = [a for a in addrs if "/p2p-circuit/" not in a]
-    circuits = [a for a in addrs if "/p2p-circuit/" in a]
+    direct, circuits = split_relayed(addrs)
     if direct:
         print("others can join with:", file=sys.stderr)
     elif circuits:  # a relayed peer can be called, but the DHT does not route through relays yet

@@ -12,9 +12,9 @@ from typing import Any
 from dht import ConfigError, DHTError
 from dht.noise import SwarmKeyMismatch
 
-from .common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SWARM_KEY_ENV, add_swarm_key_arg,
-                     bootstrap_addrs, fail, interrupts, parse_listen)
-from .common import add_peer_cache_args, peer_cache_of, swarm_key_of
+from .common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SWARM_KEY_ENV, add_peer_cache_args,
+                     add_swarm_key_arg, bootstrap_addrs, fail, interrupts, parse_listen, peer_cache_of, split_relayed,
+                     swarm_key_of)
 from .relay_opts import add_relay_args, relay_vias, start_relaying
 
 
@@ -159,8 +159,7 @@ def _printer(as_json: bool):
         kind = event["event"]
         if kind == "started":
             addrs = event.get("multiaddrs") or []
-            direct = [a for a in addrs if "/p2p-circuit/" not in a]
-            circuits = [a for a in addrs if "/p2p-circuit/" in a]
+            direct, circuits = split_relayed(addrs)
             head = f"peer {event['peer_id']} in run {event['run_id']!r} at epoch {event['epoch']}"
             if direct:
                 print(f"{head}; others join with\n  p2ptrain peer --bootstrap {direct[0]}", flush=True)
