@@ -25,6 +25,11 @@ class HandshakeError(ProtocolError):
     """The secure handshake failed: wrong peer, bad signature, or garbage instead of a handshake."""
 
 
+class PeerIdMismatch(HandshakeError):
+    """The peer at the dialed address proved a different identity than the ``/p2p/`` id asked for:
+    another peer lives there now (or the address is wrong). Retrying the same address cannot help."""
+
+
 class PeerUnreachable(DHTError):
     """A dial failed: refused, timed out, or the peer closed the connection."""
 

@@ -23,7 +23,7 @@ from typing import Any, Iterable, NamedTuple
 
 from .aio import cancel_all
 from .bootstrap import DialPlan
-from .errors import BootstrapError, DHTError, HandshakeError, InvalidRecord, PeerUnreachable, ProtocolError
+from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable, ProtocolError
 from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
 from .noise import SwarmKeyMismatch
@@ -278,11 +278,8 @@ class DHTNode:
     def _permanent_failure(self, addr: Multiaddr, error: BaseException) -> bool:
         """Failures no retry can fix: the peer is in another swarm, the address is our own, or
         another peer answers there. A handshake cut short (peer dying, listener overloaded) is
-        transient. The identity mismatch is only told apart by its message (noise.py's "dialed X but
-        reached Y"): the transport re-raises every handshake failure as a plain HandshakeError."""
-        if isinstance(error, SwarmKeyMismatch) or addr.peer_id == self.peer_id:
-            return True
-        return isinstance(error, HandshakeError) and "but reached" in str(error)
+        transient."""
+        return isinstance(error, (SwarmKeyMismatch, PeerIdMismatch)) or addr.peer_id == self.peer_id
 
     def _bootstrap_failure(self, plan: DialPlan, elapsed: float) -> str:
         given = plan.given

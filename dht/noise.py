@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .errors import HandshakeError, ProtocolError
+from .errors import HandshakeError, PeerIdMismatch, ProtocolError
 from .identity import Identity, PeerID
 
 PROTOCOL_NAME = b"Noise_XX_25519_AESGCM_SHA256"
@@ -293,9 +293,7 @@ class XXHandshake:
         if not peer.verify(sig, STATIC_KEY_DOMAIN + self._rs):
             raise HandshakeError(f"peer {peer} failed to prove its identity (bad static-key signature)")
         if self.expected_peer is not None and peer != self.expected_peer:
-            raise HandshakeError(
-                f"dialed {self.expected_peer} but reached {peer}: refusing the connection"
-            )
+            raise PeerIdMismatch(f"dialed {self.expected_peer} but reached {peer}: refusing the connection")
         self.remote_peer = peer
         self.remote_payload = ext
 

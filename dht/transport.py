@@ -313,7 +313,7 @@ class Connection(asyncio.BufferedProtocol):
             self._refuse(e)
             return
         except HandshakeError as e:
-            self._fail_handshake(str(e))
+            self._fail_handshake(str(e), e)
             return
         except Exception as e:  # never leave ``ready`` pending: a dialer would wait its full timeout
             log.exception("handshake with %s crashed", self.remote_host)
@@ -355,10 +355,12 @@ class Connection(asyncio.BufferedProtocol):
             self.ready.exception()  # mark retrieved: a listener-side refusal has no awaiter
         self.close(str(error))  # not an abort: the refusal must reach the peer
 
-    def _fail_handshake(self, reason: str) -> None:
+    def _fail_handshake(self, reason: str, error: HandshakeError | None = None) -> None:
+        """``error``: the handshake's own exception, handed to the dialer as it is (its class
+        tells a wrong peer id, ``PeerIdMismatch``, from a transient failure)."""
         log.info("handshake with %s failed: %s", self.remote_host, reason)
         if not self.ready.done():
-            self.ready.set_exception(HandshakeError(reason))
+            self.ready.set_exception(error if error is not None else HandshakeError(reason))
             self.ready.exception()  # mark retrieved: a listener-side failure has no awaiter
         self.close(reason, abort=True)
 

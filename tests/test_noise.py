@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dht.errors import HandshakeError, ProtocolError
+from dht.errors import HandshakeError, PeerIdMismatch, ProtocolError
 from dht.identity import Identity
 from dht.noise import CipherState, StaticKey, XXHandshake
 
@@ -56,7 +56,7 @@ def test_expected_peer_mismatch_names_both_ids():
     init, resp = pair(expected_peer=C.peer_id)
     resp.read_message(init.write_message())
     msg2 = resp.write_message()
-    with pytest.raises(HandshakeError) as info:
+    with pytest.raises(PeerIdMismatch) as info:  # a HandshakeError whose class says "wrong peer"
         init.read_message(msg2)
     message = str(info.value)
     assert str(C.peer_id) in message and str(B.peer_id) in message

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import dht.relay as relay_mod
-from dht.errors import HandshakeError, MultiaddrError, PeerUnreachable, RPCTimeout
+from dht.errors import HandshakeError, MultiaddrError, PeerIdMismatch, PeerUnreachable, RPCTimeout
 from dht.identity import Identity, PeerID
 from dht.multiaddr import Multiaddr
 from dht.node import DHTNode
@@ -295,7 +295,7 @@ async def test_a_relay_cannot_substitute_the_target(world_factory) -> None:
         # a lying relay: it forwards circuits for "someone" to the NATed host
         entry = w.service.reservations._by_peer[w.nat.peer_id]
         w.service.reservations._by_peer[someone] = entry
-        with pytest.raises(HandshakeError, match=f"dialed {someone} but reached {w.nat.peer_id}"):
+        with pytest.raises(PeerIdMismatch, match=f"dialed {someone} but reached {w.nat.peer_id}"):
             await w.dialer.connect_addr(w.relay.listen_addrs[0].circuit(someone))
         assert w.dialer.connection(someone) is None and w.dialer.connection(w.nat.peer_id) is None
 
