@@ -48,6 +48,7 @@ class PeerConfig:
     lr: float | None = None  # default: the task's
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    inner_warmup_steps: int = 0  # diloco: linear inner-lr warmup over this peer's first local steps
     epochs: int = 30  # global epochs (sync) or outer rounds (diloco) to train
     max_steps: int | None = None  # local steps, as a safety bound
     seed: int = 0  # model init: must be the same on every peer
@@ -91,7 +92,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         opt = DecentralizedOptimizer(
             task.make_optimizer(model.parameters(), lr=cfg.lr), dht=dht, run_id=cfg.run_id or task.signature,
             target_batch_size=cfg.target_batch_size, batch_size_per_step=batch_size, mode=cfg.mode,
-            local_steps=cfg.local_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, compression=cfg.compression,
+            local_steps=cfg.local_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+            inner_warmup_steps=cfg.inner_warmup_steps, compression=cfg.compression,
             aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
             checkpoint_dir=cfg.data_dir,

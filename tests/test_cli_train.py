@@ -29,6 +29,8 @@ def test_help_mentions_the_training_commands():
     (["peer", "--bootstrap", "/ip4/1.2.3/tcp/1"], "1.2.3"),
     (["peer", "--listen", "/dns4/example.com/tcp/1"], "listen on an IP address"),
     (["peer", "--threads", "0"], "--threads"),
+    (["peer", "--inner-warmup-steps", "10"], "--inner-warmup-steps is for --mode diloco"),
+    (["peer", "--mode", "diloco", "--outer-momentum", "1"], "--outer-momentum in [0, 1)"),
     (["swarm", "--peers", "0"], "--peers"),
 ])
 def test_bad_config_is_one_line_error(args, needle):

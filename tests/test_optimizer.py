@@ -217,6 +217,26 @@ def test_diloco_compresses_pseudo_gradients_by_default(swarm):
         opt.close()
 
 
+def test_diloco_inner_warmup_scales_the_first_local_steps(swarm):
+    # SGD, lr 1, a constant gradient of 1: each local step moves a weight by exactly the lr it used
+    w = torch.nn.Parameter(torch.zeros(4))
+    inner = torch.optim.SGD([w], lr=1.0)
+    opt = DecentralizedOptimizer(inner, dht=swarm(), run_id="dlw", mode="diloco", local_steps=100,
+                                 batch_size_per_step=1, inner_warmup_steps=4)
+    try:
+        moved = []
+        for _ in range(6):
+            before = float(w[0])
+            w.grad = torch.ones(4)
+            opt.step()
+            moved.append(before - float(w[0]))
+        assert moved == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+        assert inner.param_groups[0]["lr"] == 1.0  # the user's lr is untouched
+        assert opt.epoch == 0  # all local: no outer round yet
+    finally:
+        opt.close()
+
+
 def test_other_model_never_averages_and_is_reported(swarm):
     a_model, b_model = make_model(width=8), make_model(width=8)
     b_model[0] = torch.nn.Linear(8, 32)  # a different hidden layer on peer b
@@ -284,6 +304,11 @@ def test_bad_arguments_are_clear(swarm):
         DecentralizedOptimizer(model, dht=dht, run_id="x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="codec|compression"):
         DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=dht, run_id="x", compression="zip")
+    with pytest.raises(ValueError, match="inner_warmup_steps is for diloco"):  # sync peers must step alike
+        DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=dht, run_id="x", inner_warmup_steps=10)
+    with pytest.raises(ValueError, match="non-negative"):
+        DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=dht, run_id="x", mode="diloco",
+                               inner_warmup_steps=-1)
 
 
 def test_a_snapshot_taken_mid_round_is_labelled_with_the_updates_it_holds(swarm):

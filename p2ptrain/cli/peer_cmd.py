@@ -74,6 +74,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, help="inner learning rate (default: the example's)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer Nesterov SGD learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer momentum (default 0.9)")
+    p.add_argument("--inner-warmup-steps", type=int, default=0, metavar="N",
+                   help="diloco: warm the inner lr up linearly over this peer's first N local steps (default 0)")
     p.add_argument("--seed", type=int, default=0, help="model init seed, the same on every peer (default 0)")
     p.add_argument("--data-seed", type=int, help="data order (default: different on every peer)")
     p.add_argument("--compute-delay", type=float, default=0.0, metavar="S",
@@ -130,6 +132,12 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--threads must be at least 1")
     if args.compute_delay < 0:
         raise ConfigError("--compute-delay cannot be negative")
+    if args.inner_warmup_steps < 0:
+        raise ConfigError("--inner-warmup-steps cannot be negative")
+    if args.inner_warmup_steps and args.mode != "diloco":
+        raise ConfigError("--inner-warmup-steps is for --mode diloco (sync peers must all take the same step)")
+    if not (args.outer_lr > 0 and 0 <= args.outer_momentum < 1):
+        raise ConfigError("--outer-lr must be positive and --outer-momentum in [0, 1)")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ConfigError("--checkpoint-every must be at least 1 (epochs between checkpoints)")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -142,7 +150,8 @@ def _config(args: argparse.Namespace) -> Any:
         task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
         aggregation=args.aggregation,
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
-        lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
+        lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        inner_warmup_steps=args.inner_warmup_steps, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
         delay_updates=args.delay_updates, wait_peers=args.wait_peers, threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,

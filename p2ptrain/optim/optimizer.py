@@ -57,6 +57,7 @@ from ..checkpoint.autosave import Checkpointer
 from ..compression import get_codec
 from .progress import ProgressTracker, SwarmView
 from .state_sync import StateSync
+from .warmup import warmed_step
 
 log = logging.getLogger("p2ptrain.optim")
 
@@ -108,6 +109,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     ``scheduler``: an LR scheduler over *this* optimizer, or a callable ``f(optimizer)`` making one;
     it is stepped once per global epoch (do not step it yourself).
 
+    ``inner_warmup_steps`` (``diloco`` only): scale the inner learning rate linearly from
+    1/N to 1 over this peer's first N local steps. Early DiLoCo rounds start from random weights,
+    where H unsynchronised steps at full lr can leave the average stuck on a loss plateau (measured
+    on char_lm: one seed in two); a short warmup avoids it. Peers of one run need not agree on it
+    (each replica's inner trajectory is its own) and a joiner warms up again, which costs it a few
+    slower steps only. The scale is applied around each inner step, so a user's ``scheduler``
+    (per outer round) and the inner optimizer's saved state are unaffected. Not for ``sync`` mode,
+    whose peers must all take the same step: use ``scheduler`` there.
+
     ``checkpoint_every``: save a checkpoint every N global epochs (by ``checkpoint_writers`` peers
     of the swarm, not all) into the store at ``checkpoint_dir`` (default: ``$P2PTRAIN_DATA_DIR`` or
     the user's cache directory), keeping the newest ``checkpoint_keep`` per run. With either set,
@@ -127,6 +137,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         local_steps: int = 50,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        inner_warmup_steps: int = 0,
         compression: str | None = None,
         aggregation: str = "mean",
         target_group_size: int = 16,
@@ -156,6 +167,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise ValueError("local_steps must be at least 1")
         if not (0 < outer_lr < float("inf")) or not (0 <= outer_momentum < 1):
             raise ValueError("outer_lr must be positive and outer_momentum in [0, 1)")
+        if type(inner_warmup_steps) is not int or inner_warmup_steps < 0:
+            raise ValueError(f"inner_warmup_steps must be a non-negative int, got {inner_warmup_steps!r}")
+        if inner_warmup_steps and mode != "diloco":
+            raise ValueError("inner_warmup_steps is for diloco mode (sync peers must all take the same step: "
+                             "warm up with scheduler=, stepped per global epoch)")
         if dht is not None and initial_peers:
             raise ValueError("pass either dht= or initial_peers=, not both")
         if checkpoint_every is not None and (type(checkpoint_every) is not int or checkpoint_every < 1):
@@ -174,6 +190,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.target_batch_size = int(target_batch_size)
         self.batch_size_per_step = int(batch_size_per_step)
         self.local_steps = int(local_steps)
+        self.inner_warmup_steps = inner_warmup_steps
+        self._inner_steps = 0  # diloco: local steps taken by this peer (the warmup's clock)
         self.delay_updates = delay_updates
         self.matchmaking_timeout = matchmaking_timeout
         self.codec = compression or ("int8" if mode == "diloco" else "none")
@@ -689,7 +707,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     def _diloco_step(self, bs: int) -> None:
         with self._state_lock:
-            self.inner.step()
+            self._inner_step()
         self._local_steps_done += 1
         self.local_samples += bs
         view = self.tracker.estimate()
@@ -718,6 +736,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self._outer_round(epoch, samples, view)
         finally:
             self._settled.set()  # (cleared by _average's round once it grouped)
+
+    def _inner_step(self) -> None:
+        self._inner_steps += 1
+        warmed_step(self.inner, self._inner_steps, self.inner_warmup_steps)
 
     def _outer_round(self, epoch: int, samples: int, view: SwarmView) -> None:
         assert self.outer_optimizer is not None

@@ -261,8 +261,12 @@ def train_single(
     log_every: int = 0,
     stop_when: Callable[[dict[str, float]], bool] | None = None,
     eval_at: Iterable[int] = (),
+    warmup_steps: int = 0,
 ) -> dict[str, Any]:
     """The single-process baseline: a plain torch loop over ``task`` for up to ``steps`` steps.
+
+    ``warmup_steps``: the lr rises linearly over the first steps, exactly as a DiLoCo peer's
+    ``inner_warmup_steps`` does (the same function), for a like-for-like comparison.
 
     Every ``log_every`` steps (0: never), and after every step in ``eval_at``, it evaluates, logs
     and records the metrics in ``history``, and stops early when ``stop_when(metrics)`` is true (e.g. to count the samples
@@ -272,6 +276,8 @@ def train_single(
     Returns the final :meth:`Task.evaluate` metrics plus ``steps``, ``samples`` (examples
     consumed; sequences for char_lm), ``seconds``, ``train_loss`` (last batch) and ``history``.
     """
+    from ..optim.warmup import warmed_step  # (lazy: the tasks need no networking stack)
+
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     batch_size = task.default_batch_size if batch_size is None else batch_size
@@ -289,9 +295,9 @@ def train_single(
         loss = task.loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
-        seconds += time.perf_counter() - t0
         step += 1
+        warmed_step(opt, step, warmup_steps)
+        seconds += time.perf_counter() - t0
         samples += len(batch[1])
         train_loss = loss.item()
         metrics = None
