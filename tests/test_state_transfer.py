@@ -24,6 +24,7 @@ from p2ptrain.checkpoint import (
     StateServer,
     StateTimeoutError,
     StateTransferError,
+    StateTooLarge,
     build_snapshot,
     fetch_state,
 )
@@ -415,3 +416,39 @@ async def test_snapshot_waits_for_the_round_in_flight_to_settle():
     # no round in flight: answered at once (and not rebuilt for the same epoch)
     async with asyncio.timeout(2):
         assert await sync._refresh() is None
+
+
+def test_short_gil_waits_lowers_the_switch_interval_and_restores_it_when_the_last_burst_ends():
+    import sys
+    import threading
+
+    from p2ptrain.gil import short_gil_waits
+
+    before = sys.getswitchinterval()
+    inside = threading.Event()
+    release = threading.Event()
+
+    def other_burst() -> None:
+        with short_gil_waits():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other_burst)
+    with short_gil_waits(1e-4):
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        t.start()
+        assert inside.wait(10)
+    # the other thread's burst is still on: the interval stays short
+    assert sys.getswitchinterval() < before
+    release.set()
+    t.join(10)
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_snapshot_restores_the_switch_interval_even_when_it_fails():
+    import sys
+
+    before = sys.getswitchinterval()
+    with pytest.raises(StateTooLarge):
+        build_snapshot({"w": torch.zeros(1000)}, max_total=100)
+    assert sys.getswitchinterval() == pytest.approx(before)

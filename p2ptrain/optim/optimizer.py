@@ -55,6 +55,7 @@ from ..background import DHT
 from ..checkpoint import StateTransferError
 from ..checkpoint.autosave import Checkpointer
 from ..compression import get_codec
+from ..gil import short_gil_waits
 from .progress import ProgressTracker, SwarmView
 from .state_sync import StateSync
 from .warmup import warmed_step
@@ -641,7 +642,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _apply_shared_state(self, state: dict[str, Any], epoch: int) -> None:
-        with self._state_lock:
+        # a copy per tensor, each giving up the GIL: short waits (see p2ptrain.gil)
+        with short_gil_waits(), self._state_lock:
             self._applied = epoch
             if self.mode == "sync":
                 params = state["params"]
