@@ -395,9 +395,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._apply_pending(wait=False)
         if not self._grad_acc:
             self._grad_acc = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        for acc, p in zip(self._grad_acc, self.params):
-            if p.grad is not None:
-                acc.add_(p.grad, alpha=bs)
+        # One call for all tensors, not one per tensor: each torch call gives up the GIL and
+        # waits up to 5 ms to get it back while the event loop runs Python (a delayed round).
+        pairs = [(acc, p.grad) for acc, p in zip(self._grad_acc, self.params) if p.grad is not None]
+        if pairs:
+            torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs], alpha=bs)
         self.local_samples += bs
         view = self.tracker.report(self.epoch, self.local_samples, self._sps)
         self._observe(view)
@@ -413,9 +415,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._pending is not None:
             self._apply_pending(wait=True)  # at most one round in flight
         samples = self.local_samples
-        for buf, acc in zip(self._buffers, self._grad_acc):
-            buf.copy_(acc).div_(samples)
-            acc.zero_()
+        torch._foreach_copy_(self._buffers, self._grad_acc)
+        torch._foreach_div_(self._buffers, float(samples))
+        torch._foreach_zero_(self._grad_acc)
         if self._corrupt is not None:
             self._corrupt(self._buffers)
         epoch = self.epoch
