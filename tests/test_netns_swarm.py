@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from p2ptrain.averaging.worker import flat_input
-from p2ptrain.testbed import Testbed, available, features
+from p2ptrain.testbed import Testbed, available
 
 _OK, _WHY = available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=f"no network namespaces here: {_WHY}"), pytest.mark.slow]
