@@ -552,6 +552,8 @@ class _Fetch:
         self.manifest: Manifest | None = None
         self.schedule: ChunkSchedule | None = None
         self._changed = asyncio.Event()
+        #: manifest requests still in flight once a quorum answered (see ``probe``)
+        self._late: dict[asyncio.Task, PeerID] = {}
 
     def drop(self, peer: PeerID, reason: str, *, corrupt: bool = False) -> None:
         if peer not in self.dropped:
@@ -567,12 +569,38 @@ class _Fetch:
     # ------------------------------------------------------------------ manifests
 
     async def probe(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for peer in self.addrs:
-                if peer == self.host.peer_id:
-                    self.drop(peer, "is this host")
-                else:
-                    tg.create_task(self._ask(peer))
+        """Ask every provider for its manifest at once, and return as soon as a strict majority
+        of them name the same latest manifest (or one holds the wanted id), or all have answered.
+
+        Each provider snapshots its state when asked, and under load they take 0.7-2.5 s each:
+        waiting for the slowest one gated every download on it. A majority of the providers asked
+        cannot be outvoted by the rest, so the choice is the same as after hearing all of them.
+        The requests still in flight stay in ``_late``; ``download`` adds those providers when
+        they answer with the chosen manifest, and ``close`` cancels what is left."""
+        asked = []
+        for peer in self.addrs:
+            if peer == self.host.peer_id:
+                self.drop(peer, "is this host")
+            else:
+                asked.append(peer)
+        pending = {asyncio.create_task(self._ask(peer)): peer for peer in asked}
+        self._late = pending
+        quorum = len(asked) // 2 + 1
+        while pending and not self._agreed(quorum):
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                del pending[task]
+                task.result()  # _ask handles the providers' failures; anything else is ours
+
+    def _agreed(self, quorum: int) -> bool:
+        if self.wanted is not None:
+            return bool(self.holders.get(self.wanted))
+        return max(collections.Counter(self.latest.values()).values(), default=0) >= quorum
+
+    async def close(self) -> None:
+        """Cancel the manifest requests nobody waits for any more."""
+        late, self._late = list(self._late), {}
+        await cancel_all(late)
 
     async def _ask(self, peer: PeerID) -> None:
         try:
@@ -701,10 +729,13 @@ class _Fetch:
         if not peers:
             raise ChunksUnavailableError(f"no provider left for state {self.key!r} ({m.id.hex()[:12]})")
         view = memoryview(buffer.numpy()) if buffer is not None else None
-        slots = asyncio.Semaphore(parallel or len(peers))
+        slots = asyncio.Semaphore(parallel or len(self.addrs))
         async with asyncio.TaskGroup() as tg:
             for peer in peers:
                 tg.create_task(self._worker(peer, m, view, slots, segment * m.chunk_size))
+            if self._late:
+                tg.create_task(self._admit_late(
+                    lambda peer: tg.create_task(self._worker(peer, m, view, slots, segment * m.chunk_size)), m))
         if self.sink_error is not None:
             raise StateTransferError(
                 f"could not keep a chunk of state {self.key!r} ({m.id.hex()[:12]}): {self.sink_error}"
@@ -716,6 +747,30 @@ class _Fetch:
                 f"({m.id.hex()[:12]}): {why}"
             )
         return buffer
+
+    async def _admit_late(self, start: Callable[[PeerID], Any], m: Manifest) -> None:
+        """Providers whose manifest arrives after the download began: those holding ``m`` get a
+        worker of their own (``start``); until the download is complete, no longer."""
+        sched = self.schedule
+        assert sched is not None
+        pending = self._late
+        while pending and not sched.complete and self.sink_error is None:
+            changed = asyncio.ensure_future(self._changed.wait())
+            try:
+                done, _ = await asyncio.wait([*pending, changed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+            for task in done:
+                peer = pending.pop(task, None)
+                if peer is None:
+                    continue
+                task.result()
+                if peer in self.dropped:
+                    continue
+                if peer in self.holders.get(m.id, ()):
+                    start(peer)
+                else:
+                    self.drop(peer, f"holds a different state ({self.latest[peer].hex()[:12]})")
 
     async def _worker(self, peer: PeerID, m: Manifest, view: memoryview | None, slots: asyncio.Semaphore,
                       scratch_bytes: int) -> None:
@@ -869,6 +924,8 @@ async def fetch_state(
         if not deadline.expired():
             raise
         raise StateTimeoutError(f.timeout_message(timeout)) from None
+    finally:
+        await f.close()
     assert f.schedule is not None
     contributors = {p: n for p, n in f.schedule.chunks_from.items() if n}
     return FetchResult(m, buffer, contributors, f.dropped, f.corrupt, time.monotonic() - started, f.schedule.reused)
