@@ -710,8 +710,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     # ---- diloco
 
     def _diloco_step(self, bs: int) -> None:
+        self._inner_steps += 1
         with self._state_lock:
-            self._inner_step()
+            warmed_step(self.inner, self._inner_steps, self.inner_warmup_steps)
         self._local_steps_done += 1
         self.local_samples += bs
         view = self.tracker.estimate()
@@ -740,10 +741,6 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self._outer_round(epoch, samples, view)
         finally:
             self._settled.set()  # (cleared by _average's round once it grouped)
-
-    def _inner_step(self) -> None:
-        self._inner_steps += 1
-        warmed_step(self.inner, self._inner_steps, self.inner_warmup_steps)
 
     def _outer_round(self, epoch: int, samples: int, view: SwarmView) -> None:
         assert self.outer_optimizer is not None
