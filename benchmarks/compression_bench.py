@@ -5,9 +5,12 @@ outliers) is processed in ``--chunk`` value chunks (default 1M = 4 MB, what the 
 as the all-reduce would: encode every chunk; decode every received chunk into a preallocated output
 slice (``decode``) or add it into a float32 accumulator (``decode_add``). Baselines in the same
 run: a chunked ``clone`` (memcpy) and a chunked ``acc.add_`` (what an uncompressed reduction costs).
-Best of ``--repeat`` passes.
+Best of ``--repeat`` passes. ``--device cuda`` keeps the input, outputs and accumulator on the GPU:
+encode then includes the copy of the (compressed) wire bytes to the host, decode the copy back, as
+in a round with a model on the GPU; the baseline rows are then the host-bound copy of the fp32
+chunk (what ``none`` costs at least) and a device ``add_``.
 
-    python benchmarks/compression_bench.py [--numel N] [--chunk N] [--threads T] [--json out.json]
+    python benchmarks/compression_bench.py [--numel N] [--chunk N] [--threads T] [--device cuda] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import torch
 from p2ptrain.compression import CODECS, get_codec, iter_chunks
 
 
-def best_time(fn, repeat: int) -> float:
+def best_time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()  # warm-up (allocator, lazy init)
+    sync()
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
+        sync()  # a GPU's queued kernels count
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -41,8 +47,12 @@ def main(argv=None) -> None:
     ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codec names")
     ap.add_argument("--int8-blocks", default="", help="also bench int8 with these block sizes, e.g. 64,128")
     ap.add_argument("--topk-fraction", type=float, default=0.01)
+    ap.add_argument("--device", default="cpu", help="where the tensors live: cpu (default) or cuda")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device here")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -50,11 +60,12 @@ def main(argv=None) -> None:
     gb = args.numel * 4 / 1e9
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={threads}, "
           f"numel={args.numel} ({gb * 1e3:.0f} MB fp32), chunk={args.chunk} ({args.chunk * 4 / 1e6:.1f} MB), "
-          f"best of {args.repeat}")
+          f"best of {args.repeat}, device={device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.numel, generator=g)
     x[torch.randint(0, args.numel, (args.numel // 10000,), generator=g)] *= 50  # outliers
+    x = x.to(device)
     chunks = list(iter_chunks(x, args.chunk))
     out = torch.empty_like(x)
     out_chunks = list(iter_chunks(out, args.chunk))
@@ -71,9 +82,14 @@ def main(argv=None) -> None:
         return r
 
     # baselines
-    t_clone = best_time(lambda: [c.clone() for c in chunks], args.repeat)
-    t_add = best_time(lambda: [a.add_(c) for a, c in zip(acc_chunks, chunks)], args.repeat)
-    row("memcpy (clone)", t_clone, t_clone, t_add, 1.0, 0.0, 0.0)
+    if device.type == "cuda":
+        t_clone = best_time(lambda: [c.to("cpu") for c in chunks], args.repeat, device)
+        label = "copy to host"
+    else:
+        t_clone = best_time(lambda: [c.clone() for c in chunks], args.repeat)
+        label = "memcpy (clone)"
+    t_add = best_time(lambda: [a.add_(c) for a, c in zip(acc_chunks, chunks)], args.repeat, device)
+    row(label, t_clone, t_clone, t_add, 1.0, 0.0, 0.0)
 
     specs = [(n, {}) for n in args.codecs.split(",") if n]
     specs = [(n, {"fraction": args.topk_fraction}) if n == "topk" else (n, o) for n, o in specs]
@@ -90,15 +106,15 @@ def main(argv=None) -> None:
             for i, c in enumerate(chunks):
                 encs.append(codec.encode(c, key=i))
 
-        t_enc = best_time(encode_all, args.repeat)
+        t_enc = best_time(encode_all, args.repeat, device)
         # what the receiver holds: one contiguous buffer per chunk
         wires = [bytearray(e.tobytes()) for e in encs]
         metas = [e.meta for e in encs]
         wire_bytes = sum(len(w) for w in wires)
         t_dec = best_time(lambda: [codec.decode(m, w, out=o) for m, w, o in zip(metas, wires, out_chunks)],
-                          args.repeat)
+                          args.repeat, device)
         t_add = best_time(lambda: [codec.decode_add(m, w, a, 0.5) for m, w, a in zip(metas, wires, acc_chunks)],
-                          args.repeat)
+                          args.repeat, device)
         for m, w, o in zip(metas, wires, out_chunks):
             codec.decode(m, w, out=o)
         err = (out - x).abs_()
@@ -111,10 +127,11 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['codec']:<22}{r['encode_GBps']:>10.2f}{r['decode_GBps']:>10.2f}{r['decode_add_GBps']:>10.2f}"
               f"{r['ratio']:>8.2f}{r['max_abs_err']:>11.3g}{r['mean_abs_err']:>11.3g}")
-    print("(memcpy row: enc = dec = chunked clone, dec+add = chunked acc.add_ of fp32; GB/s of fp32 input)")
+    print(f"({rows[0]['codec']} row: enc = dec = that chunked copy, dec+add = chunked acc.add_ of fp32; "
+          "GB/s of fp32 input)")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(dict(threads=threads, numel=args.numel, chunk=args.chunk, torch=torch.__version__,
+            json.dump(dict(threads=threads, device=str(device), numel=args.numel, chunk=args.chunk, torch=torch.__version__,
                            rows=rows), f, indent=2)
 
 

@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model init seed: the same on every peer")
     p.add_argument("--data-seed", type=int, default=None, help="data order (default: different on every peer)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 when several peers share a machine)")
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu (default), cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     return p.parse_args(argv)
 
@@ -46,11 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def generate(model: torch.nn.Module, prompt: str, length: int, context: int) -> str:
     """Greedy-ish sampling (temperature 0.8) from the model, ASCII in, ASCII out."""
     model.eval()
-    ids = torch.tensor([[min(ord(c), 127) for c in prompt]])
+    ids = torch.tensor([[min(ord(c), 127) for c in prompt]], device=next(model.parameters()).device)
     gen = torch.Generator().manual_seed(0)
     for _ in range(length):
         logits = model(ids[:, -context:])[0, -1] / 0.8
-        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+        nxt = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen).to(ids.device)
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     return "".join(chr(i) for i in ids[0].tolist())
 
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     task = get_task("char_lm")
-    model = task.make_model(seed=args.seed)
+    device = torch.device(args.device)
+    model = task.make_model(seed=args.seed).to(device)  # built on the host: the same init on every peer
 
     dht = DHT(initial_peers=args.bootstrap or None)  # none given: $P2PTRAIN_BOOTSTRAP, else a new swarm
     opt = DecentralizedOptimizer(
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while opt.epoch < args.epochs:
             model.train()
-            loss = task.loss(model, next(batches))
+            x, y = next(batches)
+            loss = task.loss(model, (x.to(device), y.to(device)))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()  # an inner step; every --local-steps, an outer round with the swarm

@@ -17,6 +17,7 @@ import json
 import sys
 import time
 
+import torch
 
 from p2ptrain import DHT, DecentralizedOptimizer
 from p2ptrain.tasks import get_task
@@ -39,13 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-peers", type=int, default=0, metavar="N",
                    help="wait (up to 60 s) until N peers are in the swarm before training")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu (default), cuda or cuda:N")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     task = get_task("digits")
-    model = task.make_model(seed=args.seed)
+    device = torch.device(args.device)
+    model = task.make_model(seed=args.seed).to(device)  # built on the host: the same init on every peer
 
     dht = DHT(initial_peers=args.bootstrap or None)  # none given: $P2PTRAIN_BOOTSTRAP, else a new swarm
     opt = DecentralizedOptimizer(
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while opt.epoch < args.epochs:
             x, y = next(batches)
-            loss = task.loss(model, (x, y))
+            loss = task.loss(model, (x.to(device), y.to(device)))
             loss.backward()
             opt.step()  # a swarm step when the swarm has its batch; otherwise just accumulates
             opt.zero_grad()

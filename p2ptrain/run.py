@@ -58,6 +58,7 @@ class PeerConfig:
     progress_every: float = 1.0
     target_group_size: int = 16
     matchmaking_timeout: float = 5.0
+    device: str = "cpu"  # where the model trains: cpu, cuda, cuda:N (the wire and the state stay on the host)
     threads: int | None = None  # torch intra-op threads (default: torch's); 1 when many peers share a machine
     save: str | None = None  # write the final model here (safetensors), atomically
     checkpoint_every: int | None = None  # save a checkpoint every N global epochs (a few peers do)
@@ -81,6 +82,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
     stop = stop or threading.Event()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
     task = get_task(cfg.task, **cfg.task_options)
     batch_size = cfg.batch_size or task.default_batch_size
     own_dht = dht is None
@@ -88,7 +90,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host)
     opt: DecentralizedOptimizer | None = None
     try:
-        model = task.make_model(seed=cfg.seed)
+        model = task.make_model(seed=cfg.seed).to(device)  # the same init on every device: built on the host
         opt = DecentralizedOptimizer(
             task.make_optimizer(model.parameters(), lr=cfg.lr), dht=dht, run_id=cfg.run_id or task.signature,
             target_batch_size=cfg.target_batch_size, batch_size_per_step=batch_size, mode=cfg.mode,
@@ -118,6 +120,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             if cfg.max_steps is not None and steps >= cfg.max_steps:
                 break
             x, y = next(batches)
+            if device.type != "cpu":
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = task.loss(model, (x, y))
             loss.backward()
             if cfg.compute_delay > 0:
@@ -149,6 +153,26 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             opt.close()
         if own_dht:
             dht.close()
+
+
+def resolve_device(name: str) -> torch.device:
+    """``name`` as a torch device, or a one-line ConfigError saying why this machine cannot train there."""
+    from dht import ConfigError
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {name!r}: not a device name (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: torch {torch.__version__} sees no CUDA device on this machine "
+                              "(a CPU-only build, or no driver); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                              f"numbered from 0")
+    elif device.type != "cpu":
+        raise ConfigError(f"--device {name}: only cpu and cuda are supported")
+    return device
 
 
 def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: float) -> Event:

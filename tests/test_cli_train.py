@@ -32,6 +32,8 @@ def test_help_mentions_the_training_commands():
     (["peer", "--inner-warmup-steps", "10"], "--inner-warmup-steps is for --mode diloco"),
     (["peer", "--mode", "diloco", "--outer-momentum", "1"], "--outer-momentum in [0, 1)"),
     (["swarm", "--peers", "0"], "--peers"),
+    (["peer", "--device", "tpu"], "not a device name"),
+    (["peer", "--device", "cuda:9"], "cuda:9"),
 ])
 def test_bad_config_is_one_line_error(args, needle):
     out = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)

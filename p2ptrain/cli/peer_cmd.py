@@ -83,6 +83,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delay-updates", action="store_true", help="sync: average in the background, apply one epoch late")
     p.add_argument("--wait-peers", type=int, default=0, metavar="N",
                    help="wait (up to 60 s) for N peers before training, so a swarm started together trains together")
+    p.add_argument("--device", default="cpu",
+                   help="where the model trains: cpu (default), cuda or cuda:N; averaging always runs on the host")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch threads for this peer (default: torch's; use 1 when several peers share a machine)")
     p.add_argument("--save", metavar="PATH", help="write the trained model there at the end (safetensors, atomic)")
@@ -144,7 +146,9 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
     listen = None if args.client else parse_listen(args.listen)
     bootstrap = [str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)]
-    from ..run import PeerConfig  # torch: only once the options are known to be good
+    from ..run import PeerConfig, resolve_device  # torch: only once the options are known to be good
+
+    resolve_device(args.device)  # a CUDA flag on a machine without one fails here, before joining
 
     return PeerConfig(
         task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
@@ -152,7 +156,7 @@ def _config(args: argparse.Namespace) -> Any:
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
         lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         inner_warmup_steps=args.inner_warmup_steps, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
-        delay_updates=args.delay_updates, wait_peers=args.wait_peers, threads=args.threads, save=args.save,
+        delay_updates=args.delay_updates, wait_peers=args.wait_peers, device=args.device, threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
     )

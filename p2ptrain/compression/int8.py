@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, CompressionError, Encoded, frombuffer, scratch
+from .base import Codec, CompressionError, Encoded, as_uint8, frombuffer, scratch
 
 __all__ = ["Int8Codec"]
 
@@ -101,7 +101,7 @@ class Int8Codec(Codec):
             torch.mul(xb, inv.unsqueeze(1), out=t)
             t.round_()
             q[start:stop].view(rows, cols).copy_(t)
-        return Encoded(self._meta(chunk), [wire])
+        return Encoded(self._meta(chunk), [as_uint8(wire)])  # from a GPU: one copy of the compressed bytes
 
     # ------------------------------------------------------------------ decode
     def _unpack(self, buf, numel: int, device: torch.device):

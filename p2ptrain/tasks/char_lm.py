@@ -360,8 +360,10 @@ class CharLMTask(Task):
         was_training = model.training
         model.eval()
         total, count = 0.0, 0
+        device = next(model.parameters()).device
         try:
             for w in self._eval_windows.split(64):
+                w = w.to(device)
                 logits = model(w[:, :-1])
                 loss = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum")
                 total += loss.item()

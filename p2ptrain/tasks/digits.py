@@ -95,11 +95,13 @@ class DigitsTask(Task):
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         was_training = model.training
         model.eval()
+        device = next(model.parameters()).device
+        x, y = self.x_test.to(device), self.y_test.to(device)
         try:
-            logits = model(self.x_test)
+            logits = model(x)
         finally:
             model.train(was_training)
         return {
-            "loss": F.cross_entropy(logits, self.y_test).item(),
-            "accuracy": (logits.argmax(1) == self.y_test).float().mean().item(),
+            "loss": F.cross_entropy(logits, y).item(),
+            "accuracy": (logits.argmax(1) == y).float().mean().item(),
         }
