@@ -111,8 +111,40 @@ def main() -> None:
     builds: list[float] = []
     orig_build = ss.build_snapshot
 
+    build_parts: list[dict] = []
+    import p2ptrain.checkpoint.manifest as mf
+
+    orig_hash = mf.hash_chunks
+
+    def hash_chunks(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return orig_hash(*args, **kwargs)
+        finally:
+            if build_parts:
+                build_parts[-1]["hash"] = time.perf_counter() - t0
+
+    mf.hash_chunks = hash_chunks
+
+    class TimedLock:
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            t0 = time.perf_counter()
+            self.lock.__enter__()
+            build_parts[-1]["lock_wait"] = time.perf_counter() - t0
+            self.t_held = time.perf_counter()
+
+        def __exit__(self, *exc):
+            build_parts[-1]["held"] = time.perf_counter() - self.t_held
+            return self.lock.__exit__(*exc)
+
     def build_snapshot(*args, **kwargs):  # runs in the executor thread, with the state lock held
         t0 = time.perf_counter()
+        build_parts.append({})
+        if kwargs.get("lock") is not None:
+            kwargs["lock"] = TimedLock(kwargs["lock"])
         try:
             return orig_build(*args, **kwargs)
         finally:
@@ -125,6 +157,7 @@ def main() -> None:
         if res is not None:
             emit({"event": "served", "epoch": res[0].meta.get("epoch"), "manifest": res[0].id.hex(),
                   "seconds": time.perf_counter() - t0, "build": builds[n] if len(builds) > n else None,
+                  "build_parts": build_parts[n] if len(build_parts) > n else None,
                   "rss": rss_mb()})
         return res
 

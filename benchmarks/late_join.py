@@ -264,14 +264,22 @@ def main() -> None:
         sv = [s["seconds"] for s in served]
         bv = [s["build"] for s in served if s.get("build") is not None]
         print(f"  provider snapshots on request: {len(sv)}, request -> snapshot ready median {statistics.median(sv):.3f} s "
-              f"(max {max(sv):.3f}); of which build_snapshot (copy + hash of {nbytes / MiB:.0f} MiB, state lock held) "
+              f"(max {max(sv):.3f}); of which build_snapshot (copy + hash of {nbytes / MiB:.0f} MiB) "
               f"median {statistics.median(bv) if bv else float('nan'):.3f} s")
+        for s in served:
+            parts = s.get("build_parts") or {}
+            print(f"    {s['peer']} epoch {s['epoch']}: request -> ready {s['seconds']:.3f} s, build {s.get('build') or 0:.3f} s"
+                  + "".join(f", {k} {v:.3f} s" if isinstance(v, float) else f", {k} {v}" for k, v in parts.items()))
     if joins:
         ctor = [j["timeline"]["ctor"] for j in joins]
         ret = [j["timeline"]["to_step_return"] for j in joins]
+        unloaded = sum(1 for j in joins if not j["fetches"] or "error" in j["fetches"][0])
+        ok = statistics.median(ctor) <= TARGET_S and not unloaded
+        if unloaded:
+            print(f"  {unloaded} of {len(joins)} joiners did NOT load the swarm's state (see the peer logs)")
         print(f"  construction (first step can start): median {statistics.median(ctor):.3f} s = "
               f"{statistics.median(ctor) / TARGET_S:.2f}x the {TARGET_S:.0f} s target "
-              f"({'PASS' if statistics.median(ctor) <= TARGET_S else 'FAIL'}, max {max(ctor):.3f} s); "
+              f"({'PASS' if ok else 'FAIL'}, max {max(ctor):.3f} s); "
               f"first step() return: median {statistics.median(ret):.3f} s; raw TCP for the same bytes {tcp_s:.3f} s; "
               f"joiner DHT start {statistics.median(j['timeline']['dht_start'] for j in joins):.3f} s (not counted)")
     if digests:

@@ -174,6 +174,9 @@ def test_late_joiner_starts_from_the_swarm_state(swarm):
                                         run_id="late", target_batch_size=64, batch_size_per_step=16)
         assert joiner.epoch == 4
         assert joiner.stats.state_loads == 1
+        # the providers snapshotted into buffers they had touched ahead, not fresh memory
+        assert sum(o.state_sync.buffers.reused for o in opts) >= 1
+        assert sum(o.state_sync.buffers.fresh for o in opts) == 0
         for p, q in zip(late_model.parameters(), models[0].parameters()):
             assert torch.equal(p, q)
         s_join, s_ref = joiner.inner.state_dict()["state"], opts[0].inner.state_dict()["state"]

@@ -112,11 +112,20 @@ class ChunkSource(Protocol):
 
 @dataclass(eq=False)
 class MemorySource:
-    """A snapshot in one buffer (from ``build_snapshot``), served without copying."""
+    """A snapshot in one buffer (from ``build_snapshot``), served without copying.
+
+    ``on_release(buffer)``: called once the server no longer publishes the snapshot and no
+    stream reads it any more, so its owner can reuse the memory (see ``checkpoint.recycle``);
+    from then on ``acquire`` fails and a late request is told the state is no longer held.
+    """
 
     manifest: Manifest
     buffer: torch.Tensor
+    on_release: Callable[[torch.Tensor], None] | None = field(default=None, repr=False)
     view: memoryview = field(init=False, repr=False)
+    _users: int = field(default=0, init=False, repr=False)
+    _evicted: bool = field(default=False, init=False, repr=False)
+    _released: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.buffer, torch.Tensor) or self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1 \
@@ -128,13 +137,43 @@ class MemorySource:
         self.view = memoryview(self.buffer.numpy())
 
     async def chunk(self, index: int) -> memoryview:
+        if self._released:
+            raise LookupError("the snapshot's buffer was released")
         a, b = self.manifest.chunk_span(index)
         return self.view[a:b]
+
+    def acquire(self) -> bool:
+        """Keep the buffer for a stream that reads it; False once it was released."""
+        if self._released:
+            return False
+        self._users += 1
+        return True
+
+    def release(self) -> None:
+        self._users -= 1
+        self._maybe_release()
+
+    def evict(self) -> None:
+        """No longer published: release the buffer once the streams reading it finish."""
+        self._evicted = True
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        if self._evicted and self._users <= 0 and not self._released:
+            self._released = True
+            if self.on_release is not None:
+                self.on_release(self.buffer)
 
 
 #: finds what to serve under a key that nothing was published for: ``await resolver(key)`` ->
 #: sources, the latest first (empty when the resolver does not know the key)
 Resolver = Callable[[str], Awaitable[list[ChunkSource]]]
+
+
+def _evict(sources: Iterable[ChunkSource]) -> None:
+    for s in sources:
+        if isinstance(s, MemorySource):
+            s.evict()
 
 
 def _check_key(key: Any) -> str:
@@ -175,6 +214,7 @@ class StateServer:
         self._bucket = TokenBucket(rate) if rate is not None else None
         self._snapshots: dict[str, list[ChunkSource]] = {}
         self._providers: dict[str, Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]] = {}
+        self._releasers: dict[str, Callable[[torch.Tensor], None] | None] = {}
         self._resolvers: list[Resolver] = []
         self._refreshing: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -208,33 +248,41 @@ class StateServer:
             self.host.off_stream(CHUNKS_PROTOCOL)
             self.host.off_request(MANIFEST_METHOD, self._on_manifest)
         await cancel_all(self._tasks)
+        for snaps in self._snapshots.values():
+            _evict(snaps)
         self._snapshots.clear()
         self._resolvers.clear()
 
     # ------------------------------------------------------------------ publishing
 
-    def publish(self, key: str, manifest: Manifest, buffer: torch.Tensor) -> None:
+    def publish(self, key: str, manifest: Manifest, buffer: torch.Tensor,
+                on_release: Callable[[torch.Tensor], None] | None = None) -> None:
         """Serve ``buffer`` (from ``build_snapshot``) under ``key`` as its latest state.
 
-        The buffer is served as is, never copied or re-hashed here: it must not change afterwards.
+        The buffer is served as is, never copied or re-hashed here: it must not change afterwards,
+        until ``on_release(buffer)`` says nothing here reads it any more (see ``MemorySource``).
         """
         if self._closed:
             raise RuntimeError("StateServer is closed")
         _check_key(key)
-        source = MemorySource(manifest, buffer)
-        snaps = [s for s in self._snapshots.get(key, []) if s.manifest.id != manifest.id]
-        snaps.insert(0, source)
+        source = MemorySource(manifest, buffer, on_release)
+        old = self._snapshots.get(key, [])
+        snaps = [source, *(s for s in old if s.manifest.id != manifest.id)]
         self._snapshots[key] = snaps[: self.keep]
+        _evict(s for s in old if s not in self._snapshots[key])
 
-    def provide(self, key: str, refresh: Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]) -> None:
+    def provide(self, key: str, refresh: Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]],
+                release: Callable[[torch.Tensor], None] | None = None) -> None:
         """Snapshot ``key`` lazily: before answering a manifest request, await ``refresh()``,
         which returns a new snapshot to publish, or None when the latest one is still current.
+        ``release(buffer)``: given back each such snapshot's buffer once it is no longer served.
 
         A trainer's state changes every step and a snapshot costs a copy and a hash of all of it,
         so it is taken only when a peer asks (and at most once at a time, however many ask).
         """
         _check_key(key)
         self._providers[key] = refresh
+        self._releasers[key] = release
 
     def add_resolver(self, resolver: Resolver) -> None:
         """Ask ``resolver`` for the sources of keys nothing was published for (e.g. a store's
@@ -256,7 +304,7 @@ class StateServer:
             async def run() -> None:
                 snap = await refresh()
                 if snap is not None and not self._closed:
-                    self.publish(key, *snap)
+                    self.publish(key, *snap, on_release=self._releasers.get(key))
             task = self._refreshing[key] = asyncio.get_running_loop().create_task(run())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -267,7 +315,7 @@ class StateServer:
 
     def unpublish(self, key: str) -> None:
         """Stop serving ``key`` (streams already running finish)."""
-        self._snapshots.pop(key, None)
+        _evict(self._snapshots.pop(key, []))
 
     def latest(self, key: str) -> Manifest | None:
         snaps = self._snapshots.get(key)
@@ -352,10 +400,16 @@ class StateServer:
     async def _on_chunks(self, stream: Stream) -> None:
         task = self._own()
         ahead: asyncio.Future | None = None
+        held: MemorySource | None = None
         try:
             snap = await self._lookup(stream)
             if snap is None:
                 return
+            if isinstance(snap, MemorySource):
+                if not snap.acquire():  # released while the request was looked up
+                    stream.reset("state no longer held")
+                    return
+                held = snap
             first, count = stream.header.get("first"), stream.header.get("count")
             m = snap.manifest
             if type(first) is not int or type(count) is not int or not (
@@ -396,6 +450,8 @@ class StateServer:
             if ahead is not None:
                 # a read that failed or was abandoned must not be reported as never retrieved
                 ahead.add_done_callback(lambda f: f.cancelled() or f.exception())
+            if held is not None:
+                held.release()
             self._tasks.discard(task)
 
     async def _before_chunk(self, key: str, index: int) -> None:

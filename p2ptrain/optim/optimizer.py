@@ -480,6 +480,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         for p, g in zip(self.params, grads):  # the user's current gradients stay as they were
             p.grad = g
         self._settled.set()  # the update is in (a state round, if due, clears it again once grouped)
+        self.state_sync.warm()
         self._record(result)
         self._maybe_average_state(self._pending_epoch)
         self._maybe_checkpoint()
@@ -598,6 +599,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             applied = epoch
             self._apply_shared_state(result.restore(), applied)
             loaded = True
+            self.state_sync.warm()  # we serve this state from now on
             if self.delay_updates:
                 # with delayed updates the providers' state trails their epoch by the round in
                 # flight: join at their epoch (that update reaches us with the next state round)
@@ -756,6 +758,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self.scheduler.step()
             self._applied = epoch + 1
         self._settled.set()  # the update is in (a state round, if due, clears it again once grouped)
+        self.state_sync.warm()
         self.epoch += 1
         self.local_samples = 0
         self._local_steps_done = 0

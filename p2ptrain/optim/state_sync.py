@@ -24,6 +24,9 @@ import torch
 from dht import Host, PeerID
 
 from ..checkpoint import FetchResult, Manifest, StateServer, build_snapshot, fetch_state
+from ..checkpoint.manifest import layout
+from ..checkpoint.tree import flatten, tensor_specs
+from ..checkpoint.recycle import Recycler
 from .progress import PeerReport
 
 log = logging.getLogger("p2ptrain.optim.state")
@@ -49,13 +52,35 @@ class StateSync:
         self.settle_timeout = settle_timeout
         self._served_epoch: int | None = None
         self.server = StateServer(host)
+        #: snapshot buffers: the one no longer served is reused, one is touched ahead (see recycle)
+        self.buffers = Recycler()
+        self._warmed_bytes = 0
 
     async def start(self) -> None:
         await self.server.start()
-        self.server.provide(self.key, self._refresh)
+        self.server.provide(self.key, self._refresh, release=self.buffers.give)
 
     async def close(self) -> None:
         await self.server.close()
+        self.buffers.close()
+
+    def state_bytes(self) -> int:
+        """The size of a snapshot of the state now (call with the lock held)."""
+        _, state = self._state()
+        skeleton, _ = flatten(state)
+        return layout(tensor_specs(skeleton))[1]
+
+    def warm(self) -> None:
+        """Touch a snapshot buffer of the state's current size in the background, so the first
+        peer that asks for our state does not wait for page faults (see ``checkpoint.recycle``).
+        Call from the training thread after updates: it acts once per state size (the inner
+        optimizer's state appears with the first update); later snapshots reuse the buffers of
+        the ones no longer served."""
+        with self._lock:
+            n = self.state_bytes()
+        if n != self._warmed_bytes:
+            self._warmed_bytes = n
+            self.buffers.warm(n)
 
     async def _refresh(self) -> tuple[Manifest, torch.Tensor] | None:
         loop = asyncio.get_running_loop()
@@ -73,8 +98,10 @@ class StateSync:
             with self._lock:
                 if self._state()[0] == self._served_epoch:
                     return None
+            self.buffers.wait(self.settle_timeout)  # a buffer being touched: not under the lock
             # the copy is consistent (made under the lock); hashing happens after releasing it
-            manifest, buffer = build_snapshot(read, lock=self._lock)
+            manifest, buffer = build_snapshot(read, lock=self._lock,
+                                              alloc=lambda n: self.buffers.take(n, wait=False))
             manifest = dataclasses.replace(manifest, meta={"epoch": seen["epoch"]})
             return seen["epoch"], manifest, buffer
 

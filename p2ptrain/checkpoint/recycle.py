@@ -1,0 +1,141 @@
+"""Host byte buffers for state snapshots and downloads, kept and touched ahead of need.
+
+Why: the first write to fresh memory takes a page fault every 4 KiB, and on the virtual machines
+peers run on, with other processes busy, those faults cost far more than the copy itself. Filling
+a fresh 256 MiB buffer beside three memory-busy processes took 0.8-1.9 s on this 2-core machine,
+against 0.08-0.11 s for a buffer already touched (``MAP_POPULATE`` and huge-page advice did not
+help). A provider answering a joiner spent about 90% of its snapshot time in those faults
+(``benchmarks/late_join.py``: each 64 MiB copy 0.35-0.55 s). So a peer keeps the buffer of a
+snapshot it no longer serves, and touches one buffer ahead of time, off the critical path: after
+its state first reaches its full size (a provider), or while it waits for manifests (a joiner).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["Recycler", "available_memory"]
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says new allocations can take without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class Recycler:
+    """Hands out contiguous 1-D uint8 CPU buffers, reusing the ones given back.
+
+    ``take(n)`` returns a view of exactly ``n`` bytes: of a spare of at least ``n`` (and at most
+    twice ``n``, so a small request never pins a big buffer), else of a fresh allocation.
+    ``give(buffer)`` returns one whose contents nobody reads any more; at most ``keep`` spares
+    are held, the largest kept. ``warm(n)`` allocates and touches a spare in a background
+    thread; ``take`` waits for a warm-up of a size that fits rather than faulting a second
+    buffer beside it. ``max_fraction``: warm only when ``n`` is at most this share of the
+    memory available (a spare costs a whole state's worth of RAM).
+
+    Thread-safe: snapshots are built in executor threads, buffers come back on the event loop.
+    """
+
+    def __init__(self, keep: int = 1, max_fraction: float = 1 / 8):
+        self.keep = keep
+        self.max_fraction = max_fraction
+        self._spares: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._warming: tuple[int, threading.Event] | None = None
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self.reused = 0  # takes served from a spare (for tests and benchmarks)
+        self.fresh = 0
+
+    def take(self, nbytes: int, *, wait: bool = True) -> torch.Tensor:
+        """``nbytes`` bytes of a spare, or of a fresh buffer. ``wait``: if a warm-up of a fitting
+        size is under way, wait for it (``False``: allocate instead, e.g. under a lock)."""
+        while True:
+            with self._lock:
+                warming = self._warming
+                best = self._fit(nbytes)
+                if best is not None:
+                    self._spares.remove(best)
+                    self.reused += 1
+                    return best[:nbytes]
+            if not wait or warming is None or not nbytes <= warming[0] <= 2 * nbytes:
+                break
+            warming[1].wait()
+        self.fresh += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the warm-up under way, if any."""
+        with self._lock:
+            warming = self._warming
+        if warming is not None:
+            warming[1].wait(timeout)
+
+    def _fit(self, nbytes: int) -> torch.Tensor | None:
+        fits = [b for b in self._spares if nbytes <= b.numel() <= 2 * max(nbytes, 1)]
+        return min(fits, key=torch.Tensor.numel) if fits else None
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` (a view from ``take`` or any 1-D uint8 CPU tensor) for a later take."""
+        base = buffer._base if buffer._base is not None else buffer
+        if self._closed or base.dtype != torch.uint8 or base.dim() != 1 or base.device.type != "cpu":
+            return
+        with self._lock:
+            if any(b.data_ptr() == base.data_ptr() for b in self._spares):
+                return
+            self._spares.append(base)
+            self._spares.sort(key=torch.Tensor.numel, reverse=True)
+            del self._spares[self.keep :]
+
+    def holds(self, nbytes: int) -> bool:
+        """Whether a spare (or a warm-up under way) would serve ``take(nbytes)``."""
+        with self._lock:
+            w = self._warming
+            return self._fit(nbytes) is not None or (w is not None and nbytes <= w[0] <= 2 * nbytes)
+
+    def warm(self, nbytes: int) -> bool:
+        """Touch a spare of ``nbytes`` in a background thread, unless one is held or being made,
+        or memory is short. Returns whether a warm-up started."""
+        if nbytes <= 0 or self._closed or self.holds(nbytes):
+            return False
+        free = available_memory()
+        if free is not None and nbytes > free * self.max_fraction:
+            return False
+        done = threading.Event()
+        with self._lock:
+            if self._warming is not None:
+                return False
+            self._warming = (nbytes, done)
+
+        def run() -> None:
+            try:
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+                buf.zero_()  # the faults happen here, not in a snapshot that someone waits for
+                self.give(buf)
+            finally:
+                with self._lock:
+                    self._warming = None
+                done.set()
+                self._threads.discard(threading.current_thread())
+
+        t = threading.Thread(target=run, name="p2ptrain-warm-buffer", daemon=True)
+        self._threads.add(t)
+        t.start()
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Drop the spares and wait (bounded) for a warm-up under way."""
+        self._closed = True
+        for t in list(self._threads):
+            t.join(timeout)
+        with self._lock:
+            self._spares.clear()
