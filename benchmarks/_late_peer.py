@@ -153,13 +153,14 @@ def main() -> None:
     async def refresh(self):
         t0 = time.perf_counter()
         n = len(builds)
-        res = await orig_refresh(self)
-        if res is not None:
-            emit({"event": "served", "epoch": res[0].meta.get("epoch"), "manifest": res[0].id.hex(),
+        before = self.server.latest(self.key)
+        await orig_refresh(self)  # publishes a new snapshot when the state changed
+        m = self.server.latest(self.key)
+        if m is not None and m is not before:
+            emit({"event": "served", "epoch": m.meta.get("epoch"), "manifest": m.id.hex(),
                   "seconds": time.perf_counter() - t0, "build": builds[n] if len(builds) > n else None,
                   "build_parts": build_parts[n] if len(build_parts) > n else None,
-                  "rss": rss_mb()})
-        return res
+                  "reused": self.buffers.reused, "fresh": self.buffers.fresh, "rss": rss_mb()})
 
     ss.build_snapshot = build_snapshot
 

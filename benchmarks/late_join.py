@@ -269,6 +269,7 @@ def main() -> None:
         for s in served:
             parts = s.get("build_parts") or {}
             print(f"    {s['peer']} epoch {s['epoch']}: request -> ready {s['seconds']:.3f} s, build {s.get('build') or 0:.3f} s"
+                  f" (buffers so far: {s.get('reused')} reused, {s.get('fresh')} fresh)"
                   + "".join(f", {k} {v:.3f} s" if isinstance(v, float) else f", {k} {v}" for k, v in parts.items()))
     if joins:
         ctor = [j["timeline"]["ctor"] for j in joins]
@@ -287,6 +288,11 @@ def main() -> None:
         eps = {d["epoch"] for d in digests.values()}
         print(f"  final parameters at epoch {sorted(eps)}: {len(vals)} distinct digest(s) over {len(digests)} peers "
               f"({'ALL EQUAL' if len(vals) == 1 else 'DIFFERENT: ' + str({n: d['digest'] for n, d in digests.items()})})")
+        if len(vals) > 1:  # who averaged with whom, and who loaded state, in the last epochs
+            for n in digests:
+                hist = [e for _, e in kids.kids[n].events if e.get("event") == "epoch"][-6:]
+                print(f"    {n}: " + ", ".join(f"e{e['epoch']} group {e.get('group')} rounds {e.get('rounds')} "
+                                           f"loads {e.get('state_loads')}" for e in hist))
     print(f"  RSS max per process (MB): {', '.join(f'{n} {v:.0f}' for n, v in rss.max.items())}; "
           f"max sum {rss.max_total / 1024:.1f} GiB")
 

@@ -100,3 +100,24 @@ async def test_a_snapshot_being_downloaded_is_released_after_the_download_not_at
         check(res, a)  # the paused stream's bytes were left alone until it ended
         assert res.corrupt == set() and res.contributors[entry[0]] >= 3
         assert len(released) == 1 and released[0] is a[1]
+
+
+async def test_drop_idle_gives_back_the_previous_snapshot_unless_a_stream_reads_it(swarm):  # noqa: F811
+    async with asyncio.timeout(15):
+        released: list[torch.Tensor] = []
+        a, b, c = snapshot(0, epoch=1), snapshot(1, epoch=2), snapshot(2, epoch=3)
+        entry, server, _ = await swarm.provider(cls=Paused, at=1)
+        server.publish(KEY, *a, on_release=released.append)
+        server.publish(KEY, *b, on_release=released.append)
+        server.drop_idle(KEY)
+        assert [x is a[1] for x in released] == [True]  # a was idle: back to its owner at once
+        assert [s.manifest.id for s in await server._held(KEY)] == [b[0].id]
+        me = await swarm.host()
+        fetch = asyncio.ensure_future(fetch_state(me, KEY, [entry], timeout=15, parallel=1))
+        await server.reached.wait()  # a stream reads b
+        server.publish(KEY, *c, on_release=released.append)
+        server.drop_idle(KEY)
+        assert len(released) == 1  # b is being read: it stays, and so does its buffer
+        assert [s.manifest.id for s in await server._held(KEY)] == [c[0].id, b[0].id]
+        server.go.set()
+        check(await fetch, b)

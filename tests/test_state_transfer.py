@@ -449,14 +449,15 @@ async def test_snapshot_waits_for_the_round_in_flight_to_settle():
         state["epoch"], state["w"] = 5, torch.ones(1000)
     settled.set()
     async with asyncio.timeout(10):
-        result = await refresh
-    assert result is not None
-    manifest, buffer = result
-    assert manifest.meta["epoch"] == 5
-    assert torch.equal(buffer.view(torch.float32)[:1000], torch.ones(1000))
+        await refresh
+    manifest = sync.server.latest("k")
+    assert manifest is not None and manifest.meta["epoch"] == 5
+    (source,) = sync.server._snapshots["k"]
+    assert torch.equal(source.buffer.view(torch.float32)[:1000], torch.ones(1000))
     # no round in flight: answered at once (and not rebuilt for the same epoch)
     async with asyncio.timeout(2):
-        assert await sync._refresh() is None
+        await sync._refresh()
+    assert sync.server.latest("k") is manifest
 
 
 def test_short_gil_waits_lowers_the_switch_interval_and_restores_it_when_the_last_burst_ends():

@@ -12,6 +12,7 @@ its state first reaches its full size (a provider), or while it waits for manife
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -29,6 +30,14 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _lowest_priority() -> None:
+    """Run the calling thread at nice 19 where threads have their own priority (Linux)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 class Recycler:
@@ -118,6 +127,7 @@ class Recycler:
 
         def run() -> None:
             try:
+                _lowest_priority()  # spare CPU only: a download or a round may be running now
                 buf = torch.empty(nbytes, dtype=torch.uint8)
                 buf.zero_()  # the faults happen here, not in a snapshot that someone waits for
                 self.give(buf)

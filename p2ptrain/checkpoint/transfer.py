@@ -142,6 +142,11 @@ class MemorySource:
         a, b = self.manifest.chunk_span(index)
         return self.view[a:b]
 
+    @property
+    def busy(self) -> bool:
+        """Whether a stream is reading it."""
+        return self._users > 0
+
     def acquire(self) -> bool:
         """Keep the buffer for a stream that reads it; False once it was released."""
         if self._released:
@@ -214,7 +219,6 @@ class StateServer:
         self._bucket = TokenBucket(rate) if rate is not None else None
         self._snapshots: dict[str, list[ChunkSource]] = {}
         self._providers: dict[str, Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]] = {}
-        self._releasers: dict[str, Callable[[torch.Tensor], None] | None] = {}
         self._resolvers: list[Resolver] = []
         self._refreshing: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -271,18 +275,16 @@ class StateServer:
         self._snapshots[key] = snaps[: self.keep]
         _evict(s for s in old if s not in self._snapshots[key])
 
-    def provide(self, key: str, refresh: Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]],
-                release: Callable[[torch.Tensor], None] | None = None) -> None:
+    def provide(self, key: str, refresh: Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]) -> None:
         """Snapshot ``key`` lazily: before answering a manifest request, await ``refresh()``,
-        which returns a new snapshot to publish, or None when the latest one is still current.
-        ``release(buffer)``: given back each such snapshot's buffer once it is no longer served.
+        which returns a new snapshot to publish, or None when the latest one is still current
+        (or when it published one itself, e.g. with ``on_release``).
 
         A trainer's state changes every step and a snapshot costs a copy and a hash of all of it,
         so it is taken only when a peer asks (and at most once at a time, however many ask).
         """
         _check_key(key)
         self._providers[key] = refresh
-        self._releasers[key] = release
 
     def add_resolver(self, resolver: Resolver) -> None:
         """Ask ``resolver`` for the sources of keys nothing was published for (e.g. a store's
@@ -304,7 +306,7 @@ class StateServer:
             async def run() -> None:
                 snap = await refresh()
                 if snap is not None and not self._closed:
-                    self.publish(key, *snap, on_release=self._releasers.get(key))
+                    self.publish(key, *snap)
             task = self._refreshing[key] = asyncio.get_running_loop().create_task(run())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -312,6 +314,16 @@ class StateServer:
             await asyncio.shield(task)
         except Exception as e:  # noqa: BLE001 - serve the previous snapshot rather than fail the request
             log.warning("could not snapshot %r for a peer: %s", key, e)
+
+    def drop_idle(self, key: str) -> None:
+        """Stop serving the snapshots of ``key`` older than the latest that no stream is reading
+        (their buffers go back to their owners now instead of after ``keep`` more publishes)."""
+        snaps = self._snapshots.get(key)
+        if not snaps:
+            return
+        idle = [s for s in snaps[1:] if isinstance(s, MemorySource) and not s.busy]
+        self._snapshots[key] = [s for s in snaps if s not in idle]
+        _evict(idle)
 
     def unpublish(self, key: str) -> None:
         """Stop serving ``key`` (streams already running finish)."""

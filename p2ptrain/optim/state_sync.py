@@ -54,11 +54,10 @@ class StateSync:
         self.server = StateServer(host)
         #: snapshot buffers: the one no longer served is reused, one is touched ahead (see recycle)
         self.buffers = Recycler()
-        self._warmed_bytes = 0
 
     async def start(self) -> None:
         await self.server.start()
-        self.server.provide(self.key, self._refresh, release=self.buffers.give)
+        self.server.provide(self.key, self._refresh)
 
     async def close(self) -> None:
         await self.server.close()
@@ -71,18 +70,18 @@ class StateSync:
         return layout(tensor_specs(skeleton))[1]
 
     def warm(self) -> None:
-        """Touch a snapshot buffer of the state's current size in the background, so the first
-        peer that asks for our state does not wait for page faults (see ``checkpoint.recycle``).
-        Call from the training thread after updates: it acts once per state size (the inner
-        optimizer's state appears with the first update); later snapshots reuse the buffers of
-        the ones no longer served."""
+        """Unless a spare snapshot buffer of the state's current size is held, touch one in the
+        background, so a peer that asks for our state does not wait for page faults (see
+        ``checkpoint.recycle``). Call from the training thread after updates. Once the state
+        served has a predecessor, that one's buffer comes back when the next snapshot is
+        published (``drop_idle``) and nothing new is touched: two buffers take turns."""
         with self._lock:
             n = self.state_bytes()
-        if n != self._warmed_bytes:
-            self._warmed_bytes = n
+        if not self.buffers.holds(n):
             self.buffers.warm(n)
 
-    async def _refresh(self) -> tuple[Manifest, torch.Tensor] | None:
+    async def _refresh(self) -> None:
+        """Publish a snapshot of the state if it changed since the last one (a peer asked)."""
         loop = asyncio.get_running_loop()
 
         def take() -> tuple[int, Manifest, torch.Tensor] | None:
@@ -107,9 +106,14 @@ class StateSync:
 
         result = await loop.run_in_executor(None, take)
         if result is None:
-            return None
-        self._served_epoch = result[0]
-        return result[1], result[2]
+            return
+        self._served_epoch, manifest, buffer = result
+        self.server.publish(self.key, manifest, buffer, on_release=self.buffers.give)
+        # The previous snapshot goes unless a download still reads it: its buffer and the one
+        # now served are all the next snapshot needs (two buffers in turn, none faulted anew).
+        # (After the first snapshot there is none: the next update touches a second, not now,
+        # beside the downloads that just asked.)
+        self.server.drop_idle(self.key)
 
     @staticmethod
     def choose(peers: list[PeerReport]) -> list[PeerReport]:
