@@ -229,10 +229,10 @@ def test_diloco_inner_warmup_scales_the_first_local_steps(swarm):
     try:
         moved = []
         for _ in range(6):
-            before = float(w[0])
+            before = float(w[0].detach())
             w.grad = torch.ones(4)
             opt.step()
-            moved.append(before - float(w[0]))
+            moved.append(before - float(w[0].detach()))
         assert moved == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
         assert inner.param_groups[0]["lr"] == 1.0  # the user's lr is untouched
         assert opt.epoch == 0  # all local: no outer round yet
