@@ -121,3 +121,12 @@ async def test_drop_idle_gives_back_the_previous_snapshot_unless_a_stream_reads_
         assert [s.manifest.id for s in await server._held(KEY)] == [c[0].id, b[0].id]
         server.go.set()
         check(await fetch, b)
+
+
+def test_warm_can_touch_several_spares_and_trim_drops_the_extra():
+    r = Recycler(keep=1)
+    assert r.warm(1 << 16, count=2)
+    r.wait()
+    assert r.holds(1 << 16, count=2) and not r.warm(1 << 16, count=2)
+    r.trim(1)
+    assert r.holds(1 << 16) and not r.holds(1 << 16, count=2)

@@ -105,32 +105,43 @@ class Recycler:
             self._spares.sort(key=torch.Tensor.numel, reverse=True)
             del self._spares[self.keep :]
 
-    def holds(self, nbytes: int) -> bool:
-        """Whether a spare (or a warm-up under way) would serve ``take(nbytes)``."""
+    def holds(self, nbytes: int, count: int = 1) -> bool:
+        """Whether ``count`` takes of ``nbytes`` would be served by spares (or a warm-up under way)."""
         with self._lock:
             w = self._warming
-            return self._fit(nbytes) is not None or (w is not None and nbytes <= w[0] <= 2 * nbytes)
+            if w is not None and nbytes <= w[0] <= 2 * nbytes:
+                return True
+            return sum(1 for b in self._spares if nbytes <= b.numel() <= 2 * max(nbytes, 1)) >= count
 
-    def warm(self, nbytes: int) -> bool:
-        """Touch a spare of ``nbytes`` in a background thread, unless one is held or being made,
-        or memory is short. Returns whether a warm-up started."""
-        if nbytes <= 0 or self._closed or self.holds(nbytes):
+    def trim(self, keep: int) -> None:
+        """Hold at most ``keep`` spares from now on (the smallest go)."""
+        with self._lock:
+            self.keep = keep
+            del self._spares[keep:]
+
+    def warm(self, nbytes: int, count: int = 1) -> bool:
+        """Touch spares of ``nbytes`` in a background thread until ``count`` are held, unless
+        a warm-up is under way or memory is short. Returns whether a warm-up started."""
+        if nbytes <= 0 or self._closed or self.holds(nbytes, count):
             return False
         free = available_memory()
-        if free is not None and nbytes > free * self.max_fraction:
+        if free is not None and nbytes * count > free * self.max_fraction:
             return False
         done = threading.Event()
         with self._lock:
             if self._warming is not None:
                 return False
             self._warming = (nbytes, done)
+            missing = count - sum(1 for b in self._spares if nbytes <= b.numel() <= 2 * nbytes)
+            self.keep = max(self.keep, count)
 
         def run() -> None:
             try:
                 _lowest_priority()  # spare CPU only: a download or a round may be running now
-                buf = torch.empty(nbytes, dtype=torch.uint8)
-                buf.zero_()  # the faults happen here, not in a snapshot that someone waits for
-                self.give(buf)
+                for _ in range(missing):
+                    buf = torch.empty(nbytes, dtype=torch.uint8)
+                    buf.zero_()  # the faults happen here, not in a snapshot that someone waits for
+                    self.give(buf)
             finally:
                 with self._lock:
                     self._warming = None
