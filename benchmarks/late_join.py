@@ -150,6 +150,7 @@ def main() -> None:
     joins: list[dict] = []
     served: list[dict] = []
     digests: dict[str, dict] = {}
+    histories: dict[str, list[dict]] = {}  # the last epochs of each peer (printed when digests differ)
     deadline = time.monotonic() + a.timeout
     with Children("late-join", grace=15, keep_logs=True) as kids:
         print(f"peer logs: {kids.logdir}", flush=True)
@@ -202,6 +203,7 @@ def main() -> None:
                 left.discard(n)
                 if e.get("event") == "digest":
                     digests[n] = e
+                    histories[n] = [x for _, x in kids.kids[n].events if x.get("event") == "epoch"][-6:]
             rcs = kids.wait_exit(active, 30)
             for n, rc in rcs.items():
                 if rc != 0:
@@ -290,7 +292,7 @@ def main() -> None:
               f"({'ALL EQUAL' if len(vals) == 1 else 'DIFFERENT: ' + str({n: d['digest'] for n, d in digests.items()})})")
         if len(vals) > 1:  # who averaged with whom, and who loaded state, in the last epochs
             for n in digests:
-                hist = [e for _, e in kids.kids[n].events if e.get("event") == "epoch"][-6:]
+                hist = histories.get(n, [])
                 print(f"    {n}: " + ", ".join(f"e{e['epoch']} group {e.get('group')} rounds {e.get('rounds')} "
                                            f"loads {e.get('state_loads')}" for e in hist))
     print(f"  RSS max per process (MB): {', '.join(f'{n} {v:.0f}' for n, v in rss.max.items())}; "
