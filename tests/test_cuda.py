@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain import DHT, DecentralizedOptimizer
+from p2ptrain import DecentralizedOptimizer
 from p2ptrain.averaging import BlockingAverager
+from test_optimizer import in_threads, swarm  # noqa: F401 - swarm is a fixture
 
 DEVICE = torch.device(os.environ.get("P2PTRAIN_TEST_DEVICE", "cuda"))
 
@@ -50,39 +51,6 @@ def eval_loss(model: torch.nn.Module) -> float:
         return float(torch.nn.functional.mse_loss(model(x), y))
 
 
-@pytest.fixture
-def swarm():
-    nodes: list[DHT] = []
-
-    def make() -> DHT:
-        node = DHT([str(nodes[0].multiaddrs[0])] if nodes else [])
-        nodes.append(node)
-        return node
-
-    yield make
-    for node in reversed(nodes):
-        node.close()
-
-
-def in_threads(*fns) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not any(t.is_alive() for t in threads), "a peer thread hung"
-    if errors:
-        raise errors[0]
-
-
 def amp_train(opt: DecentralizedOptimizer, model: torch.nn.Module, gen: torch.Generator, until_epoch: int) -> None:
     """Mixed precision as the PyTorch AMP recipe has it: autocast, scaled loss, unscale, clip, step."""
     device = next(model.parameters()).device
@@ -102,7 +70,7 @@ def amp_train(opt: DecentralizedOptimizer, model: torch.nn.Module, gen: torch.Ge
         steps += 1
 
 
-def test_alone_on_the_device_equals_plain_gradient_accumulation(swarm):
+def test_alone_on_the_device_equals_plain_gradient_accumulation(swarm):  # noqa: F811
     model, ref = make_model(), make_model()
     opt = DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), dht=swarm(), run_id="dev-alone",
                                  target_batch_size=64, batch_size_per_step=16)
@@ -129,7 +97,7 @@ def test_alone_on_the_device_equals_plain_gradient_accumulation(swarm):
         opt.close()
 
 
-def test_two_device_peers_with_amp_and_clipping_take_identical_steps(swarm):
+def test_two_device_peers_with_amp_and_clipping_take_identical_steps(swarm):  # noqa: F811
     dhts = [swarm(), swarm()]
     models = [make_model(), make_model()]
     opts = [DecentralizedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), dht=d, run_id="dev-amp",
@@ -153,7 +121,7 @@ def test_two_device_peers_with_amp_and_clipping_take_identical_steps(swarm):
             o.close()
 
 
-def test_joiner_on_the_device_loads_a_cpu_swarm_state_and_they_average_together(swarm):
+def test_joiner_on_the_device_loads_a_cpu_swarm_state_and_they_average_together(swarm):  # noqa: F811
     """A CPU peer trains; a device peer joins, takes its state, and the two then step as one."""
     cpu_model = make_model(torch.device("cpu"))
     cpu_opt = DecentralizedOptimizer(torch.optim.AdamW(cpu_model.parameters(), lr=1e-2), dht=swarm(),
@@ -200,7 +168,7 @@ def test_joiner_on_the_device_loads_a_cpu_swarm_state_and_they_average_together(
                 o.close()
 
 
-def test_diloco_on_the_device_keeps_peers_identical(swarm):
+def test_diloco_on_the_device_keeps_peers_identical(swarm):  # noqa: F811
     dhts = [swarm(), swarm()]
     models = [make_model(), make_model()]
     start = [p.detach().clone() for p in models[0].parameters()]
