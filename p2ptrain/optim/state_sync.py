@@ -52,7 +52,7 @@ class StateSync:
         self.settle_timeout = settle_timeout
         self._served_epoch: int | None = None
         self.server = StateServer(host)
-        #: snapshot buffers: the one no longer served is reused, one is touched ahead (see recycle)
+        #: snapshot buffers, touched ahead; two take turns (see ``warm`` and checkpoint.recycle)
         self.buffers = Recycler()
 
     async def start(self) -> None:
@@ -76,8 +76,10 @@ class StateSync:
 
         Two buffers take turns: the snapshot served and the spare the next one is built in (the
         served one comes back when the next is published, ``drop_idle``). Before the first
-        snapshot both are spares: touching the second only once a joiner asked would put 2x
-        the faults beside its download (the first join measured 2.2-2.9 s, later ones ~1 s)."""
+        snapshot both are spares: touching the second only once a joiner asked put those faults
+        beside its download. A client-mode peer serves nobody and touches nothing."""
+        if self.host is None or self.host.client_mode:
+            return
         with self._lock:
             n = self.state_bytes()
         self.buffers.warm(n, count=1 if self.server.latest(self.key) is not None else 2)
@@ -113,8 +115,6 @@ class StateSync:
         self.server.publish(self.key, manifest, buffer, on_release=self.buffers.give)
         # The previous snapshot goes unless a download still reads it: its buffer and the one
         # now served are all the next snapshot needs (two buffers in turn, none faulted anew).
-        # (After the first snapshot there is none: the next update touches a second, not now,
-        # beside the downloads that just asked.)
         self.server.drop_idle(self.key)
         self.buffers.trim(1)  # with the one served, two in all
 
