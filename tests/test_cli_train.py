@@ -33,6 +33,7 @@ def test_help_mentions_the_training_commands():
     (["peer", "--mode", "diloco", "--outer-momentum", "1"], "--outer-momentum in [0, 1)"),
     (["swarm", "--peers", "0"], "--peers"),
     (["peer", "--device", "tpu"], "not a device name"),
+    (["peer", "--bootstrap-timeout", "0"], "--bootstrap-timeout"),
     (["peer", "--device", "cuda:9"], "cuda:9"),
 ])
 def test_bad_config_is_one_line_error(args, needle):
@@ -43,10 +44,13 @@ def test_bad_config_is_one_line_error(args, needle):
 
 
 def test_unreachable_bootstrap_is_one_line_error():
-    out = subprocess.run([*CLI, "peer", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWBtg3aaGc3bB8PxW4hbMHHzqDtdqdyiAMtoWDjuhzZAXv"],
+    t0 = time.monotonic()
+    out = subprocess.run([*CLI, "peer", "--bootstrap-timeout", "2", "--bootstrap",
+                          "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWBtg3aaGc3bB8PxW4hbMHHzqDtdqdyiAMtoWDjuhzZAXv"],
                          capture_output=True, text=True, timeout=90)
     assert out.returncode == 1
     assert "bootstrap" in out.stderr and "Traceback" not in out.stderr
+    assert time.monotonic() - t0 < 9  # gave up after its 2 s, not the default 10 s
 
 
 def test_swarm_trains_and_writes_the_model(tmp_path, child_pids):

@@ -158,8 +158,8 @@ def _alive(pids: set[int]) -> list[int]:
 def test_short_churn_soak(tmp_path, child_pids):
     before = child_pids()
     workdir, report = tmp_path / "soak", tmp_path / "soak.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--peers", "4", "--minutes", "0.75",
-           "--churn-every", "4", "--bootstrap-every", "3", "--checkpoint-every", "20", "--no-baseline",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--peers", "4", "--minutes", "0.55",
+           "--churn-every", "3", "--bootstrap-every", "3", "--checkpoint-every", "20", "--no-baseline",
            "--target", str(ACCURACY), "--workdir", str(workdir), "--json", str(report)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

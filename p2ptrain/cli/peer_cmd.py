@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="peer to join through (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP; "
                    "none: start a new swarm")
     p.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
+    p.add_argument("--bootstrap-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds to keep retrying bootstrap peers that refuse or do not answer (default: %(default)s)")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR",
                    help="address to listen on (default: %(default)s; use /ip4/0.0.0.0/tcp/PORT across machines)")
     p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: the listen host)")
@@ -142,6 +144,8 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--outer-lr must be positive and --outer-momentum in [0, 1)")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ConfigError("--checkpoint-every must be at least 1 (epochs between checkpoints)")
+    if not args.bootstrap_timeout > 0:
+        raise ConfigError("--bootstrap-timeout must be a positive number of seconds")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
     listen = None if args.client else parse_listen(args.listen)
@@ -305,7 +309,7 @@ def _start_dht(args: argparse.Namespace, cfg: Any) -> Any:
 
     from ..background import DHT
 
-    config = DHTConfig(peer_cache=peer_cache_of(args, swarm_key_of(args)))
+    config = DHTConfig(peer_cache=peer_cache_of(args, swarm_key_of(args)), bootstrap_timeout=args.bootstrap_timeout)
     vias = relay_vias(args, cfg.listen is not None)
     dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host,
               config=config)
