@@ -29,11 +29,12 @@ def test_take_reuses_a_given_buffer_that_fits_and_keeps_a_bounded_number():
     assert not r.holds(1000)
 
 
-def test_warm_touches_a_spare_in_the_background_and_take_waits_for_it():
+def test_warm_touches_a_spare_in_the_background_and_take_uses_it():
     r = Recycler()
     assert r.warm(1 << 20)
     assert not r.warm(1 << 20)  # one is being made (or held) already
-    buf = r.take(1 << 20)  # waits for the warm-up rather than faulting a second buffer
+    r.wait()  # as a snapshot does (outside its lock) rather than faulting a second buffer
+    buf = r.take(1 << 20)
     assert r.reused == 1 and r.fresh == 0 and int(buf.sum()) == 0
     r.close()
     r.give(buf)  # closed: nothing is kept any more

@@ -42,6 +42,11 @@ def _lowest_priority() -> None:
         pass
 
 
+def _fits(size: int, nbytes: int) -> bool:
+    """A buffer of ``size`` bytes serves ``nbytes``, without pinning more than twice that."""
+    return nbytes <= size <= 2 * max(nbytes, 1)
+
+
 class Recycler:
     """Hands out contiguous 1-D uint8 CPU buffers, reusing the ones given back.
 
@@ -49,9 +54,9 @@ class Recycler:
     twice ``n``, so a small request never pins a big buffer), else of a fresh allocation.
     ``give(buffer)`` returns one whose contents nobody reads any more; at most ``keep`` spares
     are held, the largest kept. ``warm(n)`` allocates and touches a spare in a background
-    thread; ``take`` waits for a warm-up of a size that fits rather than faulting a second
-    buffer beside it. ``max_fraction``: warm only when ``n`` is at most this share of the
-    memory available (a spare costs a whole state's worth of RAM).
+    thread; ``wait()`` before ``take`` uses it rather than faulting a second buffer beside it.
+    ``max_fraction``: warm only when ``n`` is at most this share of the memory available (a
+    spare costs a whole state's worth of RAM).
 
     Thread-safe: snapshots are built in executor threads, buffers come back on the event loop.
     """
@@ -67,20 +72,15 @@ class Recycler:
         self.reused = 0  # takes served from a spare (for tests and benchmarks)
         self.fresh = 0
 
-    def take(self, nbytes: int, *, wait: bool = True) -> torch.Tensor:
-        """``nbytes`` bytes of a spare, or of a fresh buffer. ``wait``: if a warm-up of a fitting
-        size is under way, wait for it (``False``: allocate instead, e.g. under a lock)."""
-        while True:
-            with self._lock:
-                warming = self._warming
-                best = self._fit(nbytes)
-                if best is not None:
-                    self._spares.remove(best)
-                    self.reused += 1
-                    return best[:nbytes]
-            if not wait or warming is None or not nbytes <= warming[0] <= 2 * nbytes:
-                break
-            warming[1].wait()
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` bytes of a spare, or of a fresh buffer (never waits: it may run under a lock)."""
+        with self._lock:
+            fits = [b for b in self._spares if _fits(b.numel(), nbytes)]
+            if fits:
+                best = min(fits, key=torch.Tensor.numel)
+                self._spares.remove(best)
+                self.reused += 1
+                return best[:nbytes]
         self.fresh += 1
         return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -90,10 +90,6 @@ class Recycler:
             warming = self._warming
         if warming is not None:
             warming[1].wait(timeout)
-
-    def _fit(self, nbytes: int) -> torch.Tensor | None:
-        fits = [b for b in self._spares if nbytes <= b.numel() <= 2 * max(nbytes, 1)]
-        return min(fits, key=torch.Tensor.numel) if fits else None
 
     def give(self, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` (a view from ``take`` or any 1-D uint8 CPU tensor) for a later take."""
@@ -111,9 +107,12 @@ class Recycler:
         """Whether ``count`` takes of ``nbytes`` would be served by spares (or a warm-up under way)."""
         with self._lock:
             w = self._warming
-            if w is not None and nbytes <= w[0] <= 2 * nbytes:
+            if w is not None and _fits(w[0], nbytes):
                 return True
-            return sum(1 for b in self._spares if nbytes <= b.numel() <= 2 * max(nbytes, 1)) >= count
+            return self._count(nbytes) >= count
+
+    def _count(self, nbytes: int) -> int:
+        return sum(1 for b in self._spares if _fits(b.numel(), nbytes))
 
     def trim(self, keep: int) -> None:
         """Hold at most ``keep`` spares from now on (the smallest go)."""
@@ -134,7 +133,7 @@ class Recycler:
             if self._warming is not None:
                 return False
             self._warming = (nbytes, done)
-            missing = count - sum(1 for b in self._spares if nbytes <= b.numel() <= 2 * nbytes)
+            missing = count - self._count(nbytes)
             self.keep = max(self.keep, count)
 
         def run() -> None:

@@ -104,7 +104,7 @@ class StateSync:
             self.buffers.wait(self.settle_timeout)  # a buffer being touched: not under the lock
             # the copy is consistent (made under the lock); hashing happens after releasing it
             manifest, buffer = build_snapshot(read, lock=self._lock,
-                                              alloc=lambda n: self.buffers.take(n, wait=False))
+                                              alloc=self.buffers.take)
             manifest = dataclasses.replace(manifest, meta={"epoch": seen["epoch"]})
             return seen["epoch"], manifest, buffer
 
