@@ -28,6 +28,7 @@ import os
 import resource
 import sys
 import threading
+import resource
 import time
 
 _lock = threading.Lock()
@@ -90,16 +91,19 @@ def main() -> None:
     orig_fetch = ss.StateSync.fetch
     orig_refresh = ss.StateSync._refresh
 
-    async def fetch(self, peers, timeout):
+    async def fetch(self, peers, timeout, **kwargs):
         t0 = time.perf_counter()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         rec = {"t_start": time.time(), "offered": [str(p.peer) for p in peers]}
         try:
-            res = await orig_fetch(self, peers, timeout)
+            res = await orig_fetch(self, peers, timeout, **kwargs)
         except BaseException as e:
             rec.update(error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
             fetches.append(rec)
             raise
-        rec.update(phases=dict(phases))
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        rec.update(phases=dict(phases), cpu={"user": ru1.ru_utime - ru0.ru_utime, "sys": ru1.ru_stime - ru0.ru_stime,
+                                             "minflt": ru1.ru_minflt - ru0.ru_minflt})
         phases.clear()
         rec.update(seconds=time.perf_counter() - t0, fetch_seconds=res.seconds, manifest=res.manifest.id.hex(),
                    epoch=res.manifest.meta.get("epoch"), bytes=res.manifest.total_size, chunks=res.manifest.num_chunks,
@@ -193,9 +197,9 @@ def main() -> None:
             await super()._start()
             marks["start1"] = time.perf_counter()
 
-        def _load_state_from_peers(self, view):
+        def _load_state_from_peers(self, view, **kwargs):
             marks.setdefault("load0", time.perf_counter())
-            ok = super()._load_state_from_peers(view)
+            ok = super()._load_state_from_peers(view, **kwargs)
             marks.setdefault("load1", time.perf_counter())
             return ok
 
@@ -240,6 +244,7 @@ def main() -> None:
         opt = Timed(inner, dht=dht, run_id=a.run_id,
                     target_batch_size=a.target_batch_size, batch_size_per_step=a.batch_size, mode="sync")
         t_ctor1 = time.perf_counter()
+        in_place = opt.stats.last_state_in_place  # of the constructor's load
         emit({"event": "started", "multiaddrs": [str(m) for m in dht.multiaddrs], "epoch": opt.epoch,
               "rss": rss_mb(), "numel": sum(p.numel() for p in params)})
         if a.wait_peers > 1:
@@ -275,6 +280,7 @@ def main() -> None:
                 ru = resource.getrusage(resource.RUSAGE_SELF)
                 emit({"event": "joined", "loaded_epoch": loaded_epoch, "epoch_after_first_step": opt.epoch,
                       "state_loads": opt.stats.state_loads, "last_state_load_s": opt.stats.last_state_load_s,
+                      "in_place": in_place,
                       "timeline": {
                           "process_to_model": t_model - t_proc, "dht_start": t_dht1 - t_dht0,
                           "ctor_to_start": marks.get("start0", t_ctor0) - t_ctor0,

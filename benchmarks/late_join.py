@@ -258,6 +258,11 @@ def main() -> None:
                   f"({nbytes / max(ph.get('download', 0), 1e-9) / 1e9:.2f} GB/s = "
                   f"{tcp_s / max(ph.get('download', 0), 1e-9):.2f}x raw TCP); "
                   f"before the fetch {tl['ctor_to_start'] + tl['start']:.3f} s (buffers, DHT progress read)")
+            if f.get("cpu"):
+                c = f["cpu"]
+                print(f"         joiner CPU during the fetch: user {c['user']:.3f} s, sys {c['sys']:.3f} s, "
+                      f"{c['minflt']} minor page faults ({c['minflt'] * 4096 / 2**20:.0f} MiB if 4 KiB each); "
+                      f"written in place (into the parameters): {j.get('in_place', 0) / 2**20:.0f} MiB")
         if f.get("dropped"):
             print(f"         dropped providers: {f['dropped']}")
         if len(j["fetches"]) > 1:

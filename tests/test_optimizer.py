@@ -170,6 +170,7 @@ def test_late_joiner_starts_from_the_swarm_state(swarm):
         assert opts[0].epoch == opts[1].epoch == 4
         # the two stop stepping (they keep serving); a new peer, initialised differently, joins
         late_model = make_model(seed=123)
+        where = [p.data_ptr() for p in late_model.parameters()]
         joiner = DecentralizedOptimizer(torch.optim.AdamW(late_model.parameters(), lr=1e-2), dht=swarm(),
                                         run_id="late", target_batch_size=64, batch_size_per_step=16)
         assert joiner.epoch == 4
@@ -179,6 +180,9 @@ def test_late_joiner_starts_from_the_swarm_state(swarm):
         assert sum(o.state_sync.buffers.fresh for o in opts) == 0
         for p, q in zip(late_model.parameters(), models[0].parameters()):
             assert torch.equal(p, q)
+        # a fresh peer's parameters were downloaded into in place: no state-sized buffer for them
+        assert [p.data_ptr() for p in late_model.parameters()] == where
+        assert joiner.stats.last_state_in_place == sum(p.numel() * 4 for p in late_model.parameters())
         s_join, s_ref = joiner.inner.state_dict()["state"], opts[0].inner.state_dict()["state"]
         for k in s_ref:
             for name in ("exp_avg", "exp_avg_sq"):
@@ -377,7 +381,7 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
     fresh = SwarmView(epoch=8, samples=0, target=64, peers=[report(alive, 8)])
     asked, ignored = [], []
 
-    async def fetch(providers, timeout):
+    async def fetch(providers, timeout, into=None):
         asked.append([p.peer for p in providers])
         if providers[0].peer == dead:
             raise StateTransferError("unreachable: connection refused")
@@ -395,6 +399,6 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
     )
     assert DecentralizedOptimizer._fetch_state(fake, first) == "state of epoch 8"  # type: ignore[arg-type]
     assert asked == [[dead], [alive]] and ignored == [dead]
-    fake.state_sync.fetch = lambda providers, timeout: fetch([report(dead, 9)], timeout)
+    fake.state_sync.fetch = lambda providers, timeout, into=None: fetch([report(dead, 9)], timeout)
     with pytest.raises(StateTransferError):  # nobody can give it: a bounded number of tries
         DecentralizedOptimizer._fetch_state(fake, first)  # type: ignore[arg-type]

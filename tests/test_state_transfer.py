@@ -167,6 +167,36 @@ async def test_corrupt_provider_is_detected_refetched_and_reported(swarm):
         assert bad_server.requests == 1  # never asked again
 
 
+async def test_placed_fetch_writes_verified_chunks_into_the_callers_tensors(swarm):
+    """``place=``: the model tensor lands in the caller's own tensor, a corrupt provider's chunks
+    are re-fetched from the others before they get there, and no whole-state buffer is kept."""
+    from p2ptrain.checkpoint.placement import Placement
+
+    async with asyncio.timeout(10):
+        snap = snapshot()
+        m, buf = snap
+        bad_buf = buf.clone()
+        bad_buf[::CHUNK] ^= 0xFF
+        good = [(await swarm.provider(snap))[0] for _ in range(2)]
+        bad, _, _ = await swarm.provider((m, bad_buf))
+        mine = torch.zeros(400_000)
+        ptr = mine.data_ptr()
+
+        def place(manifest):
+            (w,) = [i for i, e in enumerate(manifest.tensors) if e.nbytes == mine.numel() * 4]
+            return Placement(manifest, {w: mine})
+
+        res = await fetch_state(await swarm.host(), KEY, [good[0], bad, good[1]], timeout=10, place=place)
+        assert res.buffer is None and res.corrupt == {bad[0]}
+        state, expected = res.restore(), make_state(m.meta["seed"])
+        assert state["model"]["w"] is mine and mine.data_ptr() == ptr
+        assert torch.equal(mine, expected["model"]["w"])
+        assert torch.equal(state["opt"]["state"][0]["idx"], expected["opt"]["state"][0]["idx"])
+        assert torch.equal(res.restore(copy=True)["model"]["w"], expected["model"]["w"])
+        with pytest.raises(ValueError, match="place= and on_chunk="):
+            await fetch_state(await swarm.host(), KEY, good, place=place, on_chunk=lambda *a: None)
+
+
 async def test_provider_killed_mid_transfer_others_finish(swarm):
     async with asyncio.timeout(10):
         snap = snapshot()
@@ -458,6 +488,32 @@ async def test_snapshot_waits_for_the_round_in_flight_to_settle():
     async with asyncio.timeout(2):
         await sync._refresh()
     assert sync.server.latest("k") is manifest
+
+
+async def test_snapshot_follows_a_state_change_that_keeps_the_epoch():
+    """A state-averaging round changes the parameters, not the epoch: the snapshot served after it
+    must be of the new values, not the one cached for the epoch before the round."""
+    import threading
+
+    from p2ptrain.optim.state_sync import StateSync
+
+    lock = threading.Lock()
+    state = {"epoch": 5, "version": 0, "w": torch.zeros(1000)}
+    sync = StateSync(None, "k", lambda: (state["epoch"], {"w": state["w"]}), lock,  # type: ignore[arg-type]
+                     version=lambda: state["version"])
+    async with asyncio.timeout(10):
+        await sync._refresh()
+        before = sync.server.latest("k")
+        await sync._refresh()  # nothing changed: the same snapshot
+        assert sync.server.latest("k") is before
+        with lock:  # the state round's average lands: same epoch, new values
+            state["w"], state["version"] = torch.full((1000,), 0.5), 1
+        await sync._refresh()
+    after = sync.server.latest("k")
+    assert after is not None and before is not None
+    assert after.meta["epoch"] == before.meta["epoch"] == 5 and after.digests != before.digests
+    (source,) = sync.server._snapshots["k"]  # the stale one is dropped (nobody reads it)
+    assert torch.equal(source.buffer.view(torch.float32)[:1000], torch.full((1000,), 0.5))
 
 
 def test_short_gil_waits_lowers_the_switch_interval_and_restores_it_when_the_last_burst_ends():

@@ -22,7 +22,8 @@ What a server serves under a key comes from ``ChunkSource`` objects: in-memory s
 (``publish``, what a trainer serves to late joiners) and sources found on demand by resolvers
 (``add_resolver``; e.g. the checkpoints of an on-disk store, read chunk by chunk when asked).
 A fetch can skip chunks the caller already has and hand each verified chunk to a sink instead
-of one big buffer (``have=``/``on_chunk=``), which is how a checkpoint download resumes.
+of one big buffer (``have=``/``on_chunk=``), which is how a checkpoint download resumes; or put
+chosen tensors' bytes straight into memory the caller holds (``place=``, see ``placement``).
 
 The download schedule (``ChunkSchedule``) is sans-IO; ``fetch_state`` is the asyncio shell.
 """
@@ -56,6 +57,7 @@ from .manifest import (
     StateTooLarge,
     restore,
 )
+from .placement import Placement
 from .throttle import TokenBucket
 
 if TYPE_CHECKING:
@@ -563,15 +565,19 @@ class FetchResult:
     """What ``fetch_state`` got and from whom."""
 
     manifest: Manifest
-    buffer: torch.Tensor | None  # contiguous 1-D uint8, every chunk verified; None when chunks went to on_chunk
+    buffer: torch.Tensor | None  # contiguous 1-D uint8, every chunk verified; None with on_chunk or place
     contributors: dict[PeerID, int]  # provider -> chunks it delivered (verified)
     dropped: dict[PeerID, str] = field(default_factory=dict)  # providers not used or given up on, and why
     corrupt: set[PeerID] = field(default_factory=set)  # providers that sent bytes failing verification
     seconds: float = 0.0
     reused: int = 0  # chunks not downloaded because the caller had them (``have``)
+    placement: Placement | None = None  # where the chunks went, with ``place``
 
     def restore(self, *, copy: bool = False) -> Any:
-        """The state object (tensors are views of ``buffer`` unless ``copy``; see ``manifest.restore``)."""
+        """The state object (tensors are views of ``buffer`` unless ``copy``; see ``manifest.restore``;
+        with ``place``, the placed tensors are the caller's own)."""
+        if self.placement is not None:
+            return self.placement.restore(copy=copy)
         if self.buffer is None:
             raise ValueError("this fetch handed its chunks to on_chunk and kept no buffer to restore from")
         return restore(self.manifest, self.buffer, copy=copy)
@@ -596,12 +602,15 @@ class _Fetch:
 
     def __init__(self, host: Host, key: str, providers: list[Provider], *, rpc_timeout: float,
                  stall_timeout: float, max_total: int, segment_bytes: int, wanted: bytes | None = None,
-                 have: HaveHook | None = None, on_chunk: ChunkHook | None = None):
+                 have: HaveHook | None = None, on_chunk: ChunkHook | None = None,
+                 place: Callable[[Manifest], Placement] | None = None):
         self.host = host
         self.key = key
         self.wanted = wanted
         self.have = have
         self.on_chunk = on_chunk
+        self.place = place
+        self.placement: Placement | None = None
         self.sink_error: BaseException | None = None
         self.addrs: dict[PeerID, Address | None] = {}
         for peer, addr in providers:
@@ -790,8 +799,13 @@ class _Fetch:
         per_request = max(1, self.segment_bytes // m.chunk_size)
         segment = max(1, min(per_request, -(-needed // (4 * max(1, len(peers))))))
         self.schedule = ChunkSchedule(n, segment, have)
-        # with a sink, each worker keeps one segment's bytes at a time instead of the whole state
-        buffer = None if self.on_chunk is not None else torch.empty(m.total_size, dtype=torch.uint8)  # bounded by max_total
+        # with a sink, each worker keeps one segment's bytes at a time instead of the whole state;
+        # with a placement, one chunk's, copied out once verified
+        buffer = None
+        if self.place is not None:
+            self.placement = self.place(m)
+        elif self.on_chunk is None:
+            buffer = torch.empty(m.total_size, dtype=torch.uint8)  # bounded by max_total
         if self.schedule.complete:
             return buffer
         if not peers:
@@ -845,8 +859,9 @@ class _Fetch:
         sched = self.schedule
         assert sched is not None
         async with slots:
-            if view is None:  # chunks go to on_chunk: this worker's segment lands here first
-                view = memoryview(bytearray(min(scratch_bytes, m.total_size)))
+            if view is None:  # chunks go to on_chunk or a placement: they land here first
+                size = m.chunk_size if self.placement is not None else scratch_bytes
+                view = memoryview(bytearray(min(size, m.total_size)))
             while not sched.complete and self.sink_error is None:
                 seg = sched.take(peer)
                 if seg is None:
@@ -881,9 +896,9 @@ class _Fetch:
         return await self.host.connect(addr[0], addr[1], peer, timeout=self.rpc_timeout)
 
     async def _fetch_segment(self, peer: PeerID, m: Manifest, view: memoryview, first: int, end: int) -> None:
-        """Stream chunks [first, end) from ``peer`` into ``view`` (the whole state's buffer, or a
-        scratch buffer for this segment when chunks go to ``on_chunk``), verifying each as it
-        completes. ``on_chunk`` runs concurrently with the next chunks' arrival (a disk write
+        """Stream chunks [first, end) from ``peer`` into ``view`` (the whole state's buffer, a
+        scratch buffer for this segment when chunks go to ``on_chunk``, or for one chunk when
+        they go to a placement), verifying each as it completes. ``on_chunk`` runs concurrently with the next chunks' arrival (a disk write
         overlaps the network); all of a segment's calls finish before it returns, even when the
         provider fails, so every chunk the schedule counts as verified was handed over."""
         sched = self.schedule
@@ -896,7 +911,9 @@ class _Fetch:
         try:
             stream.write_eof()  # we send nothing; the stream is done once the provider ends it
             pos, stop = m.chunk_span(first)[0], m.chunk_span(end - 1)[1]
-            base = 0 if self.on_chunk is None else pos  # where view[0] sits in the state's byte stream
+            placement = self.placement
+            # where view[0] sits in the state's byte stream (a placement's view holds one chunk)
+            base = 0 if self.on_chunk is None and placement is None else pos
             k = first
             k_start, k_end = m.chunk_span(k)
             while pos < stop:
@@ -906,18 +923,26 @@ class _Fetch:
                 n = len(piece)
                 if n > stop - pos:
                     raise _Corrupt(f"sent more bytes than chunks {first}..{end - 1} hold")
-                view[pos - base : pos - base + n] = piece
-                pos += n
-                while k_end <= pos and k < end:
-                    data = view[k_start - base : k_end - base]
-                    if not m.verify_chunk(k, data):
-                        raise _Corrupt(f"chunk {k} does not match its digest")
-                    if self.on_chunk is not None:
-                        sinking.append(asyncio.ensure_future(self.on_chunk(m, k, data)))
-                    sched.verified(peer, k)
-                    k += 1
-                    if k < end:
-                        k_start, k_end = m.chunk_span(k)
+                off = 0
+                while off < n:
+                    take = n - off if placement is None else min(n - off, k_end - pos)
+                    view[pos - base : pos - base + take] = piece[off : off + take]
+                    pos += take
+                    off += take
+                    while k_end <= pos and k < end:
+                        data = view[k_start - base : k_end - base]
+                        if not m.verify_chunk(k, data):
+                            raise _Corrupt(f"chunk {k} does not match its digest")
+                        if self.on_chunk is not None:
+                            sinking.append(asyncio.ensure_future(self.on_chunk(m, k, data)))
+                        if placement is not None:
+                            placement.put(k, data)  # a copy: the view takes the next chunk
+                        sched.verified(peer, k)
+                        k += 1
+                        if k < end:
+                            k_start, k_end = m.chunk_span(k)
+                            if placement is not None:
+                                base = k_start
             if await stream.read(self.stall_timeout) is not None:
                 raise _Corrupt(f"sent more bytes than chunks {first}..{end - 1} hold")
         finally:
@@ -951,6 +976,7 @@ async def fetch_state(
     segment_bytes: int = 64 << 20,
     have: HaveHook | None = None,
     on_chunk: ChunkHook | None = None,
+    place: Callable[[Manifest], Placement] | None = None,
 ) -> FetchResult:
     """Download the state published under ``key`` from ``providers``, verified chunk by chunk.
 
@@ -968,12 +994,19 @@ async def fetch_state(
     An exception from ``on_chunk`` ends the fetch with ``StateTransferError`` (not the
     providers' fault: nobody is dropped for it).
 
+    ``place(manifest)``: a ``Placement`` for the manifest chosen; each verified chunk is copied
+    into it (chosen tensors straight into the caller's memory, see ``placement``) and
+    ``FetchResult.restore`` rebuilds the state from it. Its targets change as chunks land, before
+    the fetch is complete.
+
     Raises ``NoProviderError``, ``ChunksUnavailableError`` or ``StateTimeoutError`` (all
     ``StateTransferError``). The state's size is checked against ``max_total`` before the
     buffer is allocated.
     """
     if have is not None and on_chunk is None:
         raise ValueError("have= needs on_chunk=: chunks the caller holds are not in the downloaded buffer")
+    if place is not None and on_chunk is not None:
+        raise ValueError("place= and on_chunk= are two different places for the same chunks: pass one")
     _check_key(key)
     if manifest_id is not None:
         _check_id(manifest_id)
@@ -981,7 +1014,8 @@ async def fetch_state(
         raise ValueError("parallel must be at least 1")
     started = time.monotonic()
     f = _Fetch(host, key, providers, rpc_timeout=min(rpc_timeout, timeout), stall_timeout=stall_timeout,
-               max_total=max_total, segment_bytes=segment_bytes, wanted=manifest_id, have=have, on_chunk=on_chunk)
+               max_total=max_total, segment_bytes=segment_bytes, wanted=manifest_id, have=have, on_chunk=on_chunk,
+               place=place)
     deadline = asyncio.timeout(timeout)
     try:
         async with deadline:
@@ -996,4 +1030,5 @@ async def fetch_state(
         await f.close()
     assert f.schedule is not None
     contributors = {p: n for p, n in f.schedule.chunks_from.items() if n}
-    return FetchResult(m, buffer, contributors, f.dropped, f.corrupt, time.monotonic() - started, f.schedule.reused)
+    return FetchResult(m, buffer, contributors, f.dropped, f.corrupt, time.monotonic() - started, f.schedule.reused,
+                       f.placement)

@@ -85,6 +85,7 @@ class OptimizerStats:
     state_loads: int = 0  # times this peer downloaded the swarm's state (joining, or after missing rounds)
     last_state_load_s: float = 0.0
     last_state_providers: int = 0  # peers the last state download came from (in parallel)
+    last_state_in_place: int = 0  # bytes of it written straight into our tensors (a fresh peer's load)
     checkpoints_saved: int = 0  # checkpoints this peer wrote (it is one of the writers of some epochs)
     last_checkpoint_epoch: int | None = None  # epoch of the last checkpoint this peer wrote
     resumed_epoch: int | None = None  # epoch of the checkpoint this peer started from, if any
@@ -252,6 +253,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._settled.set()
         self._closed = False
         self._applied = 0  # global updates contained in our state (what a snapshot is labelled)
+        self._version = 0  # bumped (under the state lock) by every change of the shared state
         self._outer_momentum_in_state = outer_momentum_in_state
         self.average_state_every = average_state_every if average_state_every is not None else (
             5 if mode == "sync" else 10)
@@ -260,7 +262,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._last_expected = 1
         self.load_state_timeout = load_state_timeout
         self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock,
-                                    settled=self._settled, settle_timeout=matchmaking_timeout)
+                                    settled=self._settled, settle_timeout=matchmaking_timeout,
+                                    version=lambda: self._version)
         self.scheduler = scheduler(self) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
         self.checkpointer: Checkpointer | None = None
         try:
@@ -282,7 +285,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         view = self.tracker.view
         resumed = self.checkpointer is not None and self._resume_from_checkpoint(view)
         if view.epoch > self.epoch and not resumed:  # the swarm has trained already: start from where it is
-            self._load_state_from_peers(view)
+            self._load_state_from_peers(view, fresh=True)
 
     async def _start(self) -> None:
         await self.averager.start()
@@ -348,6 +351,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self.outer_optimizer.load_state_dict(state_dict["outer"])
             if self.scheduler is not None and "scheduler" in state_dict:
                 self.scheduler.load_state_dict(state_dict["scheduler"])
+            self._version += 1
         self.tracker.report(self.epoch, self.local_samples, self._sps)
 
     # ------------------------------------------------------------------ the step
@@ -477,9 +481,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if self.scheduler is not None:
                 self.scheduler.step()
             self._applied = self._pending_epoch + 1
+            self._version += 1
         for p, g in zip(self.params, grads):  # the user's current gradients stay as they were
             p.grad = g
-        self._settled.set()  # the update is in (a state round, if due, clears it again once grouped)
+        if not self._state_round_due(self._pending_epoch):
+            self._settled.set()  # the update is in (else once the state round is: _maybe_average_state)
         self.state_sync.warm()
         self._record(result)
         self._maybe_average_state(self._pending_epoch)
@@ -513,8 +519,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         several groups (a late matchmaker, churn, more peers than ``target_group_size``) the groups
         drift apart for good; averaging the state brings them back together.
         """
-        k = self.average_state_every
-        if not k or (epoch + 1) % k or self._last_expected <= 1:
+        if not self._state_round_due(epoch):
             return False
         named = self._state_tensors()
         shapes = [(n, t.shape, t.dtype) for n, t in named]
@@ -540,6 +545,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if result is not None and result.group_size > 1:
                 with self._state_lock:
                     self._state_averager.scatter()
+                    self._version += 1
         finally:
             self._settled.set()
         if result is not None:
@@ -547,6 +553,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self.stats.bytes_sent += result.bytes_sent
             self.stats.bytes_received += result.bytes_received
         return result is not None and result.group_size > 1
+
+    def _state_round_due(self, epoch: int) -> bool:
+        """Whether the state is averaged after ``epoch``'s update. Until that round is over,
+        ``_settled`` stays clear from the update on: a snapshot taken between the two would give a
+        joiner the state from before it, a rounding error apart from the swarm's after it (the
+        average of equal values need not be exactly that value), for ``average_state_every``
+        epochs."""
+        k = self.average_state_every
+        return bool(k) and (epoch + 1) % k == 0 and self._last_expected > 1
 
     def _round_result(self, future: Future[StepResult | None]) -> StepResult | None:
         t0 = time.perf_counter()
@@ -582,9 +597,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             state["scheduler"] = self.scheduler.state_dict()
         return self._applied, state
 
-    def _load_state_from_peers(self, view: SwarmView) -> bool:
+    def _load_state_from_peers(self, view: SwarmView, fresh: bool = False) -> bool:
         """Download the state of the most advanced peers and continue from it; on failure, keep
-        ours (and the swarm's epoch number) and say so: training goes on either way."""
+        ours (and the swarm's epoch number) and say so: training goes on either way.
+
+        ``fresh``: we have not trained yet (the constructor's load), so the download may write
+        the parameters in place as it goes (no fresh state-sized buffer to fault in: that was
+        most of a late join's time). If it fails, they are part ours, part the swarm's; we are
+        then still behind the swarm and load again before our first update."""
         t0 = time.perf_counter()
         if self._pending is not None:  # a round still in flight would land on top of the new state
             self._round_result(self._pending)
@@ -593,9 +613,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         epoch = self.epoch
         result = None
         try:
-            result = self._fetch_state(view)
+            result = self._fetch_state(view, into=self._placeable() if fresh else None)
             epoch = int(result.manifest.meta.get("epoch", view.epoch))
             self.stats.last_state_providers = len(result.contributors)
+            self.stats.last_state_in_place = result.placement.placed_bytes if result.placement is not None else 0
             applied = epoch
             self._apply_shared_state(result.restore(), applied)
             loaded = True
@@ -621,7 +642,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._paused += time.perf_counter() - t0
         return loaded
 
-    def _fetch_state(self, view: SwarmView, attempts: int = 3) -> Any:
+    def _placeable(self) -> dict[str, list[torch.Tensor]]:
+        """Our tensors a download can write in place (CPU ones: see ``StateSync.fetch``)."""
+        ours = [p.detach() for p in self.params] if self.mode == "sync" else list(self._outer)
+        if not all(t.device.type == "cpu" and t.is_contiguous() for t in ours):
+            return {}
+        return {"params" if self.mode == "sync" else "outer": ours}
+
+    def _fetch_state(self, view: SwarmView, attempts: int = 3,
+                     into: dict[str, list[torch.Tensor]] | None = None) -> Any:
         """Download the state from the most advanced peers of ``view``; if none of them can give
         it (under churn they may have died since they last reported), leave them out of the view
         and try the next most advanced ones, from a fresh read of the swarm's progress.
@@ -635,7 +664,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if not providers:
                 raise StateTransferError("no peer serves it")
             try:
-                return self._loop.run(self.state_sync.fetch(providers, max(1.0, deadline - time.monotonic())))
+                return self._loop.run(self.state_sync.fetch(providers, max(1.0, deadline - time.monotonic()),
+                                                            into=into))
             except StateTransferError as e:
                 self.tracker.ignore([p.peer for p in providers])
                 if attempt + 1 == attempts or time.monotonic() >= deadline:
@@ -649,6 +679,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         # a copy per tensor, each giving up the GIL: short waits (see p2ptrain.gil)
         with short_gil_waits(), self._state_lock:
             self._applied = epoch
+            self._version += 1
             if self.mode == "sync":
                 params = state["params"]
                 if len(params) != len(self.params):
@@ -658,12 +689,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"the peers' parameter of shape {list(src.shape)} does not fit ours "
                                          f"{list(p.shape)}")
                 for p, src in zip(self.params, params):
-                    p.copy_(src)
+                    if p.data_ptr() != src.data_ptr():  # (a download written in place is there already)
+                        p.copy_(src)
                 self.inner.load_state_dict(state["inner"])
             else:
                 assert self.outer_optimizer is not None
                 for dst, src in zip(self._outer, state["outer"], strict=True):
-                    dst.copy_(src)
+                    if dst.data_ptr() != src.data_ptr():
+                        dst.copy_(src)
                 self.outer_optimizer.load_state_dict(state["outer_opt"])
                 for p, outer in zip(self.params, self._outer):
                     p.copy_(outer)
@@ -757,7 +790,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             if self.scheduler is not None:
                 self.scheduler.step()
             self._applied = epoch + 1
-        self._settled.set()  # the update is in (a state round, if due, clears it again once grouped)
+            self._version += 1
+        if not self._state_round_due(epoch):
+            self._settled.set()  # the update is in (else once the state round is: _maybe_average_state)
         self.state_sync.warm()
         self.epoch += 1
         self.local_samples = 0

@@ -3,7 +3,7 @@
 Each optimizer serves its *shared* state (what every peer of a group holds identically: the
 parameters, the inner optimizer state in ``sync`` mode, the outer parameters and optimizer in
 ``diloco`` mode, the epoch) under ``{run_id}/state``. The snapshot is taken lazily, when a peer
-asks and the epoch moved on since the last one, because it costs a copy and a hash of all of it.
+asks and the state changed since the last one, because it costs a copy and a hash of all of it.
 Since the peers of one epoch hold bit-identical state, their manifests have the same content
 address and a joiner downloads disjoint chunks from several of them at once, each chunk verified
 against the manifest most of them agree on (:mod:`p2ptrain.checkpoint.transfer`).
@@ -25,6 +25,7 @@ from dht import Host, PeerID
 
 from ..checkpoint import FetchResult, Manifest, StateServer, build_snapshot, fetch_state
 from ..checkpoint.manifest import layout
+from ..checkpoint.placement import Placement, tensors_under
 from ..checkpoint.tree import flatten, tensor_specs
 from ..checkpoint.recycle import Recycler
 from .progress import PeerReport
@@ -38,10 +39,16 @@ MAX_PROVIDERS = 4
 class StateSync:
     """Serves ``state()`` (returns ``(epoch, nested state)``; called in a worker thread with
     ``lock`` held, which the training thread holds while it changes parameters, so a snapshot never
-    mixes two steps) and fetches other peers' state."""
+    mixes two steps) and fetches other peers' state.
+
+    ``version()`` (read with ``lock`` held) changes whenever the state does. The epoch alone is not
+    enough to tell: a state-averaging round changes the parameters and leaves the epoch as it was,
+    and a snapshot cached by epoch then served the state from before that round to every joiner of
+    the epoch, which left them a rounding error apart from the swarm until the next such round."""
 
     def __init__(self, host: Host, key: str, state: Callable[[], tuple[int, Any]], lock: threading.Lock,
-                 *, settled: threading.Event | None = None, settle_timeout: float = 5.0):
+                 *, settled: threading.Event | None = None, settle_timeout: float = 5.0,
+                 version: Callable[[], Any] | None = None):
         self.host = host
         self.key = key
         self._state = state
@@ -50,7 +57,8 @@ class StateSync:
         #: so a joiner gets the state of the epoch about to start, not of one whose round is closing
         self._settled = settled
         self.settle_timeout = settle_timeout
-        self._served_epoch: int | None = None
+        self._version = version or (lambda: None)
+        self._served: tuple[int, Any] | None = None  # (epoch, version) of the snapshot served
         self.server = StateServer(host)
         #: snapshot buffers, touched ahead; two take turns (see ``warm`` and checkpoint.recycle)
         self.buffers = Recycler()
@@ -88,30 +96,30 @@ class StateSync:
         """Publish a snapshot of the state if it changed since the last one (a peer asked)."""
         loop = asyncio.get_running_loop()
 
-        def take() -> tuple[int, Manifest, torch.Tensor] | None:
-            seen: dict[str, int] = {}
+        def take() -> tuple[tuple[int, Any], Manifest, torch.Tensor] | None:
+            seen: dict[str, Any] = {}
 
             def read() -> Any:  # called by build_snapshot with the lock held
                 epoch, state = self._state()
-                seen["epoch"] = epoch
+                seen["epoch"], seen["version"] = epoch, self._version()
                 return state
 
             if self._settled is not None:
                 self._settled.wait(self.settle_timeout)
             with self._lock:
-                if self._state()[0] == self._served_epoch:
+                if (self._state()[0], self._version()) == self._served:
                     return None
             self.buffers.wait(self.settle_timeout)  # a buffer being touched: not under the lock
             # the copy is consistent (made under the lock); hashing happens after releasing it
             manifest, buffer = build_snapshot(read, lock=self._lock,
                                               alloc=self.buffers.take)
             manifest = dataclasses.replace(manifest, meta={"epoch": seen["epoch"]})
-            return seen["epoch"], manifest, buffer
+            return (seen["epoch"], seen["version"]), manifest, buffer
 
         result = await loop.run_in_executor(None, take)
         if result is None:
             return
-        self._served_epoch, manifest, buffer = result
+        self._served, manifest, buffer = result
         self.server.publish(self.key, manifest, buffer, on_release=self.buffers.give)
         # The previous snapshot goes unless a download still reads it: its buffer and the one
         # now served are all the next snapshot needs (two buffers in turn, none faulted anew).
@@ -129,11 +137,31 @@ class StateSync:
         random.shuffle(candidates)
         return candidates[:MAX_PROVIDERS]
 
-    async def fetch(self, providers: list[PeerReport], timeout: float) -> FetchResult:
-        """Download the state most of ``providers`` hold, from all of them at once."""
+    async def fetch(self, providers: list[PeerReport], timeout: float,
+                    into: dict[str, list[torch.Tensor]] | None = None) -> FetchResult:
+        """Download the state most of ``providers`` hold, from all of them at once.
+
+        ``into``: top-level key of the state -> our tensors of that list (e.g. ``{"params":
+        parameters}``): their bytes are written straight into them as chunks land, and the
+        restored state holds those very tensors (see ``checkpoint.placement``: no fresh buffer to
+        fault in for them, but a fetch that fails leaves them part old, part new)."""
         wire: list[tuple[PeerID, tuple[str, int] | None]] = [(p.peer, p.addr) for p in providers]
+
+        def place(m: Manifest) -> Placement:
+            targets: dict[int, torch.Tensor] = {}
+            for key, ours in (into or {}).items():
+                indices = tensors_under(m.skeleton, key)
+                if len(indices) == len(ours):
+                    targets.update(zip(indices, ours))
+            placement = Placement(m, targets)
+            if len(placement.placed) != len(targets) or len(targets) != sum(map(len, (into or {}).values())):
+                # not our model (the load will say so): leave every tensor of ours as it is
+                return Placement(m, {})
+            return placement
+
         # providers snapshot lazily when asked: give the manifest request time for that
-        result = await fetch_state(self.host, self.key, wire, timeout=timeout, rpc_timeout=min(timeout, 30.0))
+        result = await fetch_state(self.host, self.key, wire, timeout=timeout, rpc_timeout=min(timeout, 30.0),
+                                   place=place if into else None)
         log.info("loaded the swarm's state (epoch %s, %.1f MB) from %d peers in %.2f s",
                  result.manifest.meta.get("epoch"), result.manifest.total_size / 1e6, len(result.contributors),
                  result.seconds)
