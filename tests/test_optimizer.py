@@ -187,6 +187,15 @@ def test_late_joiner_starts_from_the_swarm_state(swarm):
         for k in s_ref:
             for name in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(s_join[k][name], s_ref[k][name])
+        # a second load before any update of ours is in place too; once the state is our own
+        # (here: one the user loaded), a download goes to a buffer of its own until complete
+        assert joiner._load_state_from_peers(joiner.tracker.estimate())
+        assert joiner.stats.last_state_in_place > 0
+        joiner.load_state_dict(joiner.state_dict())
+        assert joiner._load_state_from_peers(joiner.tracker.estimate())
+        assert joiner.stats.last_state_in_place == 0 and joiner.stats.state_loads == 3
+        for p, q in zip(late_model.parameters(), models[0].parameters()):
+            assert torch.equal(p, q)
     finally:
         for o in [*opts, joiner]:
             if o is not None:

@@ -85,7 +85,7 @@ class OptimizerStats:
     state_loads: int = 0  # times this peer downloaded the swarm's state (joining, or after missing rounds)
     last_state_load_s: float = 0.0
     last_state_providers: int = 0  # peers the last state download came from (in parallel)
-    last_state_in_place: int = 0  # bytes of it written straight into our tensors (a fresh peer's load)
+    last_state_in_place: int = 0  # bytes of it written straight into our tensors (see _load_state_from_peers)
     checkpoints_saved: int = 0  # checkpoints this peer wrote (it is one of the writers of some epochs)
     last_checkpoint_epoch: int | None = None  # epoch of the last checkpoint this peer wrote
     resumed_epoch: int | None = None  # epoch of the checkpoint this peer started from, if any
@@ -254,6 +254,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._applied = 0  # global updates contained in our state (what a snapshot is labelled)
         self._version = 0  # bumped (under the state lock) by every change of the shared state
+        self._untrained = 0  # the version of a state we did not train on: the initial one, or one loaded
         self._outer_momentum_in_state = outer_momentum_in_state
         self.average_state_every = average_state_every if average_state_every is not None else (
             5 if mode == "sync" else 10)
@@ -285,7 +286,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         view = self.tracker.view
         resumed = self.checkpointer is not None and self._resume_from_checkpoint(view)
         if view.epoch > self.epoch and not resumed:  # the swarm has trained already: start from where it is
-            self._load_state_from_peers(view, fresh=True)
+            self._load_state_from_peers(view)
 
     async def _start(self) -> None:
         await self.averager.start()
@@ -597,14 +598,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             state["scheduler"] = self.scheduler.state_dict()
         return self._applied, state
 
-    def _load_state_from_peers(self, view: SwarmView, fresh: bool = False) -> bool:
+    def _load_state_from_peers(self, view: SwarmView) -> bool:
         """Download the state of the most advanced peers and continue from it; on failure, keep
         ours (and the swarm's epoch number) and say so: training goes on either way.
 
-        ``fresh``: we have not trained yet (the constructor's load), so the download may write
-        the parameters in place as it goes (no fresh state-sized buffer to fault in: that was
-        most of a late join's time). If it fails, they are part ours, part the swarm's; we are
-        then still behind the swarm and load again before our first update."""
+        When we have not trained on our state (a new peer's first load, or a second one before
+        its first update), the download writes the parameters in place as it goes: no
+        state-sized buffer to fault in, which was most of a late join's time. If it fails they
+        are part ours, part the swarm's (verified) ones; we are still behind the swarm then, and
+        load again before our first update. A peer that trained keeps its own until a download
+        is complete."""
         t0 = time.perf_counter()
         if self._pending is not None:  # a round still in flight would land on top of the new state
             self._round_result(self._pending)
@@ -613,12 +616,22 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         epoch = self.epoch
         result = None
         try:
-            result = self._fetch_state(view, into=self._placeable() if fresh else None)
+            into = self._placeable() if self._version == self._untrained else {}
+            if into:
+                with self._state_lock:  # no snapshot of ours sees them half-written
+                    try:
+                        result = self._fetch_state(view, into=into)
+                    finally:  # they changed, whether or not the download completed
+                        self._version += 1
+                        self._untrained = self._version
+            else:
+                result = self._fetch_state(view)
             epoch = int(result.manifest.meta.get("epoch", view.epoch))
             self.stats.last_state_providers = len(result.contributors)
             self.stats.last_state_in_place = result.placement.placed_bytes if result.placement is not None else 0
             applied = epoch
             self._apply_shared_state(result.restore(), applied)
+            self._untrained = self._version
             loaded = True
             self.state_sync.warm()  # we serve this state from now on
             if self.delay_updates:
