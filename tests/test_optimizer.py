@@ -411,3 +411,28 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
     fake.state_sync.fetch = lambda providers, timeout, into=None: fetch([report(dead, 9)], timeout)
     with pytest.raises(StateTransferError):  # nobody can give it: a bounded number of tries
         DecentralizedOptimizer._fetch_state(fake, first)  # type: ignore[arg-type]
+
+
+def test_a_peer_whose_round_is_over_for_everyone_loads_the_state_at_once():
+    """Without delayed updates a peer reports the next epoch only after applying the round: when
+    no other peer still reports ours, there is no group to wait for (a joiner whose download the
+    swarm outran would sit out the matchmaking deadline, then load anyway)."""
+    import types
+
+    from dht import Identity
+    from p2ptrain.optim.progress import PeerReport, SwarmView
+
+    me, a, b = (Identity().peer_id for _ in range(3))
+
+    def report(peer, epoch, ready=False):
+        return PeerReport(peer, epoch, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1), ready=ready)
+
+    fake = types.SimpleNamespace(epoch=4, delay_updates=False,
+                                 tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me)))
+    over = SwarmView(epoch=5, samples=0, target=64, peers=[report(a, 5), report(b, 5)], behind=[report(me, 4)])
+    assert DecentralizedOptimizer._round_over(fake, over)  # type: ignore[arg-type]
+    # b is still in epoch 4's round (or about to enter it): there is a group to join
+    open_ = SwarmView(epoch=5, samples=0, target=64, peers=[report(a, 5)], behind=[report(me, 4), report(b, 4, True)])
+    assert not DecentralizedOptimizer._round_over(fake, open_)  # type: ignore[arg-type]
+    fake.delay_updates = True  # peers report the next epoch while their round may still be matching
+    assert not DecentralizedOptimizer._round_over(fake, over)  # type: ignore[arg-type]

@@ -408,7 +408,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.local_samples += bs
         view = self.tracker.report(self.epoch, self.local_samples, self._sps)
         self._observe(view)
-        if view.epoch > self.epoch + 1:
+        if view.epoch > self.epoch + 1 or (view.epoch == self.epoch + 1 and self._round_over(view)):
             self._fall_behind(view)
         elif view.epoch == self.epoch + 1 or view.reached or view.ready:
             # the target is reached, or a peer is waiting for us, or peers already moved on from
@@ -574,6 +574,18 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             return None
         finally:
             self._paused += time.perf_counter() - t0
+
+    def _round_over(self, view: SwarmView) -> bool:
+        """Whether our epoch's round is over for everyone, so there is no group left to join.
+
+        Without delayed updates a peer reports the next epoch only once it applied the round;
+        when no other peer still reports ours, waiting in matchmaking (a joiner whose download
+        the swarm outran) would only end in a state load after the deadline: load now. With
+        delayed updates peers report the next epoch while their round may still be matching."""
+        if self.delay_updates:
+            return False
+        me = self.tracker.me.peer
+        return not any(p.epoch == self.epoch and p.peer != me for p in view.behind)
 
     def _fall_behind(self, view: SwarmView) -> None:
         """The swarm moved past our epoch without us (we missed its rounds): load its state."""
