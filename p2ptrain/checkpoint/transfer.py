@@ -898,9 +898,10 @@ class _Fetch:
     async def _fetch_segment(self, peer: PeerID, m: Manifest, view: memoryview, first: int, end: int) -> None:
         """Stream chunks [first, end) from ``peer`` into ``view`` (the whole state's buffer, a
         scratch buffer for this segment when chunks go to ``on_chunk``, or for one chunk when
-        they go to a placement), verifying each as it completes. ``on_chunk`` runs concurrently with the next chunks' arrival (a disk write
-        overlaps the network); all of a segment's calls finish before it returns, even when the
-        provider fails, so every chunk the schedule counts as verified was handed over."""
+        they go to a placement), verifying each as it completes. ``on_chunk`` runs concurrently
+        with the next chunks' arrival (a disk write overlaps the network); all of a segment's
+        calls finish before it returns, even when the provider fails, so every chunk the
+        schedule counts as verified was handed over."""
         sched = self.schedule
         assert sched is not None
         conn = await self._connect(peer)
