@@ -35,6 +35,7 @@ def test_help_mentions_the_training_commands():
     (["peer", "--device", "tpu"], "not a device name"),
     (["peer", "--bootstrap-timeout", "0"], "--bootstrap-timeout"),
     (["peer", "--device", "cuda:9"], "cuda:9"),
+    (["peer", "--run-id", "a/b"], "--run-id"),
 ])
 def test_bad_config_is_one_line_error(args, needle):
     out = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)

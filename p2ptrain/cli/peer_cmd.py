@@ -146,6 +146,13 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--checkpoint-every must be at least 1 (epochs between checkpoints)")
     if not args.bootstrap_timeout > 0:
         raise ConfigError("--bootstrap-timeout must be a positive number of seconds")
+    if args.run_id is not None:
+        from ..checkpoint.record import RecordError, check_run_id
+
+        try:
+            check_run_id(args.run_id)
+        except RecordError as e:
+            raise ConfigError(f"--run-id: {e}") from None
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
     listen = None if args.client else parse_listen(args.listen)
@@ -296,6 +303,8 @@ def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> 
         return fail(str(e))
     except OSError as e:
         return fail(f"{e.strerror or e} (is the listen address free and valid?)")
+    except ValueError as e:  # a setting the trainer refused that no check above caught
+        return fail(f"cannot train with these settings: {e}", EXIT_USAGE)
     if stop.is_set():
         print(f"left the swarm after {time.monotonic() - t0:.1f} s", file=sys.stderr)
         return EXIT_OK
