@@ -436,3 +436,29 @@ def test_a_peer_whose_round_is_over_for_everyone_loads_the_state_at_once():
     assert not DecentralizedOptimizer._round_over(fake, open_)  # type: ignore[arg-type]
     fake.delay_updates = True  # peers report the next epoch while their round may still be matching
     assert not DecentralizedOptimizer._round_over(fake, over)  # type: ignore[arg-type]
+
+
+def test_expected_round_size_counts_delayed_peers_that_reported_the_next_epoch():
+    """With delayed updates peers report the next epoch once their round started: a peer ending
+    its epoch last must still expect them (it used to count itself out and skip the round)."""
+    import types
+
+    from dht import Identity
+    from p2ptrain.optim.progress import PeerReport, SwarmView
+
+    me, a, b, c = (Identity().peer_id for _ in range(4))
+
+    def report(peer, epoch):
+        return PeerReport(peer, epoch, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1))
+
+    fake = types.SimpleNamespace(delay_updates=True)
+    moved_on = SwarmView(epoch=5, samples=0, target=64, peers=[report(a, 5), report(b, 5)],
+                         behind=[report(me, 4), report(c, 4)])
+    assert DecentralizedOptimizer._expected(fake, moved_on, 4) == 4  # type: ignore[arg-type]
+    fake.delay_updates = False  # peers at 5 applied round 4 already: only c and we are left
+    assert DecentralizedOptimizer._expected(fake, moved_on, 4) == 2  # type: ignore[arg-type]
+    same = SwarmView(epoch=4, samples=0, target=64, peers=[report(me, 4), report(a, 4)],
+                     behind=[report(b, 3), report(c, 1)])  # b is finishing round 3; c is catching up
+    for delay in (True, False):
+        fake.delay_updates = delay
+        assert DecentralizedOptimizer._expected(fake, same, 4) == 3  # type: ignore[arg-type]

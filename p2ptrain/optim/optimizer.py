@@ -441,9 +441,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         Alone (no other peer has reported recently) there is nobody to meet: the round is skipped
         rather than waiting out the matchmaking deadline on every epoch.
         """
-        # peers still reporting the previous epoch are finishing its round and will come; peers
-        # further behind are catching up (they load the state) and will not
-        expected = view.num_peers + sum(1 for p in view.behind if p.epoch == epoch - 1)
+        expected = self._expected(view, epoch)
         self._last_expected = expected
         if expected <= 1:
             done: Future[StepResult | None] = Future()
@@ -454,6 +452,21 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         return self._loop.submit(self.averager.step(weight=samples, round_id=f"e{epoch}",
                                                     timeout=self.matchmaking_timeout, expected=expected,
                                                     on_group=on_group))
+
+    def _expected(self, view: SwarmView, epoch: int) -> int:
+        """How many peers (us included) will come to ``epoch``'s round, from a ``view`` taken
+        before we reported the epoch's end.
+
+        Peers still reporting the previous epoch are finishing its round and will come; peers
+        further behind are catching up (they load the state) and will not. With delayed updates
+        a peer reports the next epoch as soon as its round started: when the view is already at
+        ``epoch + 1``, those peers may be in our round still, and we are among ``behind``
+        (without delayed updates they applied it already: only the peers at ``epoch`` come).
+        Counting only the peers at ``epoch + 1`` there made a peer that ended its epoch last
+        think it was alone and skip the round, on a path of its own until the next state round."""
+        if view.epoch == epoch + 1:  # (without delayed updates, peers at epoch + 1 are done with it)
+            return sum(1 for p in view.behind if p.epoch == epoch) + (view.num_peers if self.delay_updates else 0)
+        return view.num_peers + sum(1 for p in view.behind if p.epoch == epoch - 1)
 
     def _apply_pending(self, wait: bool) -> None:
         """Take the inner step with the averaged gradients of the round in flight, once it is done."""
