@@ -147,15 +147,16 @@ class StateSync:
         fault in for them, but a fetch that fails leaves them part old, part new)."""
         wire: list[tuple[PeerID, tuple[str, int] | None]] = [(p.peer, p.addr) for p in providers]
 
-        def place(m: Manifest) -> Placement:
+        def place(m: Manifest) -> Placement:  # (only with ``into``)
+            assert into
             targets: dict[int, torch.Tensor] = {}
-            for key, ours in (into or {}).items():
+            for key, ours in into.items():
                 indices = tensors_under(m.skeleton, key)
                 if len(indices) == len(ours):
                     targets.update(zip(indices, ours))
             placement = Placement(m, targets)
-            if len(placement.placed) != len(targets) or len(targets) != sum(map(len, (into or {}).values())):
-                # not our model (the load will say so): leave every tensor of ours as it is
+            if len(placement.placed) != sum(map(len, into.values())):
+                # not all of them fit: not our model (the load will say so); leave ours as they are
                 return Placement(m, {})
             return placement
 
