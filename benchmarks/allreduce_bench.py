@@ -111,12 +111,13 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
         dht.transport.MAX_FRAME_BODY = int(job["frame"])
     members = tuple(Member(PeerID.from_base58(p), (ip, port)) for p, port, ip in job["members"])
     rank, n, numel = job["rank"], len(job["members"]), job["numel"]
-    offload = None if job["offload"] == "off" else 1 << 18
+    # offload: "auto" is the library's default (worker thread only with >= offload_min_cpus CPUs)
+    offload = {"off": {"offload_min_numel": None}, "on": {"offload_min_cpus": 1}}.get(job["offload"], {})
     if job.get("kill"):  # the library's default deadlines: how fast a round recovers from a dead member
-        cfg = AllReduceConfig(chunk_numel=job["chunk"], offload_min_numel=offload)
+        cfg = AllReduceConfig(chunk_numel=job["chunk"], **offload)
     else:  # generous deadlines: a loaded 2-core box must not turn slowness into failures
         cfg = AllReduceConfig(timeout=600, join_timeout=30, stall_timeout=30, chunk_numel=job["chunk"],
-                              offload_min_numel=offload)
+                              **offload)
     svc = AllReduceService(host, cfg, accept_wait=30)
     await svc.start()
     orig = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
@@ -335,7 +336,7 @@ def _reap(procs: list[subprocess.Popen], timeout: float = 60) -> None:
 
 
 def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None, chunk: int = 1 << 20,
-         offload: str = "on", check: bool = True, frame: int = 0) -> dict[str, list[dict]]:
+         offload: str = "auto", check: bool = True, frame: int = 0) -> dict[str, list[dict]]:
     job = {"numel": numel, "codecs": codecs, "rounds": rounds, "chunk": chunk, "offload": offload,
            "check": check, "frame": frame}
     procs = _spawn_ours(n, job, profile)
@@ -481,7 +482,9 @@ def main() -> None:
     ap.add_argument("--no-tcp", action="store_true")
     ap.add_argument("--no-check", action="store_true", help="skip checking the averages against the expected values")
     ap.add_argument("--chunk", type=int, default=1 << 20, help="values per chunk")
-    ap.add_argument("--offload", choices=["on", "off"], default="on", help="codec work in a worker thread")
+    ap.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
+                    help="codec work in a worker thread: always, never, or the library default (auto: "
+                         "only with >= AllReduceConfig.offload_min_cpus CPUs)")
     ap.add_argument("--frame", type=int, default=0, help="experiment: cap stream data frames at this many bytes")
     ap.add_argument("--hivemind-python", metavar="PY", help="interpreter with hivemind 1.1.12 (and numpy<2.4)")
     ap.add_argument("--hivemind-codecs", nargs="+", default=["none", "int8"], help="codecs to run on hivemind")

@@ -124,7 +124,7 @@ TOL = {"none": 1e-6, "fp16": 4e-3, "int8": 4e-2}
 async def test_weighted_mean(swarm, n, numel, codec):
     atol = TOL.get(codec, 2e-2)
     async with asyncio.timeout(20):
-        cfg = AllReduceConfig(chunk_numel=4096, offload_min_numel=0 if numel > 60_000 else None)
+        cfg = AllReduceConfig(chunk_numel=4096, offload_min_numel=0 if numel > 60_000 else None, offload_min_cpus=1)
         group, _hosts, services = await swarm.group(n, config=cfg)
         xs, ws = data(n, numel, seed=n * numel)
         flats = [x.clone() for x in xs]
@@ -476,14 +476,14 @@ async def test_hostile_owner_reply_rejected(swarm):
 
         orig = ar._Round._finalize
 
-        def bad_finalize(self, ci):
+        def bad_finalize(self, ci, out_wire=None):
             if self.rank == 1:
                 self.acc.fill_(float("nan"))
                 a, b = self.my_chunks[ci]
                 self.flat[a:b].fill_(float("nan"))
                 self.count[ci] = 1  # skip the division; encode raw NaN
                 return memoryview(self.flat[a:b].numpy()).cast("B")
-            return orig(self, ci)
+            return orig(self, ci, out_wire)
 
         ar._Round._finalize = bad_finalize
         try:
@@ -516,6 +516,51 @@ async def test_memory_is_per_shard(swarm):
             # buffer per owner, each one chunk: nothing model-sized
             assert res.buffer_bytes <= shard * 4 + 6 * cn * 4
             assert res.buffer_bytes < numel * 4 * 0.3
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16"])
+async def test_wire_buffers_are_reused_between_rounds(swarm, codec):
+    """Encoded chunks go into two wire buffers per part that the service keeps for the next round
+    (fresh ones would page-fault on every chunk), and reuse changes no result."""
+    async with asyncio.timeout(20):
+        numel, cn = 1 << 18, 1 << 14
+        # two members: one contribution per owner, so no arrival order changes a sum's rounding
+        group, _h, services = await swarm.group(2, config=AllReduceConfig(chunk_numel=cn))
+        xs, ws = data(2, numel, seed=11)
+        kept = []
+        for r in range(3):
+            flats = [x.clone() for x in xs]
+            g = Group(os.urandom(16), group.members)
+            results = await run_all(g, services, flats, ws, codec)
+            assert all(res.ok for res in results)
+            if r == 0:
+                first = [f.clone() for f in flats]
+            else:  # same inputs, recycled (dirty) buffers: bit-identical results
+                assert all(torch.equal(a, b) for a, b in zip(first, flats))
+            kept.append([sorted(t.data_ptr() for t in svc._wires) for svc in services])
+        # two for the part sent to the other owner + two for the reply of one's own shard
+        assert all(len(k) == 4 for k in kept[0])
+        assert kept[0] == kept[1] == kept[2]
+
+
+async def test_codec_work_stays_on_the_loop_without_a_spare_cpu(swarm, monkeypatch):
+    """Offloading codec work to the worker thread needs ``offload_min_cpus`` CPUs; with fewer it
+    runs inline (no thread hand-offs), with enough it goes to the worker."""
+    async with asyncio.timeout(20):
+        cfg = AllReduceConfig(chunk_numel=4096, offload_min_numel=0, offload_min_cpus=4)
+        group, _h, services = await swarm.group(2, config=cfg)
+        xs, ws = data(2, 50_000, seed=3)
+        for cpus, offloaded in ((2, False), (4, True)):
+            calls = []
+            for svc in services:
+                svc.cpus = cpus
+                submit = svc._executor.submit
+                monkeypatch.setattr(svc._executor, "submit", lambda *a, _s=submit, **k: calls.append(1) or _s(*a, **k))
+            flats = [x.clone() for x in xs]
+            results = await run_all(Group(os.urandom(16), group.members), services, flats, ws, "int8")
+            assert all(r.ok for r in results)
+            torch.testing.assert_close(flats[0], weighted_mean(xs, ws), atol=4e-2, rtol=0)
+            assert bool(calls) == offloaded
 
 
 async def test_none_accumulates_in_place(swarm):

@@ -175,6 +175,32 @@ def test_none_is_zero_copy():
     assert enc.buffers[0].data_ptr() == x.data_ptr()
 
 
+@pytest.mark.parametrize("name,feedback", [(c, False) for c in CODECS] + [("int8", True), ("fp16", True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encode_into_out_buffer(name, dtype, feedback):
+    """``out`` gets the same wire bytes a fresh encode produces (codecs with ``uses_out``, unless
+    the chunk already has the wire dtype), is left alone otherwise, and one too small is refused
+    before anything is written."""
+    codec = ErrorFeedback(make_codec(name)) if feedback else make_codec(name)
+    x = torch.randn(1000 + 37).to(dtype)
+    nbytes = codec.encoded_nbytes(x.numel(), dtype)
+    want = (ErrorFeedback(make_codec(name)) if feedback else make_codec(name)).encode(x, key=1).tobytes()
+    out = torch.full((nbytes + 64,), 0xAB, dtype=torch.uint8)
+    enc = codec.encode(x, key=1, out=out)
+    assert enc.tobytes() == want
+    aliases = [b.data_ptr() == out.data_ptr() for b in enc.buffers if isinstance(b, torch.Tensor)]
+    copies = name == "int8" or (name in ("fp16", "bf16") and (feedback or dtype != codec.wire_dtype))
+    if copies:
+        assert aliases == [True] and bytes(out[:nbytes].numpy()) == want
+        assert (out[nbytes:] == 0xAB).all()
+    else:
+        assert not any(aliases) and (out == 0xAB).all()
+    small = torch.full((nbytes - 1,), 0xCD, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="at least"):
+        codec.encode(x, key=2, out=small)
+    assert (small == 0xCD).all()
+
+
 # ---------------------------------------------------------------------------- decode into out / decode_add
 
 

@@ -64,7 +64,8 @@ at slightly different times): the handler waits up to ``accept_wait`` seconds fo
 
 Concurrency: one event loop; a task per outgoing part and per incoming sender; codec work on large
 rounds goes to ONE worker thread (torch releases the GIL), which also makes accumulation and the
-final division strictly ordered (FIFO) without locks.
+final division strictly ordered (FIFO) without locks; on a process with fewer than
+``offload_min_cpus`` CPUs it runs inline on the loop instead (no core to overlap with).
 
 Hot path (measured, see benchmarks/allreduce_bench.py): with the default 1M-value chunks a float32
 chunk is one 4 MiB stream frame, read as one zero-copy view of the decrypted frame. For ``none``
@@ -81,6 +82,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -129,6 +131,11 @@ class AllReduceConfig:
     max_weight: float = 1e12  # larger declared weights are hostile (they would overflow float32)
     #: rounds with at least this many values run codec work in the worker thread; None: never
     offload_min_numel: int | None = 1 << 18
+    #: ... and only when this process may run on at least this many CPUs. The worker thread buys
+    #: overlap only with a core to spare: with fewer, every chunk pays two thread hand-offs and
+    #: GIL waits for nothing (measured on 2 cores, N = 2, 256 MB: inline none 0.299 s against
+    #: 0.337 s offloaded, int8 0.209 s against 0.261 s; see benchmarks/allreduce_bench.py).
+    offload_min_cpus: int = 4
 
     def read_timeout(self, nbytes: int) -> float:
         return max(self.stall_timeout, 4.0 * min(nbytes, MAX_FRAME_BODY) / self.min_bandwidth)
@@ -300,7 +307,8 @@ class _Round:
         self.size = group.size
         self.cn = -(-max(1, int(cfg.chunk_numel)) // 256) * 256
         self.bounds = partition(n, group.members) if n else [(0, 0)] * group.size
-        self.offload = cfg.offload_min_numel is not None and n >= cfg.offload_min_numel
+        self.offload = (cfg.offload_min_numel is not None and n >= cfg.offload_min_numel
+                        and svc.cpus >= cfg.offload_min_cpus)
         self.t0 = time.monotonic()
         self.deadline = self.t0 + cfg.timeout
         self.header = {"g": group.group_id, "from": rank, "w": float(weight), "n": n,
@@ -357,6 +365,7 @@ class _Round:
         self.combined_ev = asyncio.Event()  # set when ``combined`` grows or the reduce closes
         self.own_shard: ShardResult | None = None
         self._nbytes: dict[tuple[int, int], int] = {}
+        self.wires: list[torch.Tensor] = []  # wire buffers taken from the service's pool
 
     def _enc_nbytes(self, codec: Codec, numel: int) -> int:
         key = (id(codec), numel)
@@ -586,7 +595,18 @@ class _Round:
         part = sorted([r, i.done] for r, i in self.incoming.items() if 0 < i.done < nc)
         return {"ok": ok, "part": part, "w": float(min(self.wsum))}
 
-    def _finalize(self, ci: int) -> memoryview:
+    def _wire_pair(self, codec: Codec, numel: int) -> list[torch.Tensor | None]:
+        """Two wire buffers for a pipeline of ``codec`` encodes of chunks of up to ``numel`` values
+        (chunk ``ci`` uses ``ci % 2``: it is written out before chunk ``ci + 2`` is encoded),
+        from the service's pool and back to it after the round; None where the codec has no use."""
+        if not (_base(codec).uses_out and numel):
+            return [None, None]
+        pair = [self.svc._take_wire(self._enc_nbytes(codec, numel)) for _ in range(2)]
+        self.wires += pair
+        self.buffer_bytes += sum(t.numel() for t in pair)
+        return pair
+
+    def _finalize(self, ci: int, out_wire: torch.Tensor | None = None) -> memoryview:
         a, b = self.my_chunks[ci]
         x = self.acc[a - self.my_start : b - self.my_start]
         out = self.flat[a:b]
@@ -606,7 +626,7 @@ class _Round:
             return memoryview(out.numpy()).cast("B")
         else:
             x.div_(self.wsum[ci] / self.weight)
-        enc = self.gcodec.encode(x)
+        enc = self.gcodec.encode(x, out=out_wire)
         bufs = enc.buffers
         data = bufs[0] if len(bufs) == 1 else torch.cat([t if isinstance(t, torch.Tensor) else
                                                          torch.frombuffer(bytearray(t), dtype=torch.uint8) for t in bufs])
@@ -630,12 +650,16 @@ class _Round:
         body = pack(summary)
         head = _PREFIX.pack(len(body)) + body
         await self._broadcast(recips, head)
-        nxt: asyncio.Future | None = self._submit(self._finalize, 0)
+        wires = self._wire_pair(self.gcodec, min(self.cn, e - s)) if type(self.gcodec) is not NoneCodec else [None, None]
+        nxt: asyncio.Future | None = self._submit(self._finalize, 0, wires[0])
         done = False
         try:
             for ci, (a, b) in enumerate(self.my_chunks):
                 data = await nxt
-                nxt = self._submit(self._finalize, ci + 1) if ci + 1 < len(self.my_chunks) else None
+                if ci + 1 < len(self.my_chunks):
+                    nxt = self._submit(self._finalize, ci + 1, wires[(ci + 1) % 2])
+                else:
+                    nxt = None
                 res.averaged = b - s
                 await self._broadcast(recips, data)
             res.status = "ok"
@@ -668,10 +692,10 @@ class _Round:
         recips[:] = [i for i in recips if i.state == "complete"]
 
     # ------------------------------------------------------------------ sender: one task per owner
-    def _encode(self, a: int, b: int) -> list[memoryview]:
+    def _encode(self, a: int, b: int, out_wire: torch.Tensor | None = None) -> list[memoryview]:
         if self.raw:  # flat was checked finite by ``run``: its bytes are the message
             return [memoryview(self.flat[a:b].numpy()).cast("B")]
-        return self.codec.encode(self.flat[a:b], key=("allreduce", a)).memoryviews()
+        return self.codec.encode(self.flat[a:b], key=("allreduce", a), out=out_wire).memoryviews()
 
     def _decode(self, a: int, b: int, buf: memoryview) -> None:
         self.gcodec.decode(dict(self.gmeta, numel=b - a), buf, out=self.flat[a:b])
@@ -692,10 +716,14 @@ class _Round:
             wt = cfg.stall_timeout + self.svc.accept_wait
             # raw chunks are views of flat: no encode work to overlap with the network
             submit = self._submit if not self.raw else self._inline
-            nxt = submit(self._encode, *chunks[0])
+            wires = self._wire_pair(self.codec, min(self.cn, b0 - a0)) if not self.raw else [None, None]
+            nxt = submit(self._encode, *chunks[0], wires[0])
             for ci in range(len(chunks)):
                 views = await nxt
-                nxt = submit(self._encode, *chunks[ci + 1]) if ci + 1 < len(chunks) else None
+                if ci + 1 < len(chunks):
+                    nxt = submit(self._encode, *chunks[ci + 1], wires[(ci + 1) % 2])
+                else:
+                    nxt = None
                 await self.svc._before_chunk(j, ci)
                 for v in self.svc._outgoing(j, ci, views):
                     await stream.write(v, timeout=max(wt, cfg.read_timeout(len(v))))
@@ -826,6 +854,14 @@ class _Round:
                 inc.finished.set()
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 class AllReduceService:
     """Runs all-reduce rounds on ``host``: owns the stream handler, the registry of rounds in
     progress (keyed by group id), the worker thread, and every task it starts."""
@@ -846,8 +882,11 @@ class AllReduceService:
         # One shard-sized accumulator kept between rounds: a fresh 100+ MB tensor costs a page
         # fault per 4 KiB on first touch (~40k faults, a measurable share of a round's CPU time).
         self._scratch: torch.Tensor | None = None
+        self._wires: list[torch.Tensor] = []  # encoded-chunk buffers kept the same way
+        self.cpus = usable_cpus()
 
     _SCRATCH_MIN = 1 << 18  # smaller accumulators are not worth keeping
+    _WIRES_KEPT = 32  # wire buffers kept between rounds (two per part a round encodes at once)
 
     def _take_scratch(self, numel: int) -> torch.Tensor:
         t = self._scratch
@@ -856,23 +895,37 @@ class AllReduceService:
             return t[:numel]
         return torch.empty(numel, dtype=torch.float32)
 
+    def _take_wire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` (at most twice that) for encoded chunks, reused
+        between rounds: fresh ones fault on first touch like the accumulator."""
+        for i, t in enumerate(self._wires):
+            if nbytes <= t.numel() <= 2 * nbytes:
+                return self._wires.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def _give_back_scratch(self, rnd: _Round) -> None:
-        """Keep ``rnd``'s accumulator for the next round once no work of ``rnd`` can touch it: the
-        worker is FIFO, so a no-op submitted now runs after every job ``rnd`` queued."""
+        """Keep ``rnd``'s accumulator and wire buffers for the next round once no work of ``rnd``
+        can touch them: the worker is FIFO, so a no-op submitted now runs after every job ``rnd``
+        queued."""
         acc = getattr(rnd, "acc", None)
-        if acc is None or rnd.acc_in_place or acc.numel() < self._SCRATCH_MIN or self._closed:
+        keep_acc = not (acc is None or rnd.acc_in_place or acc.numel() < self._SCRATCH_MIN)
+        base = (acc._base if acc._base is not None else acc) if keep_acc else None
+        wires = rnd.wires
+        if self._closed or (base is None and not wires):
             return
-        base = acc._base if acc._base is not None else acc
+
+        def put(_f: asyncio.Future | None = None) -> None:
+            if not self._closed:
+                if base is not None:
+                    self._scratch = base
+                self._wires = (self._wires + wires)[-self._WIRES_KEPT:]
         if not rnd.offload:
-            self._scratch = base
+            put()
             return
         try:
             fut = asyncio.get_running_loop().run_in_executor(self._executor, _noop)
         except RuntimeError:  # executor shut down
             return
-        def put(_f: asyncio.Future) -> None:
-            if not self._closed:
-                self._scratch = base
         fut.add_done_callback(put)
 
     async def start(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Hashable
 
 import torch
 
-from .base import BufferLike, Codec, Encoded, check_finite, dtype_name
+from .base import BufferLike, Codec, Encoded, check_finite, check_out_buffer, dtype_name
 
 __all__ = ["ErrorFeedback"]
 
@@ -48,8 +48,12 @@ class ErrorFeedback(Codec):
         return sum(r.numel() * r.element_size() for r in self._residuals.values())
 
     # ------------------------------------------------------------------ codec interface
-    def encode(self, chunk: torch.Tensor, key: Any = None) -> Encoded:
+    def encode(self, chunk: torch.Tensor, key: Any = None, *, out: torch.Tensor | None = None) -> Encoded:
         self._check_chunk(chunk)
+        if out is not None:
+            check_out_buffer(out, self.encoded_nbytes(chunk.numel(), chunk.dtype))
+            if chunk.device.type != "cpu":
+                out = None
         check_finite(chunk, f"{self.name}: input chunk")  # never fold NaN/inf into the residual
         r = self._residuals.get(key)
         if r is None or r.shape != chunk.shape or r.device != chunk.device:
@@ -57,7 +61,7 @@ class ErrorFeedback(Codec):
             self._residuals[key] = r
         else:
             r.add_(chunk)
-        enc = self.codec._encode(r)
+        enc = self.codec._encode(r, out)
         enc.meta["dtype"] = dtype_name(chunk.dtype)
         self._subtract_sent(enc, r)
         return enc

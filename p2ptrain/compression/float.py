@@ -35,7 +35,7 @@ class _CastCodec(Codec):
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype or dtype
 
-    def _encode(self, chunk: torch.Tensor) -> Encoded:
+    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> Encoded:
         wd = self._wire(chunk.dtype)
         if chunk.numel():
             if chunk.dtype != wd and self.overflow != float("inf"):
@@ -51,7 +51,12 @@ class _CastCodec(Codec):
                     )
             else:
                 check_finite(chunk, f"{self.name}: input chunk")
-        wire = chunk if chunk.dtype == wd else chunk.to(wd)
+        if chunk.dtype == wd:
+            wire = chunk
+        elif out is not None:
+            wire = out[: chunk.numel() * wd.itemsize].view(wd).copy_(chunk)
+        else:
+            wire = chunk.to(wd)
         return Encoded(self._meta(chunk), [as_uint8(wire)])
 
     def _payload(self, meta: dict, buf: memoryview, numel: int, device: torch.device) -> torch.Tensor:
@@ -95,6 +100,7 @@ class Float16Codec(_CastCodec):
 
     name = "fp16"
     wire_dtype = torch.float16
+    uses_out = True
     overflow = 65520.0  # (2 - 2**-11) * 2**15: the smallest value that rounds to inf in fp16
 
 
@@ -103,4 +109,5 @@ class BFloat16Codec(_CastCodec):
 
     name = "bf16"
     wire_dtype = torch.bfloat16
+    uses_out = True
     overflow = (2 - 2**-8) * 2.0**127  # smallest float32 that rounds to inf in bf16

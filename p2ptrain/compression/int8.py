@@ -32,6 +32,7 @@ _MAX_SCALE = torch.finfo(torch.float32).max / 127
 
 class Int8Codec(Codec):
     name = "int8"
+    uses_out = True
 
     def __init__(self, block: int = 256, **kw):
         super().__init__(**kw)
@@ -66,7 +67,7 @@ class Int8Codec(Codec):
             parts.append((nfull * B, numel, 1, numel - nfull * B, nfull))
         return parts
 
-    def _encode(self, chunk: torch.Tensor) -> Encoded:
+    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> Encoded:
         # Passes over the chunk: amax + amin (read), x * inv -> float scratch, round in place, cast into
         # q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk); only the wire
         # buffers (scales, q) are allocated.
@@ -81,7 +82,7 @@ class Int8Codec(Codec):
         # One wire buffer, scales then values: the message leaves as one frame and arrives as one
         # zero-copy view (two buffers meant a second, small frame per chunk and a copy on receipt
         # to join them).
-        wire = torch.empty(4 * nb + n, dtype=torch.uint8, device=dev)
+        wire = out[: 4 * nb + n] if out is not None else torch.empty(4 * nb + n, dtype=torch.uint8, device=dev)
         scales = wire[: 4 * nb].view(torch.float32)
         q = wire[4 * nb :].view(torch.int8)
         tmp = scratch("int8.enc", min(n, self.block * (n // self.block)) or n, torch.float32, dev)

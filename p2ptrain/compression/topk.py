@@ -76,7 +76,7 @@ class TopKCodec(Codec):
         top = torch.topk(a[cand], k, sorted=False).indices
         return cand[top]
 
-    def _encode(self, chunk: torch.Tensor) -> Encoded:
+    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> Encoded:
         n = chunk.numel()
         check_finite(chunk, "topk: input chunk")
         k = self.k(n)
