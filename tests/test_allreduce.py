@@ -465,6 +465,46 @@ async def test_hostile_sender_is_dropped(swarm, kind):
             torch.testing.assert_close(flats[r], want, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_sender_whose_values_would_overflow_the_sum_is_dropped(swarm, codec):
+    """Finite but huge values at the largest accepted weight would overflow the owner's float32
+    sum to inf: the sender is dropped before its chunk touches the sum (which, for ``none``, is the
+    owner's own shard of ``flat``), and the honest members' average is exact."""
+    async with asyncio.timeout(20):
+        cfg = AllReduceConfig(chunk_numel=4096, join_timeout=1, stall_timeout=0.5, timeout=8)
+        group, hosts, services = await swarm.group(3, clients={2}, config=cfg, raw={2})
+        numel = 20_000
+        xs, ws = data(3, numel)
+        flats = [x.clone() for x in xs]
+        bounds = partition(numel, group.members)
+        c = get_codec(codec)
+
+        async def attack(owner: int):
+            a, b = bounds[owner]
+            conn = await hosts[2].connect("127.0.0.1", group.members[owner].addr[1], group.members[owner].peer_id)
+            stream = await conn.open_stream(PROTOCOL, _header(group, 2, numel, codec, w=cfg.max_weight))
+            try:
+                for lo in range(a, b, 4096):
+                    huge = torch.full((min(4096, b - lo),), 3e38)
+                    await stream.write(bytes(c.encode(huge).tobytes()))
+                stream.write_eof()
+                return await stream.read(timeout=6)
+            except Exception as e:  # the owner resets the stream
+                return e
+
+        attacks = [asyncio.create_task(attack(o)) for o in (0, 1)]
+        results = await asyncio.gather(services[0].run(group, 0, flats[0], ws[0], codec),
+                                       services[1].run(group, 1, flats[1], ws[1], codec))
+        outcomes = await asyncio.gather(*attacks)
+        assert all(isinstance(o, Exception) for o in outcomes), outcomes
+        want = weighted_mean(xs, ws, [0, 1])
+        for r, res in enumerate(results):
+            assert res.ok, res.shards
+            assert "overflow" in res.failed.get(2, ""), res.failed
+            assert all(s.contributors == [0, 1] and not s.partial for s in res.shards)
+            torch.testing.assert_close(flats[r], want, atol=4e-2 if codec == "int8" else 1e-6, rtol=0)
+
+
 async def test_hostile_owner_reply_rejected(swarm):
     """An owner that replies with NaN: the sender keeps its local values for that shard."""
     async with asyncio.timeout(20):

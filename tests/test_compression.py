@@ -201,6 +201,36 @@ def test_encode_into_out_buffer(name, dtype, feedback):
     assert (small == 0xCD).all()
 
 
+def _base_codec(codec):
+    return codec.codec if isinstance(codec, ErrorFeedback) else codec
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_add_bound_covers_what_decode_add_adds(name):
+    """``add_bound`` is at least the largest |value| decode_add adds (for top-k, with repeated
+    indices summed), and refuses NaN/inf like decode does."""
+    codec = make_codec(name)
+    x = torch.randn(3000) * 1e3
+    enc = codec.encode(x)
+    wire = enc.tobytes()
+    acc = torch.zeros(3000)
+    codec.decode_add(enc.meta, wire, acc)
+    bound = codec.add_bound(enc.meta, wire)
+    assert float(acc.abs().max()) <= bound <= 4 * float(x.abs().sum())
+    if name == "topk":  # a hostile sender repeats one index: decode_add sums them
+        k = _base_codec(codec).k(3000)
+        dup = torch.cat([torch.full((k,), 5.0), torch.zeros(k)]).numpy().tobytes()  # values, then indices 0
+        acc.zero_()
+        codec.decode_add(enc.meta, dup, acc)
+        assert float(acc[0]) == 5.0 * k <= codec.add_bound(enc.meta, dup)
+    elif name != "int8":  # a NaN in the payload
+        bad = bytearray(wire)
+        bad[0:4 if name == "none" else 2] = (b"\x00\x00\xc0\x7f" if name == "none" else
+                                               {"fp16": b"\x00\x7e", "bf16": b"\xc0\x7f"}[name])
+        with pytest.raises(CompressionError, match="NaN or inf"):
+            codec.add_bound(enc.meta, bytes(bad))
+
+
 # ---------------------------------------------------------------------------- decode into out / decode_add
 
 

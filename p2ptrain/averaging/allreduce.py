@@ -50,9 +50,10 @@ Failures
   reported ``failed`` with the reason.
 * sender dies / stalls: the owner averages over what arrived (per chunk) and sends nothing back to it.
 * hostile sender (malformed header, weight non-finite/<=0/too large, numel or codec mismatch, a chunk
-  that fails to decode, too little or too much data, not a member, duplicate stream): dropped. Rule:
+  that fails to decode, finite values whose weighted sum could overflow float32, too little or too
+  much data, not a member, duplicate stream): dropped. Rule:
   chunks it sent *before* the violation stay in the average (they were individually validated: right
-  size, finite, decodable); everything after is excluded; it gets no reply and is listed in
+  size, finite, decodable, bounded); everything after is excluded; it gets no reply and is listed in
   ``failed``. Excluding its earlier chunks too would need per-sender accumulators (unbounded memory).
 * stalls: every read/write waits at most ``max(stall_timeout, 4 * frame_bytes / min_bandwidth)``
   for progress; an owner stops waiting for senders that have not opened their stream after
@@ -80,6 +81,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import copy
 import dataclasses
 import logging
 import os
@@ -287,6 +289,11 @@ class _Incoming:
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set when the reply is written
 
 
+#: the largest |sum| an owner's float32 accumulator may reach: half of float32's max leaves room
+#: for the rounding of every addition, so a sum checked against it never overflows to inf
+_SUM_LIMIT = float(torch.finfo(torch.float32).max) / 2
+
+
 def _noop() -> None:
     pass
 
@@ -299,7 +306,8 @@ def _retrieve(fut: asyncio.Future | None) -> None:
 
 class _Round:
     def __init__(self, svc: AllReduceService, group: Group, rank: int, flat: torch.Tensor, weight: float,
-                 codec: Codec, gcodec: Codec, cfg: AllReduceConfig, aggregation: str = "mean"):
+                 codec: Codec, gcodec: Codec, cfg: AllReduceConfig, aggregation: str = "mean",
+                 absmax: float = 0.0):
         self.svc, self.group, self.rank, self.flat, self.weight, self.cfg = svc, group, rank, flat, weight, cfg
         self.codec, self.gcodec = codec, gcodec
         self.rmeta, self.gmeta = _base(codec)._meta(_EMPTY), gcodec._meta(_EMPTY)
@@ -340,9 +348,10 @@ class _Round:
             # The accumulator, filled lazily chunk by chunk (in the worker, pipelined with the
             # network), from our own values at the first foreign contribution (see _accumulate).
             # A chunk nobody else contributed to keeps its exact local values.
-            if self.raw and not self.robust and codec.check_finite_on_decode:
-                # ``none`` checks every payload before it touches the accumulator, and nobody else
-                # reads our own shard of ``flat`` during the round: accumulate in flat[s:e] itself.
+            if self.raw and not self.robust:
+                # ``_accumulate`` checks every payload (finite, no overflow) before it touches the
+                # accumulator, and nobody else reads our own shard of ``flat`` during the round:
+                # accumulate in flat[s:e] itself.
                 # No second shard-sized buffer, and a third less memory traffic than writing a
                 # separate accumulator (and later dividing it back into flat).
                 self.acc = flat[s:e]
@@ -354,6 +363,15 @@ class _Round:
                 self.buffer_bytes += self.acc.numel() * 4
             self.wsum = [float(weight)] * len(self.my_chunks)
             self.count = [1] * len(self.my_chunks)
+            # Per chunk, a bound on |sum| of what the accumulator holds (own values at ratio 1 to
+            # start): a contribution that could push it past _SUM_LIMIT is refused before it is
+            # added, so the sum never overflows, a hostile sender's finite but huge values cannot
+            # make our shard fail (or, summed in place, turn our own values into inf), and the
+            # division needs no finiteness pass. The checks already done (add_bound) make the
+            # decoder's own finiteness pass redundant: ``adder`` skips it.
+            self.bound = [float(absmax)] * len(self.my_chunks)
+            self.adder = copy.copy(_base(codec))
+            self.adder.check_finite_on_decode = False
             if self.robust:
                 # Per-sender chunk buffers: ROBUST_WINDOW slots of [group size, chunk] decoded
                 # float32 values (a sender may store chunk c only once chunk c - ROBUST_WINDOW is
@@ -482,7 +500,12 @@ class _Round:
         # validation leaves acc untouched and never counts (a chunk still at count 1 keeps flat).
         meta = dict(self.rmeta, numel=b - a)
         ratio = inc.weight / self.weight
-        self.codec.decode_add(meta, buf, acc, ratio, base=self.flat[a:b] if self.count[ci] == 1 else None)
+        grow = self.codec.add_bound(meta, buf) * ratio  # validates: NaN/inf and malformed raise
+        if not self.bound[ci] + grow <= _SUM_LIMIT:
+            raise CompressionError(f"values up to {grow / ratio:.3g} at weight {inc.weight:.3g} would overflow "
+                                   f"the float32 sum")
+        self.adder.decode_add(meta, buf, acc, ratio, base=self.flat[a:b] if self.count[ci] == 1 else None)
+        self.bound[ci] += grow
         self.wsum[ci] += inc.weight
         self.count[ci] += 1
         inc.done = ci + 1
@@ -618,10 +641,9 @@ class _Round:
                 out.copy_(x)
                 return memoryview(out.numpy()).cast("B")
         elif type(self.gcodec) is NoneCodec:
-            # Lossless and no overflow possible (the divisor wsum / w_own >= 1 once another
-            # contribution counted): check the sum first, then divide straight into flat and send
-            # that (saves the division's pass and a copy).
-            check_finite(x, "none: input chunk")
+            # Lossless, and finite by construction (``_accumulate`` kept |sum| <= _SUM_LIMIT; the
+            # divisor wsum / w_own >= 1 once another contribution counted): divide straight into
+            # flat and send that (no check pass, no separate division pass, no copy).
             torch.div(x, self.wsum[ci] / self.weight, out=out)
             return memoryview(out.numpy()).cast("B")
         else:
@@ -1042,9 +1064,13 @@ class AllReduceService:
             raise ValueError(f"rank {my_rank} of group {group.group_id.hex()} is not this host")
         if group.group_id in self._rounds or group.group_id in self._finished:
             raise ValueError(f"group {group.group_id.hex()} already ran on this service; group ids are single-use")
-        if flat.numel() and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
-            raise CompressionError("flat contains NaN or inf; refusing to average it")
-        rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation)
+        absmax = 0.0
+        if flat.numel():  # one pass: min/max propagate NaN, and bound our own values for _accumulate
+            lo, hi = torch.aminmax(flat)
+            absmax = max(-float(lo), float(hi))
+            if not absmax < float("inf"):  # NaN compares false
+                raise CompressionError("flat contains NaN or inf; refusing to average it")
+        rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax)
         gid = group.group_id
         self._rounds[gid] = rnd
         waiting = self._waiting.pop(gid, None)

@@ -197,6 +197,18 @@ class Codec:
         self._decode_add(meta, mv, numel, acc, weight, base)
         return acc
 
+    def add_bound(self, meta: Any, buffer: BufferLike) -> float:
+        """An upper bound on what ``decode_add(meta, buffer, acc, 1.0)`` can add to any one value of
+        ``acc``, from a pass over the (small) wire data, not the decoded values: a receiver checks
+        that a weighted contribution cannot overflow its float32 sum before the sum takes it.
+        Validates like ``decode``; raises CompressionError (only) for anything malformed or
+        non-finite."""
+        numel, _dtype, mv = self._validate(meta, buffer)
+        bound = float(self._add_bound(meta, mv, numel)) if numel else 0.0
+        if not bound < float("inf"):  # NaN compares false
+            raise CompressionError(f"{self.name}: received values contain NaN or inf; rejecting the message")
+        return bound
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._opts_repr()})"
 
@@ -209,6 +221,13 @@ class Codec:
 
     def _decode_into(self, meta: dict, buf: memoryview, numel: int, out: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _add_bound(self, meta: dict, buf: memoryview, numel: int) -> float:
+        # generic: decode and measure (codecs override it with a pass over their wire data)
+        tmp = torch.empty(numel, dtype=torch.float32)
+        self._decode_into(meta, buf, numel, tmp)
+        lo, hi = torch.aminmax(tmp)
+        return max(-float(lo), float(hi))
 
     def _decode_add(self, meta: dict, buf: memoryview, numel: int, acc: torch.Tensor, weight: float,
                     base: torch.Tensor | None) -> None:

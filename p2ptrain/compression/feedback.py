@@ -79,6 +79,9 @@ class ErrorFeedback(Codec):
     def decode(self, meta: Any, buffer: BufferLike, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.codec.decode(meta, buffer, out)
 
+    def add_bound(self, meta: Any, buffer: BufferLike) -> float:
+        return self.codec.add_bound(meta, buffer)
+
     def decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0,
                    base: torch.Tensor | None = None) -> torch.Tensor:
         return self.codec.decode_add(meta, buffer, acc, weight, base)

@@ -71,6 +71,11 @@ class _CastCodec(Codec):
             x = x.to(device, non_blocking=False)
         return x
 
+    def _add_bound(self, meta, buf, numel):
+        # min/max in the wire dtype: one pass, no temporary, NaN propagates (checked by add_bound)
+        lo, hi = torch.aminmax(frombuffer(buf, self._wire(_meta_dtype(meta)), 0, numel))
+        return max(-float(lo), float(hi))
+
     def _decode_into(self, meta, buf, numel, out):
         out.copy_(self._payload(meta, buf, numel, out.device))
 

@@ -121,6 +121,10 @@ class Int8Codec(Codec):
             scales, q = scales.to(device), q.to(device)
         return scales, q
 
+    def _add_bound(self, meta, buf, numel):
+        scales, _q = self._unpack(buf, numel, torch.device("cpu"))  # validates the scales
+        return 128.0 * float(scales.max())  # |q| <= 128 (an honest encoder sends <= 127)
+
     def _decode_into(self, meta, buf, numel, out):
         # int8 * float32 would cast q into a fresh float32 temporary: cast straight into ``out``
         # instead, then scale in place (float32 out), or go through the per-thread scratch.

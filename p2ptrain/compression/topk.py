@@ -103,6 +103,11 @@ class TopKCodec(Codec):
         idx = idx.to(device=device, dtype=torch.long)
         return vals.to(device), idx
 
+    def _add_bound(self, meta, buf, numel):
+        # decode_add sums repeated indices: the bound is the sum of all |values|, not their max
+        vals, _idx = self._unpack(buf, numel, torch.device("cpu"))
+        return float(vals.abs().sum(dtype=torch.float64)) if vals.numel() else 0.0
+
     def _decode_into(self, meta, buf, numel, out):
         vals, idx = self._unpack(buf, numel, out.device)
         out.zero_()
