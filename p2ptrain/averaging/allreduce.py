@@ -289,6 +289,9 @@ class _Incoming:
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # set when the reply is written
 
 
+#: gather codecs whose encode never fails on finite values: owners may sum in place (see _Round)
+_IN_PLACE_GATHER = ("none", "int8")
+
 #: the largest |sum| an owner's float32 accumulator may reach: half of float32's max leaves room
 #: for the rounding of every addition, so a sum checked against it never overflows to inf
 _SUM_LIMIT = float(torch.finfo(torch.float32).max) / 2
@@ -348,17 +351,18 @@ class _Round:
             # The accumulator, filled lazily chunk by chunk (in the worker, pipelined with the
             # network), from our own values at the first foreign contribution (see _accumulate).
             # A chunk nobody else contributed to keeps its exact local values.
-            if self.raw and not self.robust:
-                # ``_accumulate`` checks every payload (finite, no overflow) before it touches the
-                # accumulator, and nobody else reads our own shard of ``flat`` during the round:
-                # accumulate in flat[s:e] itself.
-                # No second shard-sized buffer, and a third less memory traffic than writing a
-                # separate accumulator (and later dividing it back into flat).
+            if not self.robust and _base(gcodec).name in _IN_PLACE_GATHER:
+                # ``_accumulate`` checks every payload (valid, finite, no overflow) before
+                # decode_add writes anything, nobody else reads our own shard of ``flat`` during
+                # the round, and the reply's encode cannot fail on a finite sum (``none``, ``int8``;
+                # fp16 can, after the division already rewrote flat): accumulate in flat[s:e]
+                # itself. No second shard-sized buffer, and about a third less memory traffic than
+                # a separate accumulator (written, then divided back into flat).
                 self.acc = flat[s:e]
                 self.acc_in_place = True
             else:
-                # Other codecs may reject a message after decode_add began, and robust rules need
-                # our own row at combine time: flat[s:e] stays untouched until the division.
+                # Robust rules need our own row at combine time, and an fp16/bf16 reply may fail to
+                # encode: flat[s:e] stays untouched until the division.
                 self.acc = svc._take_scratch(e - s)
                 self.buffer_bytes += self.acc.numel() * 4
             self.wsum = [float(weight)] * len(self.my_chunks)
@@ -1039,8 +1043,9 @@ class AllReduceService:
         peer did: failures are in the result. ``aggregation``: ``mean`` (streaming, the default)
         or a robust rule of :mod:`.robust`; every member must use the same. Raises ValueError for
         bad arguments, CompressionError if ``flat`` holds NaN/inf, RuntimeError once closed. A
-        round cancelled midway leaves ``flat`` part input, part result (and the ``none`` codec sums
-        in place): keep a copy if the input is needed after a cancellation."""
+        round cancelled midway leaves ``flat`` part input, part result (and under ``mean`` with a
+        ``none`` or ``int8`` reply, an owner sums into its own shard of ``flat``): keep a copy if the
+        input is needed after a cancellation."""
         if self._closed or self._executor is None:
             raise RuntimeError("AllReduceService is not running (call start())")
         check_aggregation(aggregation)
