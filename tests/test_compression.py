@@ -231,6 +231,28 @@ def test_add_bound_covers_what_decode_add_adds(name):
             codec.add_bound(enc.meta, bytes(bad))
 
 
+@pytest.mark.parametrize("name", CODECS)
+def test_encode_scale_is_encoding_the_scaled_chunk(name):
+    """``encode(x, scale=s)`` decodes to ``x * s`` within the codec's error for ``x * s``, and a
+    scale outside (0, 1] is refused."""
+    codec = _base_codec(make_codec(name))  # (error feedback takes unscaled chunks only)
+    x = torch.randn(5000) * 10
+    s = 1 / 3
+    want = codec.decode(*_enc_meta_wire(codec.encode(x * s)))
+    got = codec.decode(*_enc_meta_wire(codec.encode(x, scale=s)))
+    if name == "topk":  # the same entries kept, values scaled
+        assert torch.equal(got != 0, want != 0)
+    tol = {"none": 1e-6, "fp16": 2e-3, "bf16": 2e-2}.get(name, 0.5)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for bad in (0.0, -1.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="scale"):
+            codec.encode(x, scale=bad)
+
+
+def _enc_meta_wire(enc):
+    return enc.meta, enc.tobytes()
+
+
 # ---------------------------------------------------------------------------- decode into out / decode_add
 
 

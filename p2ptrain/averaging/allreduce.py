@@ -637,6 +637,7 @@ class _Round:
         a, b = self.my_chunks[ci]
         x = self.acc[a - self.my_start : b - self.my_start]
         out = self.flat[a:b]
+        scale = 1.0
         if self.count[ci] == 1:
             x = out  # only our own contribution: keep the exact local values
         elif self.robust:  # _combine wrote the aggregate itself, nothing to divide
@@ -650,9 +651,9 @@ class _Round:
             # flat and send that (no check pass, no separate division pass, no copy).
             torch.div(x, self.wsum[ci] / self.weight, out=out)
             return memoryview(out.numpy()).cast("B")
-        else:
-            x.div_(self.wsum[ci] / self.weight)
-        enc = self.gcodec.encode(x, out=out_wire)
+        else:  # the division rides on the encode (int8 rescales its block scales): no pass of its own
+            scale = self.weight / self.wsum[ci]
+        enc = self.gcodec.encode(x, out=out_wire, scale=scale)
         bufs = enc.buffers
         data = bufs[0] if len(bufs) == 1 else torch.cat([t if isinstance(t, torch.Tensor) else
                                                          torch.frombuffer(bytearray(t), dtype=torch.uint8) for t in bufs])

@@ -145,7 +145,8 @@ class Codec:
         self.check_finite_on_decode = check_finite_on_decode
 
     # ------------------------------------------------------------------ public API
-    def encode(self, chunk: torch.Tensor, key: Any = None, *, out: torch.Tensor | None = None) -> Encoded:
+    def encode(self, chunk: torch.Tensor, key: Any = None, *, out: torch.Tensor | None = None,
+               scale: float = 1.0) -> Encoded:
         """Encode a flat contiguous 1-D float chunk. Raises CompressionError on NaN/inf input.
 
         ``key`` identifies the chunk for stateful codecs (error feedback); stateless codecs ignore it.
@@ -155,13 +156,21 @@ class Codec:
         per 4 KiB on first touch (measured: ~4700 faults per int8 round of 256 MB, most of the
         round's system time). The result then aliases ``out``. Ignored for CUDA chunks and by
         codecs that send the chunk itself (``none``) or several buffers (``topk``).
+
+        ``scale`` (0 < scale <= 1): encode ``chunk * scale`` without a separate pass over the
+        chunk, e.g. the division of a weighted mean folded into the encode of the sum (``int8``
+        rescales its block scales; cast codecs multiply while they cast). At most 1, so it
+        cannot overflow what a finite chunk encodes to.
         """
         self._check_chunk(chunk)
+        scale = float(scale)
+        if not 0.0 < scale <= 1.0:
+            raise ValueError(f"scale must be in (0, 1], got {scale}")
         if out is not None:
             check_out_buffer(out, self.encoded_nbytes(chunk.numel(), chunk.dtype))
             if chunk.device.type != "cpu":
                 out = None
-        return self._encode(chunk, out)
+        return self._encode(chunk, out, scale)
 
     def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Exact number of wire bytes for a chunk of ``numel`` values (``dtype`` matters only for ``none``)."""
@@ -216,7 +225,7 @@ class Codec:
         return ""
 
     # ------------------------------------------------------------------ hooks
-    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> Encoded:
+    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         raise NotImplementedError
 
     def _decode_into(self, meta: dict, buf: memoryview, numel: int, out: torch.Tensor) -> None:

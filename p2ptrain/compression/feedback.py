@@ -48,8 +48,11 @@ class ErrorFeedback(Codec):
         return sum(r.numel() * r.element_size() for r in self._residuals.values())
 
     # ------------------------------------------------------------------ codec interface
-    def encode(self, chunk: torch.Tensor, key: Any = None, *, out: torch.Tensor | None = None) -> Encoded:
+    def encode(self, chunk: torch.Tensor, key: Any = None, *, out: torch.Tensor | None = None,
+               scale: float = 1.0) -> Encoded:
         self._check_chunk(chunk)
+        if scale != 1.0:  # the residual would carry scaled and unscaled values mixed
+            raise ValueError("ErrorFeedback encodes unscaled chunks only (scale must be 1)")
         if out is not None:
             check_out_buffer(out, self.encoded_nbytes(chunk.numel(), chunk.dtype))
             if chunk.device.type != "cpu":

@@ -35,13 +35,13 @@ class _CastCodec(Codec):
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype or dtype
 
-    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> Encoded:
+    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         wd = self._wire(chunk.dtype)
         if chunk.numel():
             if chunk.dtype != wd and self.overflow != float("inf"):
                 # one reduction catches NaN (propagates through amax), inf and out-of-range values
                 # max(amax, -amin): no |x| temporary (NaN propagates through both)
-                amax = float(torch.maximum(chunk.amax(), chunk.amin().neg_()))
+                amax = float(torch.maximum(chunk.amax(), chunk.amin().neg_())) * scale
                 if not amax < self.overflow:
                     if amax != amax or amax == float("inf"):
                         raise CompressionError(f"{self.name}: input chunk contains NaN or inf; refusing to encode it")
@@ -51,12 +51,15 @@ class _CastCodec(Codec):
                     )
             else:
                 check_finite(chunk, f"{self.name}: input chunk")
-        if chunk.dtype == wd:
+        if chunk.dtype == wd and scale == 1.0:
             wire = chunk
-        elif out is not None:
-            wire = out[: chunk.numel() * wd.itemsize].view(wd).copy_(chunk)
         else:
-            wire = chunk.to(wd)
+            n = chunk.numel()
+            wire = out[: n * wd.itemsize].view(wd) if out is not None else torch.empty(n, dtype=wd, device=chunk.device)
+            if scale == 1.0:
+                wire.copy_(chunk)
+            else:  # multiplied while cast: one pass
+                torch.mul(chunk, scale, out=wire)
         return Encoded(self._meta(chunk), [as_uint8(wire)])
 
     def _payload(self, meta: dict, buf: memoryview, numel: int, device: torch.device) -> torch.Tensor:

@@ -67,7 +67,7 @@ class Int8Codec(Codec):
             parts.append((nfull * B, numel, 1, numel - nfull * B, nfull))
         return parts
 
-    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> Encoded:
+    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         # Passes over the chunk: amax + amin (read), x * inv -> float scratch, round in place, cast into
         # q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk); only the wire
         # buffers (scales, q) are allocated.
@@ -98,7 +98,8 @@ class Int8Codec(Codec):
                 raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
             ok = absmax >= _TINY
             inv = torch.where(ok, 127.0 / absmax, zero)
-            torch.where(ok, absmax * (1.0 / 127.0), zero, out=scales[b0 : b0 + rows])
+            # q is the same for x * scale (scale-invariant): only the block scales take ``scale``
+            torch.where(ok, absmax * (scale / 127.0), zero, out=scales[b0 : b0 + rows])
             torch.mul(xb, inv.unsqueeze(1), out=t)
             t.round_()
             q[start:stop].view(rows, cols).copy_(t)

@@ -76,13 +76,13 @@ class TopKCodec(Codec):
         top = torch.topk(a[cand], k, sorted=False).indices
         return cand[top]
 
-    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None) -> Encoded:
+    def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         n = chunk.numel()
         check_finite(chunk, "topk: input chunk")
         k = self.k(n)
         x = chunk if chunk.dtype == torch.float32 else chunk.float()
         idx = self.select(x, k) if k else torch.empty(0, dtype=torch.long, device=x.device)
-        vals = x[idx]
+        vals = x[idx] if scale == 1.0 else x[idx] * scale
         return Encoded(
             self._meta(chunk),
             [as_uint8(vals), as_uint8(idx.to(torch.int32))],
