@@ -103,11 +103,16 @@ def as_uint8(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def check_out_buffer(out: Any, nbytes: int) -> None:
-    """``out`` can take ``nbytes`` wire bytes: a 1-D contiguous uint8 CPU tensor at least that long."""
+def out_buffer(codec: Codec, chunk: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``encode``'s ``out`` checked (a 1-D contiguous uint8 CPU tensor that can take the chunk's
+    wire bytes; ValueError if not), or None where it does not apply (no out, a CUDA chunk)."""
+    if out is None:
+        return None
+    nbytes = codec.encoded_nbytes(chunk.numel(), chunk.dtype)
     if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.device.type == "cpu"
             and out.dim() == 1 and out.is_contiguous() and out.numel() >= nbytes):
         raise ValueError(f"out must be a 1-D contiguous uint8 CPU tensor of at least {nbytes} bytes")
+    return out if chunk.device.type == "cpu" else None
 
 
 def frombuffer(buf: BufferLike, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
@@ -166,11 +171,7 @@ class Codec:
         scale = float(scale)
         if not 0.0 < scale <= 1.0:
             raise ValueError(f"scale must be in (0, 1], got {scale}")
-        if out is not None:
-            check_out_buffer(out, self.encoded_nbytes(chunk.numel(), chunk.dtype))
-            if chunk.device.type != "cpu":
-                out = None
-        return self._encode(chunk, out, scale)
+        return self._encode(chunk, out_buffer(self, chunk, out), scale)
 
     def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Exact number of wire bytes for a chunk of ``numel`` values (``dtype`` matters only for ``none``)."""

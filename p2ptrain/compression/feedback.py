@@ -16,7 +16,7 @@ from typing import Any, Hashable
 
 import torch
 
-from .base import BufferLike, Codec, Encoded, check_finite, check_out_buffer, dtype_name
+from .base import BufferLike, Codec, Encoded, check_finite, dtype_name, out_buffer
 
 __all__ = ["ErrorFeedback"]
 
@@ -53,10 +53,7 @@ class ErrorFeedback(Codec):
         self._check_chunk(chunk)
         if scale != 1.0:  # the residual would carry scaled and unscaled values mixed
             raise ValueError("ErrorFeedback encodes unscaled chunks only (scale must be 1)")
-        if out is not None:
-            check_out_buffer(out, self.encoded_nbytes(chunk.numel(), chunk.dtype))
-            if chunk.device.type != "cpu":
-                out = None
+        out = out_buffer(self, chunk, out)
         check_finite(chunk, f"{self.name}: input chunk")  # never fold NaN/inf into the residual
         r = self._residuals.get(key)
         if r is None or r.shape != chunk.shape or r.device != chunk.device:
