@@ -6,8 +6,9 @@
 
 For each N it spawns N worker processes that form one group directly (no DHT: the parent collects
 each worker's peer id and port and hands every worker the member list on stdin), runs ``--rounds``
-rounds per codec (a barrier through the parent before each round; every round starts from the same
-inputs) and prints seconds per round (the slowest member's, median over rounds), bus bandwidth =
+rounds per codec after ``--warmup`` uncounted ones (every contender gets the same; a barrier through
+the parent before each round; every round starts from the same inputs) and prints seconds per round
+(the slowest member's, median over rounds), bus bandwidth =
 2 (N-1)/N * bytes / time, CPU seconds per member per round (user + sys, with minor page faults),
 and the max error of rank 0's result against the exact average at 4096 sampled indices.
 
@@ -42,6 +43,7 @@ import sys
 import time
 
 MiB = 1 << 20
+WARMUP = 1  # rounds each contender runs first, not counted (--warmup)
 
 
 class _Net:
@@ -272,7 +274,7 @@ def gloo(n: int, numel: int, rounds: int) -> float:
     per_rank = [q.get() for _ in ps]
     for p in ps:
         p.join()
-    return statistics.median(max(ts[i] for ts in per_rank) for i in range(rounds))
+    return statistics.median(max(ts[i] for ts in per_rank) for i in range(WARMUP, rounds))
 
 
 def _kill_leftovers(procs: list[subprocess.Popen]) -> None:
@@ -297,7 +299,7 @@ def _gloo_netns(n: int, numel: int, rounds: int) -> float:
             p.wait(timeout=60)
     finally:
         _kill_leftovers(ps)
-    return statistics.median(max(ts[i] for ts in per_rank) for i in range(rounds))
+    return statistics.median(max(ts[i] for ts in per_rank) for i in range(WARMUP, rounds))
 
 
 # ---------------------------------------------------------------------- parent
@@ -477,7 +479,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[2, 4, 8], help="group sizes")
     ap.add_argument("--numel", type=int, default=1 << 26, help="float32 values per member (default 64M = 256 MiB)")
     ap.add_argument("--codecs", nargs="+", default=["none", "fp16", "int8", "topk"])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds (median), after --warmup")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="rounds run first and not counted, for every contender (ours allocates its "
+                         "reusable buffers in the first round; a training run does thousands)")
     ap.add_argument("--profile", metavar="FILE", help="cProfile rank 0 (first codec, first N) into FILE and print the top")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--no-tcp", action="store_true")
@@ -504,6 +509,8 @@ def main() -> None:
     ap.add_argument("--tcp-send", nargs=3, metavar=("IP", "PORT", "BYTES"), help=argparse.SUPPRESS)
     ap.add_argument("--gloo-worker", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global WARMUP
+    WARMUP = max(0, args.warmup)
     if args.worker:
         _loop_policy()
         asyncio.run(_worker_main(args.profile_out, args.listen_ip))
@@ -559,20 +566,21 @@ def _run(args: argparse.Namespace) -> None:
         if tcp:
             where = "loopback" if _NET.tb is None else "test bed"
             print(f"N={n}: raw {where} TCP, one asyncio stream, 1 MiB writes: {tcp / 1e9:.2f} GB/s", flush=True)
-        g = None if args.no_gloo else gloo(n, args.numel, args.rounds)
+        g = None if args.no_gloo else gloo(n, args.numel, args.rounds + WARMUP)
         if g is not None:
             print(f"N={n}: gloo all_reduce: {g:.3f} s/round, bus {busf / g / 1e9:.2f} GB/s", flush=True)
-        res = ours(n, args.numel, args.codecs, args.rounds, args.profile if n == args.n[0] else None,
+        res = ours(n, args.numel, args.codecs, args.rounds + WARMUP, args.profile if n == args.n[0] else None,
                    args.chunk, args.offload, not args.no_check, args.frame)
         if g is not None:
             # gloo again after ours, and the faster of the two: this shared 2-core box drifts by
             # 30% between minutes, and the ratio should not flatter us when gloo hit a slow one
-            g2 = gloo(n, args.numel, args.rounds)
+            g2 = gloo(n, args.numel, args.rounds + WARMUP)
             print(f"N={n}: gloo all_reduce again after ours: {g2:.3f} s/round; using the faster, "
                   f"{min(g, g2):.3f} s", flush=True)
             g = min(g, g2)
         t_none = None
         for c, rounds in res.items():
+            rounds = rounds[WARMUP:]
             t = statistics.median(r["t"] for r in rounds)
             if c == "none":
                 t_none = t
@@ -596,11 +604,12 @@ def _run(args: argparse.Namespace) -> None:
                 line += f"  NOT OK: {row['failed']}"
             print(line, flush=True)
             if args.hivemind_python and c in args.hivemind_codecs:
-                hm = hivemind_rounds(args.hivemind_python, n, args.numel, c, args.rounds)
+                hm = hivemind_rounds(args.hivemind_python, n, args.numel, c, args.rounds + WARMUP)
                 row["hm"] = hm
                 if isinstance(hm, str):
                     print(f"N={n} hivemind {c:5s}: {hm}", flush=True)
                 else:
+                    hm = hm[WARMUP:]
                     th = statistics.median(r["t"] for r in hm)
                     herr = max(r["err"] for r in hm)
                     hok = all(r["ok"] for r in hm)
