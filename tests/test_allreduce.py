@@ -403,6 +403,24 @@ def _header(group, rank, numel, codec, **over):
     return h
 
 
+async def run_beside_attacker(group, services, xs, ws, codec, attack):
+    """Members 0 and 1 run the round while ``attack(owner)`` streams to each of them as member 2.
+    Every attack must end in a reset (an exception), never a result, and both members must hold
+    the average of the honest two; returns their results (for the reasons in ``failed``)."""
+    flats = [x.clone() for x in xs]
+    attacks = [asyncio.create_task(attack(o)) for o in (0, 1)]
+    results = await asyncio.gather(services[0].run(group, 0, flats[0], ws[0], codec),
+                                   services[1].run(group, 1, flats[1], ws[1], codec))
+    outcomes = await asyncio.gather(*attacks)
+    assert all(isinstance(o, Exception) for o in outcomes), outcomes
+    want = weighted_mean(xs, ws, [0, 1])
+    for res, flat in zip(results, flats):
+        assert res.ok, res.shards  # both shards averaged over the honest members
+        assert all(s.contributors == [0, 1] and not s.partial for s in res.shards)
+        torch.testing.assert_close(flat, want, atol=4e-2 if codec == "int8" else 1e-6, rtol=0)
+    return results
+
+
 @pytest.mark.parametrize("kind", ["numel", "weight_nan", "weight_neg", "codec", "rank", "extra_key",
                                   "garbage_nan", "garbage_int8", "short_eof", "short_stall", "not_member"])
 async def test_hostile_sender_is_dropped(swarm, kind):
@@ -413,7 +431,6 @@ async def test_hostile_sender_is_dropped(swarm, kind):
         codec = "int8" if kind == "garbage_int8" else "none"
         numel = 20_000
         xs, ws = data(3, numel)
-        flats = [x.clone() for x in xs]
         bounds = partition(numel, group.members)
         hostile = hosts[2]
         if kind == "not_member":
@@ -449,20 +466,11 @@ async def test_hostile_sender_is_dropped(swarm, kind):
             except Exception as e:  # the owner resets the stream
                 return e
 
-        attacks = [asyncio.create_task(attack(o)) for o in (0, 1)]
-        results = await asyncio.gather(services[0].run(group, 0, flats[0], ws[0], codec),
-                                       services[1].run(group, 1, flats[1], ws[1], codec))
-        outcomes = await asyncio.gather(*attacks)
-        assert all(isinstance(o, Exception) for o in outcomes), outcomes  # reset, never a result
-        want = weighted_mean(xs, ws, [0, 1])
-        for r, res in enumerate(results):
-            assert res.ok  # both shards averaged over the honest members
+        results = await run_beside_attacker(group, services, xs, ws, codec, attack)
+        for res in results:
             assert 2 in res.failed
             if kind != "not_member":
                 assert any(w in res.failed[2] for w in ("dropped", "did not open", "sender failed")), res.failed
-            assert all(s.contributors == [0, 1] and not s.partial for s in res.shards)
-            atol = 4e-2 if codec == "int8" else 1e-6
-            torch.testing.assert_close(flats[r], want, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
@@ -475,7 +483,6 @@ async def test_sender_whose_values_would_overflow_the_sum_is_dropped(swarm, code
         group, hosts, services = await swarm.group(3, clients={2}, config=cfg, raw={2})
         numel = 20_000
         xs, ws = data(3, numel)
-        flats = [x.clone() for x in xs]
         bounds = partition(numel, group.members)
         c = get_codec(codec)
 
@@ -492,17 +499,9 @@ async def test_sender_whose_values_would_overflow_the_sum_is_dropped(swarm, code
             except Exception as e:  # the owner resets the stream
                 return e
 
-        attacks = [asyncio.create_task(attack(o)) for o in (0, 1)]
-        results = await asyncio.gather(services[0].run(group, 0, flats[0], ws[0], codec),
-                                       services[1].run(group, 1, flats[1], ws[1], codec))
-        outcomes = await asyncio.gather(*attacks)
-        assert all(isinstance(o, Exception) for o in outcomes), outcomes
-        want = weighted_mean(xs, ws, [0, 1])
-        for r, res in enumerate(results):
-            assert res.ok, res.shards
+        results = await run_beside_attacker(group, services, xs, ws, codec, attack)
+        for res in results:
             assert "overflow" in res.failed.get(2, ""), res.failed
-            assert all(s.contributors == [0, 1] and not s.partial for s in res.shards)
-            torch.testing.assert_close(flats[r], want, atol=4e-2 if codec == "int8" else 1e-6, rtol=0)
 
 
 async def test_hostile_owner_reply_rejected(swarm):
