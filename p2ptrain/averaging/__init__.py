@@ -4,7 +4,8 @@ fault-tolerant butterfly all-reduce among their members.
     group.py        Member, Group, partition (sans-IO)
     schema.py       tensor schema hash: peers with different models or codecs never meet
     matchmaking.py  Matchmaker: DHT sub-keys + a leader per group, adaptive waits
-    allreduce.py    AllReduceService: reduce-scatter + all-gather over encrypted streams
+    round.py        one all-reduce round: the protocol, config/result types, the state machine
+    allreduce.py    AllReduceService: runs rounds (stream handler, registry, worker, kept buffers)
     robust.py       robust aggregation rules (trimmed mean, median, CenteredClip), sans-IO
     averager.py     Averager / BlockingAverager: the public API
 """
