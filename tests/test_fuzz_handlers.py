@@ -354,16 +354,21 @@ _DROP = object()
                                JUNK | EDGE_INTS | FLOATS | st.just(_DROP), max_size=2),
        data=st.binary(max_size=3000) | st.binary(min_size=2048, max_size=2048)
        | st.builds(lambda i, v: struct.pack("<512f", *[v if j == i else 0.5 for j in range(512)]),
-                   st.integers(0, 511), st.sampled_from([math.inf, -math.inf, math.nan, 0.25])),
+                   st.integers(0, 511), st.sampled_from([math.inf, -math.inf, math.nan, 0.25, 3e38])),
        end=st.sampled_from(["eof", "eof", "reset"]))
 def test_fuzz_allreduce_inside_a_live_round(target, changes, data, end):
     """A hostile member of a real round: the owner finishes the round, drops the member unless its
-    part was valid (averaging it in when it was), and never raises or logs an error."""
+    part was valid (averaging it in when it was), and never raises or logs an error. Valid: the
+    plausible header, exactly one part of finite values small enough that the owner's float32 sum
+    (its own values are 1.0, both weights 1) cannot overflow."""
+    from p2ptrain.averaging.round import _SUM_LIMIT
+
     sent, result = _example(target, _live_round, changes, data, end)
     assert sent[0] in ("eof", "reset", "reset-by-us"), sent
     header = {**_BASE_HEADER, **changes}
+    values = struct.unpack("<512f", data) if len(data) == 2048 else ()
     valid = (header == _BASE_HEADER and type(header["from"]) is int and end == "eof" and len(data) == 2048
-             and all(math.isfinite(x) for x in struct.unpack("<512f", data)))
+             and all(math.isfinite(x) for x in values) and 1.0 + max(map(abs, values)) <= _SUM_LIMIT)
     if valid:
         # the reply: a length-prefixed summary, then the averaged 512 float32 values
         assert result.failed == {} and sent[0] == "eof" and sent[1] > 2048, (sent, result.failed)

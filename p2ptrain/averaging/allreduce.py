@@ -17,7 +17,6 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import logging
 import os
 from typing import Any
 
@@ -46,9 +45,6 @@ from .round import (
 
 __all__ = ["MAX_WAITING_PER_PEER", "PROTOCOL", "ROBUST_WINDOW", "AllReduceConfig", "AllReduceResult",
            "AllReduceService", "ShardResult", "codec_id", "usable_cpus"]
-
-log = logging.getLogger("p2ptrain.allreduce")
-
 
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
