@@ -31,20 +31,26 @@ from ..compression import Codec, CompressionError, get_codec
 from .group import Group
 from .robust import check_aggregation, check_codec
 from .round import (
-    MAX_WAITING_PER_PEER,
     PROTOCOL,
     ROBUST_WINDOW,
     AllReduceConfig,
     AllReduceResult,
     ShardResult,
     _base,
-    _noop,
     _Round,
     codec_id,
 )
 
 __all__ = ["MAX_WAITING_PER_PEER", "PROTOCOL", "ROBUST_WINDOW", "AllReduceConfig", "AllReduceResult",
            "AllReduceService", "ShardResult", "codec_id", "usable_cpus"]
+
+#: streams one peer may have waiting for rounds that have not started here (see _on_stream)
+MAX_WAITING_PER_PEER = 4
+
+
+def _noop() -> None:
+    pass
+
 
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""

@@ -106,8 +106,6 @@ __all__ = ["PROTOCOL", "AllReduceConfig", "AllReduceResult", "ShardResult", "cod
 log = logging.getLogger("p2ptrain.allreduce")
 
 PROTOCOL = "p2ptrain/allreduce/1"
-#: streams one peer may have waiting for rounds that have not started here (see _on_stream)
-MAX_WAITING_PER_PEER = 4
 _PREFIX = struct.Struct(">I")
 MAX_SUMMARY = 1 << 16
 _HEADER_KEYS = frozenset({"g", "from", "w", "n", "codec", "gcodec"})
@@ -291,10 +289,6 @@ _IN_PLACE_GATHER = ("none", "int8")
 #: the largest |sum| an owner's float32 accumulator may reach: half of float32's max leaves room
 #: for the rounding of every addition, so a sum checked against it never overflows to inf
 _SUM_LIMIT = float(torch.finfo(torch.float32).max) / 2
-
-
-def _noop() -> None:
-    pass
 
 
 def _retrieve(fut: asyncio.Future | None) -> None:
@@ -673,7 +667,7 @@ class _Round:
         body = pack(summary)
         head = _PREFIX.pack(len(body)) + body
         await self._broadcast(recips, head)
-        wires = self._wire_pair(self.gcodec, min(self.cn, e - s)) if type(self.gcodec) is not NoneCodec else [None, None]
+        wires = self._wire_pair(self.gcodec, min(self.cn, e - s))
         nxt: asyncio.Future | None = self._submit(self._finalize, 0, wires[0])
         done = False
         try:
@@ -739,7 +733,7 @@ class _Round:
             wt = cfg.stall_timeout + self.svc.accept_wait
             # raw chunks are views of flat: no encode work to overlap with the network
             submit = self._submit if not self.raw else self._inline
-            wires = self._wire_pair(self.codec, min(self.cn, b0 - a0)) if not self.raw else [None, None]
+            wires = self._wire_pair(self.codec, min(self.cn, b0 - a0))
             nxt = submit(self._encode, *chunks[0], wires[0])
             for ci in range(len(chunks)):
                 views = await nxt
