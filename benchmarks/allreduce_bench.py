@@ -46,6 +46,12 @@ MiB = 1 << 20
 WARMUP = 1  # rounds each contender runs first, not counted (--warmup)
 
 
+def _threads() -> int:
+    """torch intra-op threads per process, ours and gloo alike (--threads; the environment carries it
+    into every spawned member)."""
+    return max(1, int(os.environ.get("P2PT_BENCH_THREADS", "1")))
+
+
 class _Net:
     """Where a run's processes live: on loopback (default), or rank r in host r of a Testbed (--netem)."""
 
@@ -97,7 +103,7 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     from p2ptrain.averaging.group import Group, Member
     from p2ptrain.compression import get_codec
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(_threads())
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if os.environ.get("P2PT_BENCH_LOG"):
         logging.getLogger("dht").setLevel(logging.INFO)
@@ -237,7 +243,7 @@ def _gloo_worker(rank: int, n: int, port: int, numel: int, rounds: int, q, maste
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(_threads())
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=n)
     x = torch.randn(numel)
     times = []
@@ -491,6 +497,9 @@ def main() -> None:
     ap.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
                     help="codec work in a worker thread: always, never, or the library default (auto: "
                          "only with >= AllReduceConfig.offload_min_cpus CPUs)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads per process, ours and gloo alike (default 1: N processes "
+                         "share the cores; a trainer on a many-core box runs with more)")
     ap.add_argument("--frame", type=int, default=0, help="experiment: cap stream data frames at this many bytes")
     ap.add_argument("--hivemind-python", metavar="PY", help="interpreter with hivemind 1.1.12 (and numpy<2.4)")
     ap.add_argument("--hivemind-codecs", nargs="+", default=["none", "int8"], help="codecs to run on hivemind")
@@ -511,6 +520,7 @@ def main() -> None:
     args = ap.parse_args()
     global WARMUP
     WARMUP = max(0, args.warmup)
+    os.environ["P2PT_BENCH_THREADS"] = str(max(1, args.threads))
     if args.worker:
         _loop_policy()
         asyncio.run(_worker_main(args.profile_out, args.listen_ip))
@@ -552,7 +562,7 @@ def main() -> None:
 def _run(args: argparse.Namespace) -> None:
     nbytes = args.numel * 4
     link = "" if _NET.tb is None else f"; link: {_NET.tb.describe()}"
-    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member{link}",
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member{link}; torch threads per process: {args.threads}",
           flush=True)
     rows = []
     kills = {}

@@ -441,15 +441,12 @@ def test_int8_nan_scale_and_topk_bad_index_rejected():
     codec = Int8Codec(block=64)
     enc = codec.encode(torch.randn(300))
     b = bytearray(enc.tobytes())
-    b[0:4] = torch.tensor([float("nan")]).numpy().tobytes()
-    with pytest.raises(CompressionError, match="scales"):
-        codec.decode(enc.meta, b)
-    b[0:4] = torch.tensor([-1.0]).numpy().tobytes()
-    with pytest.raises(CompressionError, match="scales"):
-        codec.decode(enc.meta, b)
-    b[0:4] = torch.tensor([3e38]).numpy().tobytes()  # finite, but q * scale would overflow to inf
-    with pytest.raises(CompressionError, match="scales"):
-        codec.decode(enc.meta, b)
+    # add_bound checks the scales too: the all-reduce decodes unchecked after it
+    for bad in (float("nan"), -1.0, 3e38):  # 3e38: finite, but q * scale would overflow to inf
+        b[0:4] = torch.tensor([bad]).numpy().tobytes()
+        for check in (codec.decode, codec.add_bound):
+            with pytest.raises(CompressionError, match="scales"):
+                check(enc.meta, b)
     huge = torch.full((300,), 3.4e38)
     torch.testing.assert_close(codec.decode(codec.encode(huge).meta, codec.encode(huge).tobytes()), huge)
 

@@ -135,6 +135,9 @@ class Codec:
     ``_decode_add`` and ``encoded_nbytes``.
 
     Codecs are stateless (safe to share between tensors and threads) except :class:`ErrorFeedback`.
+    ``check_finite_on_decode=False`` skips a decoder's own NaN/inf checks (fp16/bf16's pass over the
+    values, top-k's, int8's scale range): for a receiver that already ran ``add_bound`` on the same
+    buffer, which validates the same thing from the wire data.
     """
 
     name: str = "?"

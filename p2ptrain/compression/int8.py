@@ -4,8 +4,10 @@ Per block b of ``block`` consecutive values (the last block may be shorter):
 ``scale_b = absmax_b / 127``, ``q = round(x / scale_b)`` in [-127, 127], ``dec = q * scale_b``.
 
 Error bound: |dec - x| <= absmax_b / 254 (half a quantisation step) up to float32 rounding
-(relative slack ~1e-6). Blocks with absmax_b < 2**-100 (~7.9e-31) are sent as zeros (abs error <
-2**-100): it keeps 1/scale finite and such values are noise for any float32 training run.
+(relative slack ~1e-6). Blocks with absmax_b < 2**-100 (~7.9e-31) are quantised as if their absmax
+were 2**-100 (abs error < 2**-100; an all-zero block still decodes to zeros): it keeps 1/scale
+finite with one clamp instead of masking such blocks out, and such values are noise for any
+float32 training run.
 
 Scales are float32, not float16: fp16 scales would underflow for blocks with absmax < ~1e-5*127
 (small gradients are common) and overflow above 65504*127; float32 costs 4 bytes per 256 values
@@ -27,6 +29,7 @@ from .base import Codec, CompressionError, Encoded, as_uint8, frombuffer, scratc
 __all__ = ["Int8Codec"]
 
 _TINY = 2.0**-100
+_INF = float("inf")
 _MAX_SCALE = torch.finfo(torch.float32).max / 127
 
 
@@ -70,7 +73,9 @@ class Int8Codec(Codec):
     def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         # Passes over the chunk: amax + amin (read), x * inv -> float scratch, round in place, cast into
         # q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk); only the wire
-        # buffers (scales, q) are allocated.
+        # buffers (scales, q) are allocated. The per-block work is as few small ops as it can be:
+        # each one is a dispatch that, offloaded, waits for the GIL the event loop holds while it
+        # encrypts (cryptography keeps the GIL during AES-GCM).
         n = chunk.numel()
         dev = chunk.device
         if chunk.dtype == torch.float32:
@@ -86,7 +91,6 @@ class Int8Codec(Codec):
         scales = wire[: 4 * nb].view(torch.float32)
         q = wire[4 * nb :].view(torch.int8)
         tmp = scratch("int8.enc", min(n, self.block * (n // self.block)) or n, torch.float32, dev)
-        zero = torch.zeros((), device=dev)
         for start, stop, rows, cols, b0 in self._parts(n):
             xb = x[start:stop].view(rows, cols)
             t = tmp[: stop - start].view(rows, cols)
@@ -94,37 +98,42 @@ class Int8Codec(Codec):
             # |x| temporary, NaN/inf propagate into absmax
             hi = torch.amax(xb, dim=1)
             absmax = torch.maximum(hi, torch.amin(xb, dim=1).neg_(), out=hi)
-            if not bool(torch.isfinite(absmax.amax())):
+            if not float(absmax.max()) < _INF:  # NaN compares false
                 raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
-            ok = absmax >= _TINY
-            inv = torch.where(ok, 127.0 / absmax, zero)
+            absmax.clamp_min_(_TINY)
             # q is the same for x * scale (scale-invariant): only the block scales take ``scale``
-            torch.where(ok, absmax * (scale / 127.0), zero, out=scales[b0 : b0 + rows])
-            torch.mul(xb, inv.unsqueeze(1), out=t)
+            torch.mul(absmax, scale / 127.0, out=scales[b0 : b0 + rows])
+            torch.mul(xb, absmax.reciprocal_().mul_(127.0).unsqueeze(1), out=t)
             t.round_()
             q[start:stop].view(rows, cols).copy_(t)
         return Encoded(self._meta(chunk), [as_uint8(wire)])  # from a GPU: one copy of the compressed bytes
 
     # ------------------------------------------------------------------ decode
-    def _unpack(self, buf, numel: int, device: torch.device):
+    def _scales_max(self, scales: torch.Tensor) -> float:
+        """Validate received block scales and return the largest: an honest encoder sends
+        0 <= scale = absmax/127 <= float32 max/127; a larger scale would decode to inf, NaN
+        compares false."""
+        smin, smax = torch.aminmax(scales)
+        hi = float(smax)
+        if not (float(smin) >= 0.0 and hi <= _MAX_SCALE):
+            raise CompressionError(
+                "int8: received scales contain NaN, inf, negative or out-of-range values; rejecting the message"
+            )
+        return hi
+
+    def _unpack(self, buf, numel: int, device: torch.device, check: bool = True):
         nb = self.n_blocks(numel)
         scales = frombuffer(buf, torch.float32, 0, nb)
         q = frombuffer(buf, torch.int8, 4 * nb, numel)
-        if nb:
-            smin, smax = torch.aminmax(scales)
-            # an honest encoder sends 0 <= scale = absmax/127 <= float32 max/127; a larger scale would
-            # decode to inf, NaN compares false
-            if not (float(smin) >= 0.0 and float(smax) <= _MAX_SCALE):
-                raise CompressionError(
-                    "int8: received scales contain NaN, inf, negative or out-of-range values; rejecting the message"
-                )
+        if nb and check:
+            self._scales_max(scales)
         if device.type != "cpu":
             scales, q = scales.to(device), q.to(device)
         return scales, q
 
     def _add_bound(self, meta, buf, numel):
-        scales, _q = self._unpack(buf, numel, torch.device("cpu"))  # validates the scales
-        return 128.0 * float(scales.max())  # |q| <= 128 (an honest encoder sends <= 127)
+        # validates the scales: a receiver that called this may decode with check_finite_on_decode off
+        return 128.0 * self._scales_max(frombuffer(buf, torch.float32, 0, self.n_blocks(numel)))  # |q| <= 128
 
     def _decode_into(self, meta, buf, numel, out):
         # int8 * float32 would cast q into a fresh float32 temporary: cast straight into ``out``
@@ -138,7 +147,9 @@ class Int8Codec(Codec):
             out.copy_(f32)
 
     def _decode_add(self, meta, buf, numel, acc, weight, base):
-        scales, q = self._unpack(buf, numel, acc.device)
+        # check_finite_on_decode off: the caller validated this buffer with add_bound (the scale
+        # range is the only way an int8 message decodes to inf or NaN)
+        scales, q = self._unpack(buf, numel, acc.device, check=self.check_finite_on_decode)
         if weight != 1.0:
             scales = scales * weight
         qf = scratch("int8.dec", numel, torch.float32, acc.device)
