@@ -26,7 +26,7 @@ from p2ptrain.checkpoint import (
     unflatten,
 )
 from p2ptrain.checkpoint.manifest import ALIGN, MAX_MANIFEST_BYTES, hash_chunks
-from p2ptrain.checkpoint.tree import DTYPES, MAX_DEPTH, tensor_specs
+from p2ptrain.checkpoint.tree import DTYPES, ITEMSIZE, MAX_DEPTH, tensor_specs
 
 
 def same(a, b) -> bool:
@@ -357,3 +357,11 @@ def test_size_limits_are_checked_before_allocation(snap):
         build_snapshot({"t": torch.zeros(1000)}, max_total=100)
     with pytest.raises(ManifestError, match="msgpack-able"):
         build_snapshot({"t": torch.zeros(1)}, meta={"bad": object()})
+
+
+def test_itemsizes_match_torch():
+    """The static table that lets the ckpt commands read manifests without torch agrees with torch
+    for every dtype this build has (and this build has the common ones)."""
+    assert {"float32", "bfloat16", "int64", "bool", "float8_e4m3fn"} <= set(DTYPES)
+    for name, dtype in DTYPES.items():
+        assert ITEMSIZE[name] == dtype.itemsize, name

@@ -190,6 +190,30 @@ def test_gc_pin_and_unpin(tmp_path):
     one_line_error(ckpt("gc", "--keep", "-1", data=data), 2, "--keep")
 
 
+STORE_READERS = """
+import sys
+from p2ptrain.cli import main
+data, cid = sys.argv[1:3]
+for action in (["ls"], ["show", cid], ["verify", cid], ["pin", cid], ["unpin", cid], ["gc", "--keep", "5"]):
+    try:
+        main(["ckpt", *action, "--data-dir", data])
+    except SystemExit as e:
+        assert not e.code, (action, e.code)
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_store_reading_commands_do_not_load_torch(tmp_path):
+    """ls/show/verify/pin/unpin/gc read manifests and blobs only: they answer without importing
+    torch (about 2 s of a 2.2 s `ckpt ls` before)."""
+    data = tmp_path / "store"
+    cid = quick_save(data, model_file(tmp_path / "m.safetensors"), "r", 1)
+    out = subprocess.run([sys.executable, "-c", STORE_READERS, str(data), cid], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "r" in out.stdout and cid[:12] in out.stdout and "torch imported: False" in out.stdout, out.stdout
+
+
 def test_unwritable_data_dir_is_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -1,90 +1,45 @@
 """Training state as verifiable bytes: flatten nested state to a msgpack skeleton plus raw
 tensor bytes (``tree``), describe a snapshot by a content-addressed chunk manifest
 (``manifest``), and serve / fetch snapshots from several peers at once (``transfer``).
+
+The names below are imported on first use (PEP 562), not with the package: most of its modules
+need torch (~2 s to import), and the ``p2ptrain ckpt`` commands that only read the store
+(``ls``, ``show``, ``verify``, ``gc``, ``pin``) should not wait for it.
 """
 
-from .manifest import (
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_MAX_TOTAL,
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    ManifestError,
-    StateTooLarge,
-    TensorEntry,
-    build_snapshot,
-    restore,
-)
-from .transfer import (
-    ChunksUnavailableError,
-    FetchResult,
-    NoProviderError,
-    StateServer,
-    StateTimeoutError,
-    StateTransferError,
-    fetch_state,
-)
-from .swarm import (
-    CheckpointService,
-    CheckpointUnavailable,
-    announce,
-    fetch_checkpoint,
-    find_latest,
-    find_providers,
-)
-from .cid import cid, parse_cid
-from .record import CheckpointRecord, RecordError
-from .store import (
-    AmbiguousCheckpointError,
-    BlobStore,
-    CheckpointInfo,
-    CheckpointNotFound,
-    CheckpointStore,
-    CorruptBlobError,
-    GcResult,
-    IncompleteCheckpointError,
-    MissingBlobError,
-    StoreError,
-)
-from .tree import TensorSpec, flatten, unflatten
+from __future__ import annotations
 
-__all__ = [
-    "AmbiguousCheckpointError",
-    "BlobStore",
-    "CheckpointInfo",
-    "CheckpointNotFound",
-    "CheckpointRecord",
-    "CheckpointStore",
-    "CorruptBlobError",
-    "GcResult",
-    "IncompleteCheckpointError",
-    "MissingBlobError",
-    "RecordError",
-    "StoreError",
-    "cid",
-    "parse_cid",
-    "DEFAULT_CHUNK_SIZE",
-    "DEFAULT_MAX_TOTAL",
-    "MAX_MANIFEST_BYTES",
-    "CheckpointService",
-    "CheckpointUnavailable",
-    "ChunksUnavailableError",
-    "FetchResult",
-    "Manifest",
-    "ManifestError",
-    "NoProviderError",
-    "StateServer",
-    "StateTimeoutError",
-    "StateTooLarge",
-    "StateTransferError",
-    "TensorEntry",
-    "TensorSpec",
-    "announce",
-    "build_snapshot",
-    "fetch_checkpoint",
-    "fetch_state",
-    "find_latest",
-    "find_providers",
-    "flatten",
-    "restore",
-    "unflatten",
-]
+import importlib
+from typing import Any
+
+from .cid import cid, parse_cid  # torch-free, and the function must shadow its submodule's name
+from .record import CheckpointRecord, RecordError
+
+#: public name -> the submodule that defines it, imported on first use
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("AmbiguousCheckpointError", "BlobStore", "CheckpointInfo", "CheckpointNotFound",
+                     "CheckpointStore", "CorruptBlobError", "GcResult", "IncompleteCheckpointError",
+                     "MissingBlobError", "StoreError"), "store"),
+    **dict.fromkeys(("DEFAULT_CHUNK_SIZE", "DEFAULT_MAX_TOTAL", "MAX_MANIFEST_BYTES", "Manifest", "ManifestError",
+                     "StateTooLarge", "TensorEntry", "build_snapshot", "restore"), "manifest"),
+    **dict.fromkeys(("CheckpointService", "CheckpointUnavailable", "announce", "fetch_checkpoint", "find_latest",
+                     "find_providers"), "swarm"),
+    **dict.fromkeys(("ChunksUnavailableError", "FetchResult", "NoProviderError", "StateServer", "StateTimeoutError",
+                     "StateTransferError", "fetch_state"), "transfer"),
+    **dict.fromkeys(("TensorSpec", "flatten", "unflatten"), "tree"),
+}
+
+__all__ = ["cid", "parse_cid", "CheckpointRecord", "RecordError", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

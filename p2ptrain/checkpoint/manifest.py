@@ -19,14 +19,16 @@ from contextlib import AbstractContextManager, nullcontext
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import blake3
 import msgpack
-import torch
 
 from ..gil import short_gil_waits
-from .tree import DTYPES, TensorSpec, flatten, tensor_specs, unflatten
+from .tree import TensorSpec, flatten, known_dtype, tensor_specs, torch_dtype, unflatten
+
+if TYPE_CHECKING:
+    import torch
 
 VERSION = 1
 DIGEST_SIZE = 32
@@ -202,7 +204,7 @@ class Manifest:
             raise ManifestError("tensors must be a list")
         entries = []
         for i, e in enumerate(raw):
-            if not (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and e[0] in DTYPES
+            if not (isinstance(e, list) and len(e) == 4 and known_dtype(e[0])
                     and isinstance(e[1], list) and all(type(d) is int for d in e[1])
                     and type(e[2]) is int and type(e[3]) is int):
                 raise ManifestError(f"malformed tensor table entry {i}")
@@ -221,6 +223,8 @@ class Manifest:
 
 
 def _byte_view(buffer: torch.Tensor) -> torch.Tensor:
+    import torch
+
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1 or \
             buffer.device.type != "cpu" or not buffer.is_contiguous():
         raise ManifestError("the snapshot buffer must be a contiguous 1-D uint8 CPU tensor")
@@ -279,6 +283,8 @@ def build_snapshot(
 def _build_snapshot(obj: Any, meta: dict | None, chunk_size: int, max_total: int,
                     lock: AbstractContextManager[Any] | None,
                     alloc: Callable[[int], torch.Tensor] | None) -> tuple[Manifest, torch.Tensor]:
+    import torch
+
     with lock if lock is not None else nullcontext():
         skeleton, tensors = flatten(obj() if callable(obj) else obj)
         specs = tensor_specs(skeleton)
@@ -298,8 +304,7 @@ def _build_snapshot(obj: Any, meta: dict | None, chunk_size: int, max_total: int
 
 def _typed(buffer: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     """A view of ``e``'s bytes in ``buffer`` with its dtype and shape."""
-    dtype = DTYPES[e.dtype]
-    return buffer[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
+    return buffer[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
 
 
 def restore(manifest: Manifest, buffer: torch.Tensor, *, copy: bool = False) -> Any:
@@ -312,11 +317,13 @@ def restore(manifest: Manifest, buffer: torch.Tensor, *, copy: bool = False) -> 
     restoring from a buffer that a ``StateServer`` still serves (in-place updates to views would
     change the bytes peers download, and fail their verification).
     """
+    import torch
+
     buffer = _byte_view(buffer)
     if buffer.numel() != manifest.total_size:
         raise ManifestError(f"buffer holds {buffer.numel()} bytes, the manifest describes {manifest.total_size}")
     tensors = []
     for e in manifest.tensors:
-        t = _typed(buffer, e) if e.nbytes else torch.empty(e.shape, dtype=DTYPES[e.dtype])
+        t = _typed(buffer, e) if e.nbytes else torch.empty(e.shape, dtype=torch_dtype(e.dtype))
         tensors.append(t.clone() if copy else t)
     return unflatten(manifest.skeleton, tensors)

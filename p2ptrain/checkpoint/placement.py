@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .manifest import Manifest, _typed
-from .tree import DTYPES, unflatten
+from .tree import torch_dtype, unflatten
 
 
 class Placement:
@@ -44,7 +44,7 @@ class Placement:
                 continue
             e = manifest.tensors[i]
             if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
-                    and t.dtype == DTYPES[e.dtype] and tuple(t.shape) == tuple(e.shape) and e.nbytes):
+                    and t.dtype == torch_dtype(e.dtype) and tuple(t.shape) == tuple(e.shape) and e.nbytes):
                 continue
             t = t.detach() if t.requires_grad else t
             self.placed[i] = t
@@ -90,7 +90,7 @@ class Placement:
         for i, e in enumerate(self.manifest.tensors):
             t = self.placed.get(i)
             if t is None:
-                t = _typed(self.rest, e) if e.nbytes else torch.empty(e.shape, dtype=DTYPES[e.dtype])
+                t = _typed(self.rest, e) if e.nbytes else torch.empty(e.shape, dtype=torch_dtype(e.dtype))
             tensors.append(t.clone() if copy else t)
         return unflatten(self.manifest.skeleton, tensors)
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .blobs import fsync_dir
+
+if TYPE_CHECKING:
+    import torch
 
 #: dtypes our checkpoints carry that safetensors has no code for
 UNSUPPORTED_DTYPES = frozenset({"complex128", "complex32"})

@@ -39,9 +39,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
-import torch
 
 from dht.identity import Identity, PeerID
 
@@ -51,7 +51,10 @@ from .cid import CID_COMMON_PREFIX, cid as make_cid, parse_cid
 from .manifest import DIGEST_SIZE, Manifest, ManifestError
 from .record import CheckpointRecord, RecordError
 from .safetensors_io import tensor_names, write_safetensors
-from .tree import DTYPES
+from .tree import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 #: a fetch's chunks stay protected from gc this long after its last ``add_chunk``
 DEFAULT_PENDING_GRACE = 3600.0
@@ -296,6 +299,8 @@ class CheckpointStore:
         """The manifest and the whole snapshot buffer, every chunk verified; ``restore(*result)``
         gives the state back. Each chunk is read straight into its place in the buffer and
         hashed there (one pass over memory), two chunks at a time."""
+        import torch
+
         manifest = self.manifest(manifest_id)
         buffer = torch.empty(manifest.total_size, dtype=torch.uint8)
         view = memoryview(buffer.numpy())
@@ -317,11 +322,13 @@ class CheckpointStore:
     def load_tensors(self, manifest_id: bytes, *, progress: Progress | None = None) -> tuple[Manifest, list[torch.Tensor]]:
         """Like ``load``, but every tensor in its own storage (what a safetensors writer needs:
         views of one buffer count as shared memory there), chunks verified one at a time."""
+        import torch
+
         manifest = self.manifest(manifest_id)
         tensors, spans = [], []
         for e in manifest.tensors:
             raw = torch.empty(e.nbytes, dtype=torch.uint8)
-            tensors.append(raw.view(DTYPES[e.dtype]).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=DTYPES[e.dtype]))
+            tensors.append(raw.view(torch_dtype(e.dtype)).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=torch_dtype(e.dtype)))
             spans.append((e.offset, e.offset + e.nbytes, raw))
         scratch = torch.empty(min(manifest.chunk_size, manifest.total_size), dtype=torch.uint8)
         first = 0  # tensors before this one end before the current chunk
@@ -637,6 +644,8 @@ class CheckpointStore:
 
 
 def _buffer_view(manifest: Manifest, buffer: torch.Tensor) -> memoryview:
+    import torch
+
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1 or \
             buffer.device.type != "cpu" or not buffer.is_contiguous():
         raise ManifestError("the snapshot buffer must be a contiguous 1-D uint8 CPU tensor (as build_snapshot returns)")

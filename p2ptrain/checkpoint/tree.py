@@ -23,11 +23,13 @@ back contiguous, without ``requires_grad``, and tensors that shared storage come
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 #: nesting deeper than this is refused: state dicts are 3-4 levels deep, and a hostile skeleton
 #: must not be able to exhaust Python's recursion limit
@@ -36,16 +38,52 @@ MAX_DEPTH = 64
 MAX_NDIM = 64
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can encode
 
-_DTYPE_NAMES = (
-    "float64", "float32", "float16", "bfloat16",
-    "complex128", "complex64", "complex32",
-    "int64", "int32", "int16", "int8",
-    "uint64", "uint32", "uint16", "uint8", "bool",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-)
-#: dtype name (as in ``torch.<name>``) -> dtype, for the dtypes this torch build has
-DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
-_NAMES: dict[torch.dtype, str] = {dt: n for n, dt in DTYPES.items()}
+#: dtype name (as in ``torch.<name>``) -> bytes per value. A static table, so that reading and
+#: checking a manifest (``p2ptrain ckpt ls``, ``show``, ``verify``) does not import torch, which
+#: takes ~2 s on the machines we run on; ``test_itemsizes_match_torch`` keeps it honest.
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+}
+_TORCH_DTYPES: tuple[dict[str, torch.dtype], dict[torch.dtype, str]] | None = None
+
+
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """name -> dtype and back, for the names this torch build has (imports torch on first use)."""
+    global _TORCH_DTYPES
+    if _TORCH_DTYPES is None:
+        import torch
+
+        names = {n: getattr(torch, n) for n in ITEMSIZE if hasattr(torch, n)}
+        _TORCH_DTYPES = (names, {dt: n for n, dt in names.items()})
+    return _TORCH_DTYPES
+
+
+def known_dtype(name: Any) -> bool:
+    """Whether a skeleton or manifest may name dtype ``name``. In a process that has torch loaded
+    (every one that will build tensors from it), only the dtypes this torch build has; in one
+    that does not (the ``ckpt`` commands that only read manifests), every name in ``ITEMSIZE``."""
+    if not isinstance(name, str) or name not in ITEMSIZE:
+        return False
+    return "torch" not in sys.modules or name in _torch_dtypes()[0]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name that ``known_dtype`` accepted (imports torch)."""
+    try:
+        return _torch_dtypes()[0][name]
+    except KeyError:
+        raise ValueError(f"this torch build has no dtype {name!r:.40}; a newer torch can load it") from None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # name -> torch dtype for this build (imports torch)
+        return _torch_dtypes()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
@@ -59,7 +97,7 @@ class TensorSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def numel(self) -> int:
@@ -70,12 +108,12 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype].itemsize
+        return self.numel * ITEMSIZE[self.dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of ``dtype``; ValueError for dtypes without a stable byte layout here."""
-    name = _NAMES.get(dtype)
+    name = _torch_dtypes()[1].get(dtype)
     if name is None:
         raise ValueError(f"tensors of dtype {dtype} cannot be serialized")
     return name
@@ -83,6 +121,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def spec_of(t: torch.Tensor) -> TensorSpec:
     """The spec of a plain dense tensor; ValueError for sparse, quantized or meta tensors."""
+    import torch
+
     if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested:
         raise ValueError(f"only dense strided tensors can be serialized, not {t.layout} / {t.device}")
     return TensorSpec(dtype_name(t.dtype), tuple(t.shape))
@@ -101,6 +141,8 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     Tensors are returned as they are (no copy): the caller decides when to copy (see
     ``manifest.build_snapshot``). Raises ValueError for anything the grammar cannot carry.
     """
+    import torch
+
     tensors: list[torch.Tensor] = []
 
     def walk(x: Any, depth: int) -> Any:
@@ -141,7 +183,7 @@ def _parse_ref(node: list) -> tuple[int, TensorSpec]:
     _, index, dtype, shape = node
     if type(index) is not int or index < 0:
         raise ValueError(f"bad tensor index {index!r:.40}")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if not known_dtype(dtype):
         raise ValueError(f"unknown tensor dtype {dtype!r:.40}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise ValueError(f"tensor shape must be a list of at most {MAX_NDIM} dims")
