@@ -104,6 +104,8 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     from p2ptrain.compression import get_codec
 
     torch.set_num_threads(_threads())
+    if os.environ.get("P2PT_BENCH_SWITCH"):  # experiment: the GIL switch interval (--switch-interval)
+        sys.setswitchinterval(float(os.environ["P2PT_BENCH_SWITCH"]))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if os.environ.get("P2PT_BENCH_LOG"):
         logging.getLogger("dht").setLevel(logging.INFO)
@@ -500,6 +502,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads per process, ours and gloo alike (default 1: N processes "
                          "share the cores; a trainer on a many-core box runs with more)")
+    ap.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
+                    help="experiment: sys.setswitchinterval(S) in our members (default: Python's 5 ms)")
     ap.add_argument("--frame", type=int, default=0, help="experiment: cap stream data frames at this many bytes")
     ap.add_argument("--hivemind-python", metavar="PY", help="interpreter with hivemind 1.1.12 (and numpy<2.4)")
     ap.add_argument("--hivemind-codecs", nargs="+", default=["none", "int8"], help="codecs to run on hivemind")
@@ -521,6 +525,8 @@ def main() -> None:
     global WARMUP
     WARMUP = max(0, args.warmup)
     os.environ["P2PT_BENCH_THREADS"] = str(max(1, args.threads))
+    if args.switch_interval > 0:
+        os.environ["P2PT_BENCH_SWITCH"] = str(args.switch_interval)
     if args.worker:
         _loop_policy()
         asyncio.run(_worker_main(args.profile_out, args.listen_ip))
