@@ -40,6 +40,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 MiB = 1 << 20
@@ -92,6 +93,22 @@ def _expected(numel: int, n: int, idx):
     return (acc / n).float()
 
 
+def _training_loop() -> None:
+    """What shares a peer's process with its averaging rounds when updates are delayed or DiLoCo
+    overlaps them with compute: a small model's training steps, many short torch calls with
+    Python between them (the GIL held most of the time), forever."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    while True:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -> None:
     import logging
 
@@ -106,6 +123,8 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     torch.set_num_threads(_threads())
     if os.environ.get("P2PT_BENCH_SWITCH"):  # experiment: the GIL switch interval (--switch-interval)
         sys.setswitchinterval(float(os.environ["P2PT_BENCH_SWITCH"]))
+    if os.environ.get("P2PT_BENCH_BUSY"):  # --beside-training: a training loop in another thread
+        threading.Thread(target=_training_loop, daemon=True, name="training").start()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if os.environ.get("P2PT_BENCH_LOG"):
         logging.getLogger("dht").setLevel(logging.INFO)
@@ -504,6 +523,9 @@ def main() -> None:
                          "share the cores; a trainer on a many-core box runs with more)")
     ap.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
                     help="experiment: sys.setswitchinterval(S) in our members (default: Python's 5 ms)")
+    ap.add_argument("--beside-training", action="store_true",
+                    help="each of our members also runs a small model's training loop in another thread, as a "
+                         "peer does while a round overlaps compute (delayed updates, DiLoCo)")
     ap.add_argument("--frame", type=int, default=0, help="experiment: cap stream data frames at this many bytes")
     ap.add_argument("--hivemind-python", metavar="PY", help="interpreter with hivemind 1.1.12 (and numpy<2.4)")
     ap.add_argument("--hivemind-codecs", nargs="+", default=["none", "int8"], help="codecs to run on hivemind")
@@ -527,6 +549,8 @@ def main() -> None:
     os.environ["P2PT_BENCH_THREADS"] = str(max(1, args.threads))
     if args.switch_interval > 0:
         os.environ["P2PT_BENCH_SWITCH"] = str(args.switch_interval)
+    if args.beside_training:
+        os.environ["P2PT_BENCH_BUSY"] = "1"
     if args.worker:
         _loop_policy()
         asyncio.run(_worker_main(args.profile_out, args.listen_ip))

@@ -129,8 +129,10 @@ class AllReduceConfig:
     offload_min_numel: int | None = 1 << 18
     #: ... and only when this process may run on at least this many CPUs. The worker thread buys
     #: overlap only with a core to spare: with fewer, every chunk pays two thread hand-offs and
-    #: GIL waits for nothing (measured on 2 cores, N = 2, 256 MB: inline none 0.299 s against
-    #: 0.337 s offloaded, int8 0.209 s against 0.261 s; see benchmarks/allreduce_bench.py).
+    #: GIL waits for nothing. Measured with benchmarks/allreduce_bench.py, N = 2, 256 MB, offloaded
+    #: against inline: 2 cores, none 0.337 / 0.299 s, int8 0.261 / 0.209 s; 4 cores (taskset on a
+    #: 16-core box), none 0.231 / 0.267 s, int8 0.261 / 0.243 s (a wash); 16 cores, none 0.170 /
+    #: 0.286 s, int8 0.222 / 0.271 s.
     offload_min_cpus: int = 4
 
     def read_timeout(self, nbytes: int) -> float:

@@ -29,8 +29,7 @@ class _CastCodec(Codec):
     overflow: float = float("inf")
 
     def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        wd = self.wire_dtype or dtype
-        return int(numel) * torch.empty((), dtype=wd).element_size()
+        return int(numel) * (self.wire_dtype or dtype).itemsize  # (no tensor per call: it is per chunk)
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype or dtype
