@@ -10,7 +10,9 @@ rounds per codec after ``--warmup`` uncounted ones (every contender gets the sam
 the parent before each round; every round starts from the same inputs) and prints seconds per round
 (the slowest member's, median over rounds), bus bandwidth =
 2 (N-1)/N * bytes / time, CPU seconds per member per round (user + sys, with minor page faults),
-and the max error of rank 0's result against the exact average at 4096 sampled indices.
+peak RSS growth over the inputs (the largest member's high-water mark above what it held once its
+tensors were allocated; gloo's in brackets), and the max error of rank 0's result against the
+exact average at 4096 sampled indices.
 
 Baselines, measured right before each N: raw single-stream loopback TCP (asyncio, two processes,
 1 MiB writes), torch.distributed gloo all_reduce with N processes at the same size (run again after
@@ -45,6 +47,11 @@ import time
 
 MiB = 1 << 20
 WARMUP = 1  # rounds each contender runs first, not counted (--warmup)
+
+
+def _maxrss_mb() -> float:
+    """This process's peak resident memory so far (MB): what a round added shows as its growth."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _threads() -> int:
@@ -150,12 +157,13 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
                               **offload)
     svc = AllReduceService(host, cfg, accept_wait=30)
     await svc.start()
-    orig = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-    flat = orig.clone()
     check = job.get("check") and rank == 0
-    if check:
+    if check:  # first: its member-sized temporary is freed before the inputs, which are twice its size
         idx = torch.randint(0, numel, (4096,), generator=torch.Generator().manual_seed(12345))
         expected = _expected(numel, n, idx)
+    orig = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    flat = orig.clone()
+    rss0 = _maxrss_mb()  # the inputs are allocated and touched: what the rounds add shows above this
     print(json.dumps({"ready": True}), flush=True)
     prof = None
     if profile_path:
@@ -180,7 +188,8 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
                 err = float((flat[idx] - expected).abs().max()) if check else None
                 print(json.dumps({"codec": name, "t": res.time_total, "end": end, "reduce": res.time_reduce,
                                   "ok": res.ok, "err": err, "failed": {str(k): v for k, v in res.failed.items()},
-                                  "user": c1.user - c0.user, "sys": c1.system - c0.system, "flt": f1 - f0}), flush=True)
+                                  "user": c1.user - c0.user, "sys": c1.system - c0.system, "flt": f1 - f0,
+                                  "rss": _maxrss_mb() - rss0}), flush=True)
     finally:
         if prof is not None:
             prof.dump_stats(profile_path)
@@ -267,6 +276,7 @@ def _gloo_worker(rank: int, n: int, port: int, numel: int, rounds: int, q, maste
     torch.set_num_threads(_threads())
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=n)
     x = torch.randn(numel)
+    rss0 = _maxrss_mb()
     times = []
     for _ in range(rounds):
         dist.barrier()
@@ -274,7 +284,7 @@ def _gloo_worker(rank: int, n: int, port: int, numel: int, rounds: int, q, maste
         dist.all_reduce(x)
         times.append(time.perf_counter() - t)
     dist.destroy_process_group()
-    q.put(times)
+    q.put({"t": times, "rss": _maxrss_mb() - rss0})
 
 
 class _PrintQueue:
@@ -284,7 +294,13 @@ class _PrintQueue:
         print(json.dumps(obj), flush=True)
 
 
-def gloo(n: int, numel: int, rounds: int) -> float:
+def _gloo_summary(per_rank: list[dict], rounds: int) -> tuple[float, float]:
+    """(median over rounds of the slowest rank's time, the largest peak-RSS growth of a rank)."""
+    return (statistics.median(max(r["t"][i] for r in per_rank) for i in range(WARMUP, rounds)),
+            max(r["rss"] for r in per_rank))
+
+
+def gloo(n: int, numel: int, rounds: int) -> tuple[float, float]:
     if _NET.tb is not None:
         return _gloo_netns(n, numel, rounds)
     import multiprocessing as mp
@@ -301,7 +317,7 @@ def gloo(n: int, numel: int, rounds: int) -> float:
     per_rank = [q.get() for _ in ps]
     for p in ps:
         p.join()
-    return statistics.median(max(ts[i] for ts in per_rank) for i in range(WARMUP, rounds))
+    return _gloo_summary(per_rank, rounds)
 
 
 def _kill_leftovers(procs: list[subprocess.Popen]) -> None:
@@ -313,7 +329,7 @@ def _kill_leftovers(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def _gloo_netns(n: int, numel: int, rounds: int) -> float:
+def _gloo_netns(n: int, numel: int, rounds: int) -> tuple[float, float]:
     """gloo with rank r in test bed host r; the store on host 0 (a fresh namespace: any port is free)."""
     # TORCH_CPP_LOG_LEVEL: c10d warns that it cannot reverse-resolve the namespace IPs (harmless)
     env = dict(os.environ, GLOO_SOCKET_IFNAME=_NET.tb.hosts[0].ifname, TORCH_CPP_LOG_LEVEL="ERROR")
@@ -326,7 +342,7 @@ def _gloo_netns(n: int, numel: int, rounds: int) -> float:
             p.wait(timeout=60)
     finally:
         _kill_leftovers(ps)
-    return statistics.median(max(ts[i] for ts in per_rank) for i in range(WARMUP, rounds))
+    return _gloo_summary(per_rank, rounds)
 
 
 # ---------------------------------------------------------------------- parent
@@ -382,7 +398,7 @@ def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None
                                "err": reports[0]["err"], "reduce": max(x["reduce"] for x in reports),
                                "failed": [x["failed"] for x in reports if x["failed"]],
                                "cpu": max(x["user"] + x["sys"] for x in reports), "sys": max(x["sys"] for x in reports),
-                               "flt": reports[0]["flt"]})
+                               "flt": reports[0]["flt"], "rss": max(x["rss"] for x in reports)})
         return out
     finally:
         _reap(procs)
@@ -606,18 +622,19 @@ def _run(args: argparse.Namespace) -> None:
         if tcp:
             where = "loopback" if _NET.tb is None else "test bed"
             print(f"N={n}: raw {where} TCP, one asyncio stream, 1 MiB writes: {tcp / 1e9:.2f} GB/s", flush=True)
-        g = None if args.no_gloo else gloo(n, args.numel, args.rounds + WARMUP)
+        g, g_rss = (None, None) if args.no_gloo else gloo(n, args.numel, args.rounds + WARMUP)
         if g is not None:
-            print(f"N={n}: gloo all_reduce: {g:.3f} s/round, bus {busf / g / 1e9:.2f} GB/s", flush=True)
+            print(f"N={n}: gloo all_reduce: {g:.3f} s/round, bus {busf / g / 1e9:.2f} GB/s, peak RSS "
+                  f"+{g_rss:.0f} MB over its input", flush=True)
         res = ours(n, args.numel, args.codecs, args.rounds + WARMUP, args.profile if n == args.n[0] else None,
                    args.chunk, args.offload, not args.no_check, args.frame)
         if g is not None:
             # gloo again after ours, and the faster of the two: this shared 2-core box drifts by
             # 30% between minutes, and the ratio should not flatter us when gloo hit a slow one
-            g2 = gloo(n, args.numel, args.rounds + WARMUP)
+            g2, g2_rss = gloo(n, args.numel, args.rounds + WARMUP)
             print(f"N={n}: gloo all_reduce again after ours: {g2:.3f} s/round; using the faster, "
                   f"{min(g, g2):.3f} s", flush=True)
-            g = min(g, g2)
+            g, g_rss = min(g, g2), max(g_rss, g2_rss)
         t_none = None
         for c, rounds in res.items():
             rounds = rounds[WARMUP:]
@@ -630,14 +647,16 @@ def _run(args: argparse.Namespace) -> None:
             row = {"n": n, "codec": c, "t": t, "bus": busf / t, "tcp": tcp, "gloo": g, "ok": all(r["ok"] for r in rounds),
                    "err": err, "err_ok": err is None or bound is None or err <= bound,
                    "cpu": statistics.median(r["cpu"] for r in rounds), "sys": statistics.median(r["sys"] for r in rounds),
-                   "flt": statistics.median(r["flt"] for r in rounds), "failed": rounds[-1]["failed"], "hm": None}
+                   "flt": statistics.median(r["flt"] for r in rounds), "failed": rounds[-1]["failed"], "hm": None,
+                   "rss": max(r["rss"] for r in rounds), "gloo_rss": g_rss}
             rows.append(row)
             line = f"N={n} p2ptrain {c:5s}: {t:.3f} s/round, bus {row['bus'] / 1e9:.2f} GB/s"
             if tcp:
                 line += f" = {row['bus'] / tcp:.2f}x raw TCP"
             if g is not None:
                 line += f", {g / t:.2f}x gloo"
-            line += f"; cpu/rank {row['cpu']:.3f} s (sys {row['sys']:.3f}, {row['flt']:.0f} faults)"
+            line += (f"; cpu/rank {row['cpu']:.3f} s (sys {row['sys']:.3f}, {row['flt']:.0f} faults); peak RSS "
+                     f"+{row['rss']:.0f} MB over the inputs")
             if err is not None:
                 line += f", max err {err:.2g}"
             if not row["ok"] or not row["err_ok"]:
@@ -676,7 +695,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _table(rows: list[dict], kills: dict[int, list[float]]) -> None:
-    print("\n  N  codec  s/round  bus GB/s  x raw TCP  x gloo  vs none  cpu/rank  hivemind s  x hivemind  check")
+    print("\n  N  codec  s/round  bus GB/s  x raw TCP  x gloo  vs none  cpu/rank  +RSS MB (gloo)  hivemind s  x hivemind  check")
     t_none = {r["n"]: r["t"] for r in rows if r["codec"] == "none"}
     for r in rows:
         tcp = f"{r['bus'] / r['tcp']:9.2f}" if r["tcp"] else f"{'-':>9}"
@@ -690,7 +709,10 @@ def _table(rows: list[dict], kills: dict[int, list[float]]) -> None:
         ok = "ok" if r["ok"] and r["err_ok"] else "FAILED"
         if r["err"] is not None:
             ok += f" (err {r['err']:.1g})"
-        print(f"{r['n']:3d}  {r['codec']:5s}  {r['t']:7.3f}  {r['bus'] / 1e9:8.2f}  {tcp}  {gl}  {vn}  {r['cpu']:8.3f}  {hms}  {ok}")
+        gr = f"({r['gloo_rss']:.0f})" if r["gloo_rss"] is not None else ""
+        rss = f"{r['rss']:.0f} {gr}"
+        print(f"{r['n']:3d}  {r['codec']:5s}  {r['t']:7.3f}  {r['bus'] / 1e9:8.2f}  {tcp}  {gl}  {vn}  {r['cpu']:8.3f}  "
+              f"{rss:>14}  {hms}  {ok}")
     for n, ks in kills.items():
         print(f"  N={n}: SIGKILL mid-round -> survivors finished in max {max(ks):.2f} s (trials: {len(ks)})")
 
