@@ -155,13 +155,20 @@ class BufferPool:
     reference left: a consumer still holding a view of a decrypted frame (a memoryview or a tensor
     over it), or the socket transport still queueing an encrypted frame, keeps it out of reuse, so
     no one ever sees its bytes change underneath.
+
+    Buffers are sized to what is asked (rounded up to ``granule``), not all to the largest frame:
+    an int8 all-reduce sends ~1 MiB frames, and with every one of them in a 4 MiB buffer a member
+    held 10-11 of them (44 MiB) where ~12 MiB hold the same frames. A request takes an idle buffer
+    of at least its size and at most twice it; when the pool is full, a new size replaces an idle
+    buffer of another size (the traffic changed), so the pool follows the frames in use.
     """
 
-    __slots__ = ("size", "keep", "_bufs", "_idle_refs")
+    __slots__ = ("size", "keep", "granule", "_bufs", "_idle_refs")
 
-    def __init__(self, size: int, keep: int):
-        self.size = size
+    def __init__(self, size: int, keep: int, granule: int = 64 << 10):
+        self.size = size  # the largest buffer asked for (a whole frame)
         self.keep = keep
+        self.granule = granule
         self._bufs: list[bytearray] = [bytearray(0)]
         self._idle_refs = self._refs(0)  # what an unreferenced pooled buffer counts, on this Python
         self._bufs.clear()
@@ -169,14 +176,22 @@ class BufferPool:
     def _refs(self, i: int) -> int:
         return sys.getrefcount(self._bufs[i])
 
-    def get(self) -> bytearray:
+    def get(self, n: int | None = None) -> bytearray:
+        """A buffer of at least ``n`` bytes (default: ``size``); slice what you need."""
+        want = self.size if n is None else min(self.size, -(-max(n, 1) // self.granule) * self.granule)
         bufs = self._bufs
-        for i in range(len(bufs)):
+        other = -1  # an idle buffer of another size: replaced when the pool is full
+        for i in range(len(bufs)):  # (by index: a loop variable would count as a reference)
             if self._refs(i) <= self._idle_refs:
-                return bufs[i]
-        buf = bytearray(self.size)
+                if want <= len(bufs[i]) <= 2 * want:
+                    return bufs[i]
+                if other < 0:
+                    other = i
+        buf = bytearray(want)
         if len(bufs) < self.keep:
             bufs.append(buf)
+        elif other >= 0:
+            bufs[other] = buf
         return buf
 
     def clear(self) -> None:
@@ -420,7 +435,7 @@ class Connection(asyncio.BufferedProtocol):
         if kind == Kind.STREAM_DATA and len(frame) >= POOLED_FRAME_MIN and self.host.pool.keep:
             # decrypted into a pooled buffer; handed on read-only and never reused while viewed
             n = len(frame) - HEADER_SIZE - TAG_SIZE
-            view = memoryview(self.host.pool.get())[:n]
+            view = memoryview(self.host.pool.get(n))[:n]
             self._recv.decrypt_into(header, frame[HEADER_SIZE:], view)
             view = view.toreadonly()
         else:
@@ -588,7 +603,7 @@ class Connection(asyncio.BufferedProtocol):
         n = len(body) if type(body) is not memoryview else body.nbytes
         if n + TAG_SIZE >= POOLED_FRAME_MIN and n <= MAX_FRAME_BODY and self.host.pool.keep:
             # into a pooled buffer, reused only after the transport has let go of it
-            ciphertext = memoryview(self.host.pool.get())[: n + TAG_SIZE]
+            ciphertext = memoryview(self.host.pool.get(n + TAG_SIZE))[: n + TAG_SIZE]
             self._send.encrypt_into(header, body, ciphertext)
         else:
             ciphertext = self._send.encrypt(header, body)

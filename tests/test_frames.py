@@ -34,6 +34,22 @@ def test_pool_reuses_only_unreferenced_buffers():
     assert len(pool._bufs) == 2 and len({id(x) for x in extra}) == 4
 
 
+def test_pool_sizes_buffers_to_the_frames_and_follows_a_change_of_size():
+    pool = BufferPool(4 * MiB, keep=2, granule=64 << 10)
+    small = pool.get(MiB + 20)
+    assert len(small) == MiB + (64 << 10)  # rounded up to the granule, not a whole 4 MiB frame
+    assert len(pool.get()) == 4 * MiB  # (no size: the largest) and two kept now
+    del small
+    assert len(pool.get(MiB)) == MiB + (64 << 10)  # the idle small one fits (at most twice the size)
+    assert len(pool.get(3 * MiB)) == 4 * MiB  # the idle 4 MiB one fits too: nothing new
+    assert len(pool._bufs) == 2
+    big_again = pool.get(4 * MiB)
+    assert len(big_again) == 4 * MiB and big_again in pool._bufs
+    half = pool.get(256 << 10)  # full pool: this size replaces the idle buffer of another size
+    assert len(half) == 256 << 10 and any(b is half for b in pool._bufs)
+    assert sorted(len(b) for b in pool._bufs) == [256 << 10, 4 * MiB]
+
+
 async def _pair(frame_a: int | None = None):
     a, b = Host(Identity()), Host(Identity())
     await a.start()
