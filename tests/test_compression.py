@@ -557,3 +557,19 @@ def test_cuda_roundtrip(name):
     codec.decode_add(enc.meta, enc.tobytes(), out, 1.0)
     ref = get_codec(name).decode(enc.meta, enc.tobytes()) if name != "int8" else codec.decode(enc.meta, enc.tobytes())
     torch.testing.assert_close(out.cpu(), 2 * ref, rtol=1e-6, atol=1e-6)
+
+
+def test_int8_huge_values_survive_flushed_denormals():
+    """A block near float32's max has absmax/127 ~ 2.7e36 and 1/that a normal float: a trainer
+    that flushes denormals (torch.set_flush_denormal) still gets its values back, not zeros."""
+    codec = get_codec("int8")
+    x = torch.full((300,), 3.0e38)
+    x[::3] = -1.0e38
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        enc = codec.encode(x)
+        out = codec.decode(enc.meta, enc.tobytes())
+    finally:
+        torch.set_flush_denormal(False)
+    assert float((out - x).abs().max()) <= 3.0e38 / 254 * (1 + 1e-5)

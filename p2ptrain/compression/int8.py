@@ -100,10 +100,12 @@ class Int8Codec(Codec):
             absmax = torch.maximum(hi, torch.amin(xb, dim=1).neg_(), out=hi)
             if not float(absmax.max()) < _INF:  # NaN compares false
                 raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
-            absmax.clamp_min_(_TINY)
+            step = absmax.clamp_min_(_TINY).div_(127.0)  # absmax / 127, in [2**-100 / 127, fmax / 127]
             # q is the same for x * scale (scale-invariant): only the block scales take ``scale``
-            torch.mul(absmax, scale / 127.0, out=scales[b0 : b0 + rows])
-            torch.mul(xb, absmax.reciprocal_().mul_(127.0).unsqueeze(1), out=t)
+            torch.mul(step, scale, out=scales[b0 : b0 + rows])
+            # 1 / step stays a normal float (a reciprocal of absmax itself would be subnormal for
+            # absmax > 2**126, and zero where denormals are flushed)
+            torch.mul(xb, step.reciprocal_().unsqueeze(1), out=t)
             t.round_()
             q[start:stop].view(rows, cols).copy_(t)
         return Encoded(self._meta(chunk), [as_uint8(wire)])  # from a GPU: one copy of the compressed bytes
