@@ -11,8 +11,10 @@ the parent before each round; every round starts from the same inputs) and print
 (the slowest member's, median over rounds), bus bandwidth =
 2 (N-1)/N * bytes / time, CPU seconds per member per round (user + sys, with minor page faults),
 peak RSS growth over the inputs (the largest member's high-water mark above what it held once its
-tensors were allocated; gloo's in brackets), and the max error of rank 0's result against the
-exact average at 4096 sampled indices.
+tensors were allocated; gloo's in brackets; the same members run every codec in turn, so a later
+codec's figure includes what earlier ones left in the transport's buffer pool: put the codec to
+measure first), and the max error of rank 0's result against the exact average at 4096 sampled
+indices.
 
 Baselines, measured right before each N: raw single-stream loopback TCP (asyncio, two processes,
 1 MiB writes), torch.distributed gloo all_reduce with N processes at the same size (run again after
