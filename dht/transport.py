@@ -2,8 +2,9 @@
 
 ``Host`` owns a listening socket (unless in client mode), one ``Connection`` per remote peer, and
 every task that serves them. A connection is an asyncio ``BufferedProtocol``: bytes land in the
-``FrameReader``'s buffers, each frame is decrypted once (big stream frames into a reused buffer
-of the host's ``BufferPool``, others into fresh bytes) and dispatched. RPC
+``FrameReader``'s buffers (a big frame straight into a buffer of the host's ``BufferPool``), each
+frame is decrypted once (big stream frames into another pooled buffer, others into fresh bytes)
+and dispatched. RPC
 requests run as tasks owned by their connection (cancelled when the caller sends CANCEL or the
 connection dies); bulk streams are ``stream.Stream`` objects.
 
@@ -47,6 +48,7 @@ from .wire import (
     LEGACY_FRAME_BODY,
     LENGTH,
     MAX_CONTROL_FRAME,
+    MAX_FRAME,
     MAX_FRAME_BODY,
     MAX_HANDSHAKE_FRAME,
     MAX_MESSAGE,
@@ -111,10 +113,12 @@ class Limits:
     max_handshakes: int = 256
     max_handshakes_per_ip: int = 64
     write_buffer_high: int = 4 << 20
-    #: frame-sized buffers (4 MiB each) a host keeps for reuse by big stream frames; 0 disables.
-    #: An 8-member all-reduce holds ~20-30 at its peak (frames queued in 14 streams, both ways);
-    #: each pool miss costs a zero-filled, page-faulting 4 MiB allocation. Buffers are only
-    #: allocated when that many frames are in flight at once, so a DHT-only node never holds any.
+    #: frame buffers (up to 4 MiB each, sized to the frames) a host keeps for reuse by big frames,
+    #: received, decrypted or encrypted, shared by all its connections; 0 disables (a connection
+    #: then keeps a receive buffer of its own). An 8-member all-reduce holds ~20-30 at its peak
+    #: (frames queued in 14 streams, both ways, and the ones being received); each pool miss
+    #: costs a zero-filled, page-faulting allocation. Buffers are only allocated when that many
+    #: frames are in flight at once, so a DHT-only node never holds any.
     buffer_pool: int = 32
 
 
@@ -177,7 +181,10 @@ class BufferPool:
         return sys.getrefcount(self._bufs[i])
 
     def get(self, n: int | None = None) -> bytearray:
-        """A buffer of at least ``n`` bytes (default: ``size``); slice what you need."""
+        """A buffer of at least ``n`` bytes (default: ``size``); slice what you need. Larger
+        requests than ``size`` get a buffer of their own, not kept."""
+        if n is not None and n > self.size:
+            return bytearray(n)
         want = self.size if n is None else min(self.size, -(-max(n, 1) // self.granule) * self.granule)
         bufs = self._bufs
         other = -1  # an idle buffer of another size: replaced when the pool is full
@@ -220,7 +227,7 @@ class Connection(asyncio.BufferedProtocol):
         self._hs_inbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._hs_expected = 1 if initiator else 2
         self._early_frames: list[bytes] = []
-        self._reader = FrameReader()
+        self._reader = FrameReader(alloc=host.pool.get if host.pool.keep else None)
         self._send: CipherState | None = None
         self._recv: CipherState | None = None
         self._next_id = 1 if initiator else 2  # odd ids for the dialer, even for the listener
@@ -777,7 +784,7 @@ class Host:
         self._watchdog: asyncio.Task | None = None
         self._closed = False
         self.on_connect: list[Callable[[Connection], None]] = []
-        self.pool = BufferPool(MAX_FRAME_BODY + TAG_SIZE, self.limits.buffer_pool)
+        self.pool = BufferPool(MAX_FRAME, self.limits.buffer_pool)  # (a whole frame: connections receive into them too)
         self._discard: memoryview | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 

@@ -22,6 +22,7 @@ decryption. The declared length is checked against the limit *before* anything i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import enum
 import struct
 from typing import Any
@@ -106,13 +107,19 @@ class FrameReader:
     ``feed(data)`` is a convenience for tests and fuzzers.
     """
 
-    def __init__(self, max_frame: int = MAX_FRAME, small_size: int = 64 * 1024):
+    def __init__(self, max_frame: int = MAX_FRAME, small_size: int = 64 * 1024,
+                 alloc: Callable[[int], bytearray] | None = None):
         self.max_frame = max_frame
         self._small = bytearray(small_size)
         self._start = 0  # first unparsed byte in _small
         self._end = 0  # end of valid data in _small
-        self._big: memoryview | None = None  # view of _big_buf for the large frame being received
-        self._big_buf = bytearray(0)  # reused across large frames: the caller decrypts out of it
+        self._big: memoryview | None = None  # view of the buffer the large frame is received into
+        # ``alloc(n)``: where large frames are received (a pool shared by every connection, which
+        # hands a buffer out again once nothing references it). Without one, one buffer of our own
+        # is reused across large frames: kept for the connection's life, so a peer that has
+        # exchanged tensors with a hundred others would hold a hundred idle multi-MiB buffers.
+        self._alloc = alloc
+        self._big_buf = bytearray(0)
         self._big_fill = 0
 
     @property
@@ -156,9 +163,12 @@ class FrameReader:
                 continue
             if total > len(self._small) // 2:
                 # A large frame: receive the rest straight into a buffer of its exact size.
-                if len(self._big_buf) < length:  # grown on demand: most connections carry only RPC
-                    self._big_buf = bytearray(max(length, 2 * len(self._big_buf)))
-                self._big = memoryview(self._big_buf)[:length]
+                if self._alloc is not None:  # the view we hand out is the only reference we keep
+                    self._big = memoryview(self._alloc(length))[:length]
+                else:
+                    if len(self._big_buf) < length:  # grown on demand: most connections carry only RPC
+                        self._big_buf = bytearray(max(length, 2 * len(self._big_buf)))
+                    self._big = memoryview(self._big_buf)[:length]
                 got = available - LENGTH.size
                 self._big[:got] = view[self._start + LENGTH.size : self._end]
                 self._big_fill = got

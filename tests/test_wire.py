@@ -153,6 +153,30 @@ def test_small_and_large_interleaved():
         assert feed_in_chunks(reader, data, cuts) == payloads
 
 
+def test_large_frames_with_a_shared_pool_are_intact_and_hold_no_buffer_after():
+    """With ``alloc`` (the host's frame pool), large frames are received into pool buffers, and
+    the view handed out is the reader's only hold on one: once the caller drops the frame the
+    buffer is reusable, so an idle connection keeps no multi-MiB buffer of its own."""
+    from dht.transport import BufferPool
+
+    sizes = [10, 40_000, 1 << 20, 33_000, MAX_FRAME - 4, 12, 300_000]
+    payloads = [payload_of(n, i) for i, n in enumerate(sizes)]
+    data = b"".join(frame(p) for p in payloads)
+    pool = BufferPool(MAX_FRAME, keep=4)
+    rng = random.Random(3)
+    for _ in range(3):
+        reader = FrameReader(alloc=pool.get)
+        cuts = [rng.randrange(len(data)) for _ in range(rng.randrange(1, 100))]
+        assert feed_in_chunks(reader, data, cuts) == payloads
+        assert not reader.partial
+    # 3 x 5 large frames went through (40 kB and 33 kB ones too, when a cut leaves them
+    # incomplete in the small buffer): at most one buffer per size class (64 KiB, 320 KiB, 1 MiB,
+    # 4 MiB), each handed back when its frame was dropped and taken by the next of its size
+    assert 3 <= len(pool._bufs) <= 4
+    # the reader is still alive (an idle connection) and holds none of them
+    assert all(pool._refs(i) <= pool._idle_refs for i in range(len(pool._bufs)))
+
+
 def test_buffer_protocol_with_limited_writes():
     payloads = [payload_of(n, n) for n in (20, 50_000, 30, 100_000, 8, 65_536, 65_535 - 4, 9)]
     data = b"".join(frame(p) for p in payloads)
