@@ -74,8 +74,8 @@ class Int8Codec(Codec):
         # Passes over the chunk: amax + amin (read), x * inv -> float scratch, round in place, cast into
         # q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk); only the wire
         # buffers (scales, q) are allocated. The per-block work is as few small ops as it can be:
-        # each one is a dispatch that, offloaded, waits for the GIL the event loop holds while it
-        # encrypts (cryptography keeps the GIL during AES-GCM).
+        # offloaded, each one is a dispatch that waits for the GIL the event loop's Python holds
+        # (and, with cryptography before 50, its AES-GCM too).
         n = chunk.numel()
         dev = chunk.device
         if chunk.dtype == torch.float32:
