@@ -118,9 +118,14 @@ class FrameReader:
         # hands a buffer out again once nothing references it). Without one, one buffer of our own
         # is reused across large frames: kept for the connection's life, so a peer that has
         # exchanged tensors with a hundred others would hold a hundred idle multi-MiB buffers.
-        self._alloc = alloc
+        self._alloc = alloc if alloc is not None else self._own_buffer
         self._big_buf = bytearray(0)
         self._big_fill = 0
+
+    def _own_buffer(self, n: int) -> bytearray:
+        if len(self._big_buf) < n:  # grown on demand: most connections carry only RPC
+            self._big_buf = bytearray(max(n, 2 * len(self._big_buf)))
+        return self._big_buf
 
     @property
     def partial(self) -> bool:
@@ -162,13 +167,9 @@ class FrameReader:
                 self._start += total
                 continue
             if total > len(self._small) // 2:
-                # A large frame: receive the rest straight into a buffer of its exact size.
-                if self._alloc is not None:  # the view we hand out is the only reference we keep
-                    self._big = memoryview(self._alloc(length))[:length]
-                else:
-                    if len(self._big_buf) < length:  # grown on demand: most connections carry only RPC
-                        self._big_buf = bytearray(max(length, 2 * len(self._big_buf)))
-                    self._big = memoryview(self._big_buf)[:length]
+                # A large frame: receive the rest straight into a buffer of its exact size (with a
+                # pool, the view we hand out is the only reference we keep)
+                self._big = memoryview(self._alloc(length))[:length]
                 got = available - LENGTH.size
                 self._big[:got] = view[self._start + LENGTH.size : self._end]
                 self._big_fill = got

@@ -28,6 +28,7 @@ from dht.stream import Stream
 from dht.transport import Host
 
 from ..compression import Codec, CompressionError, get_codec
+from ..compression.base import abs_max
 from .group import Group
 from .robust import check_aggregation, check_codec
 from .round import (
@@ -79,27 +80,28 @@ class AllReduceService:
         self._closed = False
         # One shard-sized accumulator kept between rounds: a fresh 100+ MB tensor costs a page
         # fault per 4 KiB on first touch (~40k faults, a measurable share of a round's CPU time).
-        self._scratch: torch.Tensor | None = None
+        self._scratch: list[torch.Tensor] = []  # (at most one)
         self._wires: list[torch.Tensor] = []  # encoded-chunk buffers kept the same way
         self.cpus = usable_cpus()
 
     _SCRATCH_MIN = 1 << 18  # smaller accumulators are not worth keeping
     _WIRES_KEPT = 32  # wire buffers kept between rounds (two per part a round encodes at once)
 
+    @staticmethod
+    def _take(kept: list[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A kept buffer of at least ``numel`` values and at most twice that, out of ``kept`` (it
+        is back once the round is over), else a fresh one."""
+        for i, t in enumerate(kept):
+            if numel <= t.numel() <= 2 * numel:
+                return kept.pop(i)
+        return torch.empty(numel, dtype=dtype)
+
     def _take_scratch(self, numel: int) -> torch.Tensor:
-        t = self._scratch
-        if t is not None and numel <= t.numel() <= 2 * numel:
-            self._scratch = None
-            return t[:numel]
-        return torch.empty(numel, dtype=torch.float32)
+        return self._take(self._scratch, numel, torch.float32)[:numel]
 
     def _take_wire(self, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer of at least ``nbytes`` (at most twice that) for encoded chunks, reused
-        between rounds: fresh ones fault on first touch like the accumulator."""
-        for i, t in enumerate(self._wires):
-            if nbytes <= t.numel() <= 2 * nbytes:
-                return self._wires.pop(i)
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """A uint8 buffer for encoded chunks (sliced by the codec that writes it)."""
+        return self._take(self._wires, nbytes, torch.uint8)
 
     def _give_back_scratch(self, rnd: _Round) -> None:
         """Keep ``rnd``'s accumulator and wire buffers for the next round once no work of ``rnd``
@@ -115,7 +117,7 @@ class AllReduceService:
         def put(_f: asyncio.Future | None = None) -> None:
             if not self._closed:
                 if base is not None:
-                    self._scratch = base
+                    self._scratch = [base]
                 self._wires = (self._wires + wires)[-self._WIRES_KEPT:]
         if not rnd.offload:
             put()
@@ -148,7 +150,7 @@ class AllReduceService:
         await cancel_all(self._tasks)
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
-        self._scratch = None
+        self._scratch = []
 
     async def _before_chunk(self, owner: int, index: int) -> None:
         """Hook before each chunk a sender writes (tests override it to simulate slow/dying peers)."""
@@ -243,8 +245,7 @@ class AllReduceService:
             raise ValueError(f"group {group.group_id.hex()} already ran on this service; group ids are single-use")
         absmax = 0.0
         if flat.numel():  # one pass: min/max propagate NaN, and bound our own values for _accumulate
-            lo, hi = torch.aminmax(flat)
-            absmax = max(-float(lo), float(hi))
+            absmax = abs_max(flat)
             if not absmax < float("inf"):  # NaN compares false
                 raise CompressionError("flat contains NaN or inf; refusing to average it")
         rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax)

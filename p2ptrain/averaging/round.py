@@ -359,15 +359,6 @@ class _Round:
                 self.buffer_bytes += self.acc.numel() * 4
             self.wsum = [float(weight)] * len(self.my_chunks)
             self.count = [1] * len(self.my_chunks)
-            # Per chunk, a bound on |sum| of what the accumulator holds (own values at ratio 1 to
-            # start): a contribution that could push it past _SUM_LIMIT is refused before it is
-            # added, so the sum never overflows, a hostile sender's finite but huge values cannot
-            # make our shard fail (or, summed in place, turn our own values into inf), and the
-            # division needs no finiteness pass. The checks already done (add_bound) make the
-            # decoder's own finiteness pass redundant: ``adder`` skips it.
-            self.bound = [float(absmax)] * len(self.my_chunks)
-            self.adder = copy.copy(_base(codec))
-            self.adder.check_finite_on_decode = False
             if self.robust:
                 # Per-sender chunk buffers: ROBUST_WINDOW slots of [group size, chunk] decoded
                 # float32 values (a sender may store chunk c only once chunk c - ROBUST_WINDOW is
@@ -375,6 +366,16 @@ class _Round:
                 # the shard size. Row ``rank`` of a slot takes our own values at combine time.
                 self.slots = torch.empty(ROBUST_WINDOW, self.size, min(self.cn, e - s), dtype=torch.float32)
                 self.buffer_bytes += self.slots.numel() * 4
+            else:
+                # Per chunk, a bound on |sum| of what the accumulator holds (own values at ratio 1
+                # to start): a contribution that could push it past _SUM_LIMIT is refused before
+                # it is added, so the sum never overflows, a hostile sender's finite but huge
+                # values cannot make our shard fail (or, summed in place, turn our own values into
+                # inf), and the division needs no finiteness pass. The checks already done
+                # (add_bound) make the decoder's own finiteness pass redundant: ``adder`` skips it.
+                self.bound = [float(absmax)] * len(self.my_chunks)
+                self.adder = copy.copy(_base(codec))
+                self.adder.check_finite_on_decode = False
         self.combined = 0  # robust: chunks of our shard combined so far (a prefix)
         self.combined_ev = asyncio.Event()  # set when ``combined`` grows or the reduce closes
         self.own_shard: ShardResult | None = None

@@ -28,6 +28,7 @@ __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
     "DEFAULT_MAX_NUMEL",
+    "abs_max",
     "dtype_name",
     "iter_chunks",
 ]
@@ -239,8 +240,7 @@ class Codec:
         # generic: decode and measure (codecs override it with a pass over their wire data)
         tmp = torch.empty(numel, dtype=torch.float32)
         self._decode_into(meta, buf, numel, tmp)
-        lo, hi = torch.aminmax(tmp)
-        return max(-float(lo), float(hi))
+        return abs_max(tmp)
 
     def _decode_add(self, meta: dict, buf: memoryview, numel: int, acc: torch.Tensor, weight: float,
                     base: torch.Tensor | None) -> None:
@@ -351,6 +351,13 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> t
     if t is None or t.numel() < numel:
         t = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
     return t[:numel]
+
+
+def abs_max(x: torch.Tensor) -> float:
+    """The largest |value| of a non-empty tensor from one min/max pass (no |x| temporary); NaN
+    when it holds a NaN, which propagates through both."""
+    lo, hi = torch.aminmax(x)
+    return max(-float(lo), float(hi))
 
 
 def check_finite(x: torch.Tensor, what: str) -> None:

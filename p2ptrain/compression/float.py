@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, CompressionError, Encoded, as_uint8, check_finite, frombuffer, scratch
+from .base import Codec, CompressionError, Encoded, abs_max, as_uint8, check_finite, frombuffer, scratch
 
 __all__ = ["NoneCodec", "Float16Codec", "BFloat16Codec"]
 
@@ -29,7 +29,7 @@ class _CastCodec(Codec):
     overflow: float = float("inf")
 
     def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        return int(numel) * (self.wire_dtype or dtype).itemsize  # (no tensor per call: it is per chunk)
+        return int(numel) * self._wire(dtype).itemsize  # (no tensor per call: it is per chunk)
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype or dtype
@@ -75,8 +75,7 @@ class _CastCodec(Codec):
 
     def _add_bound(self, meta, buf, numel):
         # min/max in the wire dtype: one pass, no temporary, NaN propagates (checked by add_bound)
-        lo, hi = torch.aminmax(frombuffer(buf, self._wire(_meta_dtype(meta)), 0, numel))
-        return max(-float(lo), float(hi))
+        return abs_max(frombuffer(buf, self._wire(_meta_dtype(meta)), 0, numel))
 
     def _decode_into(self, meta, buf, numel, out):
         out.copy_(self._payload(meta, buf, numel, out.device))
