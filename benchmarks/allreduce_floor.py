@@ -1,0 +1,324 @@
+"""How fast an uncompressed N=2 round could be on this machine: a floor under allreduce_bench's gloo ratio.
+
+    python benchmarks/allreduce_floor.py                 # 64M floats (256 MiB) per member, 7 rounds
+    python benchmarks/allreduce_floor.py --numel 16777216 --rounds 11 --no-ours
+
+Issue 4 asks for an uncompressed round at >= 0.8x gloo's bus bandwidth at N=2 while encrypted and
+fault-tolerant. On a 2-core box both members are CPU-bound, so the round time is the CPU work per
+member: the kernel's copies (gloo pays them too), plus what gloo does not do. This script measures
+that work without the rest of p2ptrain: two processes on uvloop, one TCP connection, 4 MiB
+length-prefixed frames written with ``writelines`` and received through a ``BufferedProtocol``, the
+same reduce-scatter + all-gather as the butterfly at N=2 (send the peer's half, add what arrives
+into our half, divide it, send it back, copy the peer's averaged half into place), and nothing
+else: no streams or flow control, no matchmaking, no deadlines, no accounting, no fault tolerance.
+Three variants, each a layer of what the real round does, and an int8 one:
+
+* ``plain``: frames as they are (no cipher, no checks): close to what gloo's ring does.
+* ``aes``: every frame AES-256-GCM encrypted and decrypted into a reused buffer (the transport's
+  cipher, ``cryptography``'s ``encrypt_into``/``decrypt_into``).
+* ``aes+checks``: also the validation passes p2ptrain needs against a hostile or broken peer and
+  its own bad input: a min/max pass over the whole input before anything is sent (NaN/inf input
+  is refused up front, and it bounds our own values), a min/max pass over every received
+  contribution before it is added (NaN/inf or a sum that could overflow drops the sender), a sum
+  pass over every received averaged chunk before it is copied into place.
+* ``int8``: ``aes+checks`` with p2ptrain's int8 codec on the wire, as the round uses it: encode
+  what is sent, validate the received block scales (``add_bound``) and ``decode_add`` them, encode
+  our averaged half with the division folded into the scales and decode it back (every member
+  holds what the others decode), decode the peer's half into place. It bounds issue 4's "int8
+  rounds >= 2.5x faster than uncompressed" here: the floor's int8 against its ``aes+checks``.
+
+Next to them, in the same run: torch.distributed gloo ``all_reduce`` and (unless ``--no-ours``)
+p2ptrain's own round (``allreduce_bench``'s members, codec ``none``). Each line prints seconds per
+round (the slower member's, median over rounds after one warmup; the members meet at a barrier
+before each round) and the ratio of gloo's time to it, which is the bus-bandwidth ratio. Every
+variant's result is checked against the exact average at sampled indices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import socket
+import statistics
+import struct
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from allreduce_bench import WARMUP, gloo, ours  # noqa: E402
+
+VARIANTS = ("plain", "aes", "aes+checks", "int8")
+TAG = 16  # AES-GCM tag bytes
+LEN = struct.Struct("<I")
+
+
+def _member(rank: int, variant: str, numel: int, frame: int, rounds: int, port_q, barrier, out_q) -> None:
+    import torch
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    torch.set_num_threads(1)
+    aes = variant != "plain"
+    checks = variant in ("aes+checks", "int8")
+    codec = None
+    if variant == "int8":
+        from p2ptrain.compression import Int8Codec
+
+        codec, adder = Int8Codec(), Int8Codec()
+        adder.check_finite_on_decode = False  # its input passed add_bound first, as in the round
+    tx, rx = AESGCM(b"k" * 32), AESGCM(b"k" * 32)
+    orig = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    flat = orig.clone()
+    half = numel // 2
+    mine = flat[rank * half : (rank + 1) * half]
+    other = flat[(1 - rank) * half : (2 - rank) * half]
+    per = frame // 4  # values per frame
+
+    class Proto(asyncio.BufferedProtocol):
+        """Receives whole frames into one buffer; decrypts (or copies) each into one of 16 reused
+        plaintext buffers and queues a view of it for the round, which consumes them in order
+        (``get``). Past 8 queued frames it stops reading the socket until the round catches up
+        (TCP then holds the sender back), so a buffer is never reused while still queued."""
+
+        def __init__(self) -> None:
+            self.buf = memoryview(bytearray(LEN.size + frame + TAG))
+            self.have = 0
+            self.plain = [memoryview(bytearray(frame)) for _ in range(16)]
+            self.n = 0
+            self.q: asyncio.Queue = asyncio.Queue()
+            self.tr: asyncio.Transport | None = None
+            self.made = asyncio.Event()
+            self.paused = False
+            self.writable = asyncio.Event()
+            self.writable.set()
+
+        def connection_made(self, tr) -> None:
+            self.tr = tr
+            self.made.set()
+
+        def pause_writing(self) -> None:
+            self.writable.clear()
+
+        def resume_writing(self) -> None:
+            self.writable.set()
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            end = LEN.size if self.have < LEN.size else LEN.size + LEN.unpack_from(self.buf)[0]
+            return self.buf[self.have : end]
+
+        def buffer_updated(self, nbytes: int) -> None:
+            self.have += nbytes
+            if self.have < LEN.size:
+                return
+            ln = LEN.unpack_from(self.buf)[0]
+            if self.have < LEN.size + ln:
+                return
+            body = self.buf[LEN.size : LEN.size + ln]
+            out = self.plain[self.n % len(self.plain)]
+            if aes:
+                k = ln - TAG
+                rx.decrypt_into(self.n.to_bytes(12, "little"), body, None, out[:k])
+            else:
+                k = ln
+                out[:k] = body
+            self.n += 1
+            self.have = 0
+            self.q.put_nowait(out[:k])
+            if self.q.qsize() >= 8 and not self.paused:
+                self.paused = True
+                self.tr.pause_reading()
+
+        async def get(self):
+            x = await self.q.get()
+            if self.paused and self.q.qsize() <= 4:
+                self.paused = False
+                self.tr.resume_reading()
+            return x
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        p = Proto()
+        if rank == 0:
+            server = await loop.create_server(lambda: p, "127.0.0.1", 0)
+            port_q.put(server.sockets[0].getsockname()[1])
+            await p.made.wait()
+        else:
+            await loop.create_connection(lambda: p, "127.0.0.1", port_q.get())
+            server = None
+        p.tr.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A frame's ciphertext stays queued in the transport until written. Past two frames queued
+        # the transport pauses us (pause_writing) and a send waits for it to drain below one, so
+        # at most 3 are ever queued and a buffer is free again before 6 more are encrypted.
+        wire_frame = LEN.size + (frame if codec is None else codec.encoded_nbytes(per)) + TAG
+        p.tr.set_write_buffer_limits(high=2 * wire_frame, low=wire_frame)
+        wbufs = [memoryview(bytearray(frame + TAG)) for _ in range(6)]
+        sent = [0]
+        if codec is not None:
+            meta = codec.encode(other[:per]).meta
+            wire = torch.empty(codec.encoded_nbytes(per), dtype=torch.uint8)
+
+        async def send(x) -> None:
+            src = memoryview(x.numpy()).cast("B")
+            body = src
+            if aes:
+                body = wbufs[sent[0] % len(wbufs)][: len(src) + TAG]
+                tx.encrypt_into(sent[0].to_bytes(12, "little"), src, None, body)
+            sent[0] += 1
+            p.tr.writelines((LEN.pack(len(body)), body))
+            await p.writable.wait()
+
+        async def scatter() -> None:
+            for i in range(0, other.numel(), per):
+                chunk = other[i : i + per]
+                await send(chunk if codec is None else codec.encode(chunk, out=wire).buffers[0])
+
+        async def reduce() -> None:
+            for i in range(0, mine.numel(), per):
+                dst = mine[i : i + per]
+                if codec is not None:
+                    buf, m = await p.get(), dict(meta, numel=dst.numel())
+                    if not codec.add_bound(m, buf) < 1e30:  # validates the block scales
+                        raise SystemExit("received NaN/inf")
+                    adder.decode_add(m, buf, dst, 1.0)
+                    continue
+                x = torch.frombuffer(await p.get(), dtype=torch.float32)
+                if checks:
+                    lo, hi = torch.aminmax(x)
+                    if not max(-float(lo), float(hi)) < 1e30:
+                        raise SystemExit("received NaN/inf")
+                torch.add(dst, x, out=dst)
+
+        async def gather_out() -> None:
+            for i in range(0, mine.numel(), per):
+                chunk = mine[i : i + per]
+                if codec is None:
+                    chunk.div_(2.0)
+                    await send(chunk)
+                    continue
+                enc = codec.encode(chunk, out=wire, scale=0.5)  # the division rides on the scales
+                codec.decode(enc.meta, memoryview(enc.buffers[0].numpy()), out=chunk)  # hold what the peer decodes
+                await send(enc.buffers[0])
+
+        async def gather_in() -> None:
+            for i in range(0, other.numel(), per):
+                if codec is not None:
+                    dst = other[i : i + per]
+                    codec.decode(dict(meta, numel=dst.numel()), await p.get(), out=dst)  # validates the scales
+                    continue
+                x = torch.frombuffer(await p.get(), dtype=torch.float32)
+                if checks and not bool(torch.isfinite(x.sum())):
+                    raise SystemExit("received NaN/inf")
+                other[i : i + x.numel()].copy_(x)
+
+        times, cpu = [], []
+        for _ in range(rounds):
+            flat.copy_(orig)
+            await loop.run_in_executor(None, barrier.wait)
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            if checks:
+                lo, hi = torch.aminmax(flat)
+                if not max(-float(lo), float(hi)) < float("inf"):
+                    raise SystemExit("input holds NaN/inf")
+            await asyncio.gather(scatter(), reduce())
+            await asyncio.gather(gather_out(), gather_in())
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            times.append(time.perf_counter() - t0)
+            cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
+        idx = torch.randint(0, numel, (4096,), generator=torch.Generator().manual_seed(7))
+        a = torch.randn(numel, generator=torch.Generator().manual_seed(0))[idx]
+        b = torch.randn(numel, generator=torch.Generator().manual_seed(1))[idx]
+        err = float((flat[idx] - (a + b) / 2).abs().max())
+        out_q.put({"rank": rank, "t": times, "cpu": cpu, "err": err})
+        p.tr.close()
+        if server is not None:
+            server.close()
+
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(main())
+    except BaseException as e:  # tell the parent at once instead of letting it wait out its timeout
+        out_q.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def floor(variant: str, numel: int, frame: int, rounds: int) -> dict:
+    """Run the two members of ``variant``; median over rounds (after WARMUP) of the slower one's time."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port_q, out_q, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(2)
+    ps = [ctx.Process(target=_member, args=(r, variant, numel, frame, rounds, port_q, barrier, out_q), daemon=True)
+          for r in range(2)]
+    for p in ps:
+        p.start()
+    res = []
+    try:
+        while len(res) < len(ps):
+            r = out_q.get(timeout=120 + 5 * rounds)
+            if "error" in r:  # the other member may be waiting for frames that will never come
+                raise SystemExit(f"floor {variant}: member {r['rank']} failed: {r['error']}")
+            res.append(r)
+    finally:
+        for p in ps:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    keep = range(WARMUP, rounds)
+    t = statistics.median(max(r["t"][i] for r in res) for i in keep)
+    user = statistics.median(max(r["cpu"][i][0] for r in res) for i in keep)
+    sys_ = statistics.median(max(r["cpu"][i][1] for r in res) for i in keep)
+    return {"t": t, "user": user, "sys": sys_, "err": max(r["err"] for r in res)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--numel", type=int, default=1 << 26, help="float32 values per member (default 64M = 256 MiB)")
+    ap.add_argument("--rounds", type=int, default=7, help="measured rounds (median), after one warmup")
+    ap.add_argument("--frame", type=int, default=4 << 20, help="bytes of plaintext per frame (default 4 MiB, as p2ptrain)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--no-ours", action="store_true", help="skip p2ptrain's own round")
+    args = ap.parse_args()
+    if args.numel % 2 or args.frame % 4 or args.frame <= 0:
+        ap.error("--numel must be even and --frame a positive multiple of 4")
+    rounds = args.rounds + WARMUP
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; N=2, {args.numel * 4 / (1 << 20):.0f} MiB "
+          f"per member, {args.frame >> 10} KiB frames", flush=True)
+    g, _ = gloo(2, args.numel, rounds)
+    print(f"gloo all_reduce          {g:.3f} s/round", flush=True)
+    results = {}
+    for v in args.variants:
+        r = results[v] = floor(v, args.numel, args.frame, rounds)
+        print(f"floor {v:<18} {r['t']:.3f} s/round = {g / r['t']:.2f}x gloo; cpu/member user {r['user']:.3f} "
+              f"sys {r['sys']:.3f} s; max err {r['err']:.2g}", flush=True)
+    if "int8" in results and "aes+checks" in results:
+        print(f"floor int8 is {results['aes+checks']['t'] / results['int8']['t']:.2f}x faster than floor aes+checks",
+              flush=True)
+    if not args.no_ours:
+        codecs = ["none"] + (["int8"] if "int8" in args.variants else [])
+        res = ours(2, args.numel, codecs, rounds, None)
+        mine = {}
+        for c in codecs:
+            o = res[c][WARMUP:]
+            t = mine[c] = statistics.median(x["t"] for x in o)
+            cpu = statistics.median(x["cpu"] for x in o)
+            sys_ = statistics.median(x["sys"] for x in o)
+            ok = all(x["ok"] for x in o)
+            print(f"p2ptrain {c:<15} {t:.3f} s/round = {g / t:.2f}x gloo; cpu/member {cpu:.3f} s (sys {sys_:.3f}); "
+                  f"{'ok' if ok else 'WRONG RESULT'}", flush=True)
+        if "int8" in mine:
+            print(f"p2ptrain int8 is {mine['none'] / mine['int8']:.2f}x faster than p2ptrain none", flush=True)
+    g2, _ = gloo(2, args.numel, rounds)
+    print(f"gloo all_reduce again    {g2:.3f} s/round (ratios above use the first; the faster is "
+          f"{min(g, g2):.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
