@@ -146,9 +146,9 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     readline = lambda: loop.run_in_executor(None, sys.stdin.readline)
     job = json.loads(await readline())
     if job.get("frame"):  # experiment: cap the stream data frames this member sends and accepts
-        import dht.transport
+        import dht.connection
 
-        dht.transport.MAX_FRAME_BODY = int(job["frame"])
+        dht.connection.MAX_FRAME_BODY = int(job["frame"])
     members = tuple(Member(PeerID.from_base58(p), (ip, port)) for p, port, ip in job["members"])
     rank, n, numel = job["rank"], len(job["members"]), job["numel"]
     # offload: "auto" is the library's default (worker thread only with >= offload_min_cpus CPUs)

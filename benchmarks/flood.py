@@ -100,7 +100,7 @@ def _msg1_factory() -> Callable[[], bytes]:
     """A valid first XX handshake message (fresh ephemeral key each time), length-prefixed."""
     from dht.identity import Identity
     from dht.noise import StaticKey, XXHandshake
-    from dht.transport import DEFAULT_PROLOGUE, _HS_LEN
+    from dht.connection import _HS_LEN, DEFAULT_PROLOGUE
 
     ident = Identity()
     static = StaticKey(ident)

@@ -19,7 +19,7 @@ from .wire import Kind
 
 if TYPE_CHECKING:
     from .identity import PeerID
-    from .transport import Connection
+    from .connection import Connection
 
 WINDOW_BODY = struct.Struct(">I")
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-import dht.transport as transport
 from dht.identity import Identity
+from dht.noise import XXHandshake
 from dht.transport import BufferPool, Host
 from dht.wire import LEGACY_FRAME_BODY, MAX_FRAME_BODY, MAX_MESSAGE, Kind, pack
 
@@ -96,13 +96,13 @@ async def test_peer_without_frame_field_gets_legacy_frames(monkeypatch):
     a, b, received = await _pair()
     try:
         # b speaks the old protocol: it announces no frame size, so a must send 1 MiB frames
-        orig = transport.XXHandshake.__init__
+        orig = XXHandshake.__init__
 
         def old_init(self, *args, local_payload=None, **kw):
             payload = {k: v for k, v in (local_payload or {}).items() if k != "frame"}
             orig(self, *args, local_payload=payload, **kw)
 
-        monkeypatch.setattr(transport.XXHandshake, "__init__", old_init)
+        monkeypatch.setattr(XXHandshake, "__init__", old_init)
         conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
         assert conn.max_data_body == LEGACY_FRAME_BODY
         s = await conn.open_stream("sink")

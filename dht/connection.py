@@ -1,0 +1,596 @@
+"""One authenticated, encrypted connection to a peer (``Connection``): handshake, frames, RPC, streams.
+
+An asyncio ``BufferedProtocol``: bytes land in the ``FrameReader``'s buffers (a big frame straight
+into a buffer of the host's ``BufferPool``), each frame is decrypted once (big stream frames into
+another pooled buffer, others into fresh bytes) and dispatched. RPC requests run as tasks owned by
+the connection (cancelled when the caller sends CANCEL or the connection dies); bulk streams are
+``stream.Stream`` objects. ``transport.Host`` creates connections and owns what they share (the
+limits, the buffer pool, the handlers); see its module for the rules on untrusted input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from .aio import wait_event
+from .bufpool import POOLED_FRAME_MIN
+from .errors import (
+    DHTError,
+    HandshakeError,
+    PeerUnreachable,
+    ProtocolError,
+    RPCError,
+    RPCTimeout,
+)
+from .identity import PeerID
+from .noise import REFUSAL_SIZE, CipherState, SwarmKeyMismatch, XXHandshake
+from .stream import WINDOW_BODY, Stream
+from .wire import (
+    HEADER_SIZE,
+    LEGACY_FRAME_BODY,
+    LENGTH,
+    MAX_CONTROL_FRAME,
+    MAX_FRAME_BODY,
+    MAX_HANDSHAKE_FRAME,
+    MAX_MESSAGE,
+    TAG_SIZE,
+    FrameReader,
+    Kind,
+    pack,
+    pack_header,
+    parse_header,
+    unpack,
+)
+
+if TYPE_CHECKING:
+    from .transport import Host
+
+log = logging.getLogger("dht.transport")  # (one logger for the transport layer, as before the split)
+
+DEFAULT_PROLOGUE = b"p2ptrain/noise/1"
+_HS_LEN = struct.Struct(">H")
+
+RequestHandler = Callable[["Connection", Any], Awaitable[Any]]
+StreamHandler = Callable[[Stream], Awaitable[None]]
+
+
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One secure connection. Created by ``Host``; use ``call`` and ``open_stream``."""
+
+    def __init__(self, host: Host, initiator: bool, expected_peer: PeerID | None = None):
+        self.host = host
+        self.initiator = initiator
+        self.expected_peer = expected_peer
+        self.remote_peer: PeerID | None = None  # set once the handshake proves it
+        self.remote_host: str | None = None
+        self.remote_port: int | None = None  # the socket's (ephemeral) port, for log lines
+        self.remote_listen_port: int | None = None
+        self.remote_window = host.limits.stream_window  # the peer's receive window per stream
+        self.max_data_body = LEGACY_FRAME_BODY  # largest stream data frame the peer accepts
+        self.ready: asyncio.Future[Connection] = host.loop.create_future()
+        self._transport: asyncio.Transport | None = None
+        # made once the host accepts the connection (connection_made): its ephemeral key costs
+        # ~0.1 ms, which a flood of connections closed at once at the caps should not make us pay
+        self._hs: XXHandshake = None  # type: ignore[assignment]
+        self._hs_buf = bytearray()
+        self._hs_inbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._hs_expected = 1 if initiator else 2
+        self._early_frames: list[bytes] = []
+        self._reader = FrameReader(alloc=host.pool.get if host.pool.keep else None)
+        self._send: CipherState | None = None
+        self._recv: CipherState | None = None
+        self._next_id = 1 if initiator else 2  # odd ids for the dialer, even for the listener
+        self._calls: dict[int, asyncio.Future] = {}
+        self._serving: dict[int, asyncio.Task] = {}
+        self._streams: dict[int, Stream] = {}
+        self._inbound: set[int] = set()  # ids of the streams the remote side opened
+        self._refused_streams = 0  # its stream opens we refused for capacity (see Limits)
+        self._tasks: set[asyncio.Task] = set()
+        self._write_ok = asyncio.Event()
+        self._write_ok.set()
+        self._closed = False
+        self.close_reason: str | None = None
+        now = time.monotonic()
+        self.last_activity = now
+        self.partial_since: float | None = None
+        self.opened_at = now
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._tokens = float(host.limits.request_burst)  # request_rate's bucket
+        self._tokens_at = now
+        self._throttled: asyncio.TimerHandle | None = None
+        self.throttled_s = 0.0  # time this peer's socket was left unread for going over the rate
+
+    # ------------------------------------------------------------------ protocol callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peername = transport.get_extra_info("peername")
+        if peername:
+            self.remote_host = peername[0]
+            self.remote_port = peername[1] if len(peername) > 1 else None
+        self._transport.set_write_buffer_limits(high=self.host.limits.write_buffer_high)
+        if not self.host.accepting_connection(self):
+            return
+        host = self.host
+        self._hs = XXHandshake(
+            host.identity,
+            self.initiator,
+            prologue=host.prologue,
+            expected_peer=self.expected_peer,
+            local_payload={"port": host.listen_port, "window": host.limits.stream_window, "frame": MAX_FRAME_BODY},
+            static=host.static_key,
+            psk=host.swarm_key.secret if host.swarm_key is not None else None,
+        )
+        self._spawn(self._handshake())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._hs_expected:
+            self._hs_chunk = bytearray(MAX_HANDSHAKE_FRAME + 2)
+            return memoryview(self._hs_chunk)
+        return self._reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        # Whatever a peer sends, only this connection can fail because of it.
+        try:
+            self.bytes_received += nbytes
+            now = time.monotonic()
+            self.last_activity = now
+            if self._hs_expected:
+                # The last handshake message may share a packet with the start of a frame.
+                self._on_handshake_bytes(memoryview(self._hs_chunk)[:nbytes])
+            else:
+                for frame in self._reader.buffer_updated(nbytes):
+                    if self._closed:
+                        return
+                    self._on_frame(frame)
+            self.partial_since = (self.partial_since or now) if self._reader.partial else None
+        except ProtocolError as e:
+            self.close(str(e), abort=True)
+        except Exception as e:  # a bug must not take the event loop down with it
+            log.exception("internal error on connection to %s", self.remote_peer)
+            self.close(f"internal error: {e!r}", abort=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._teardown(self.close_reason or (f"connection lost: {exc}" if exc else "connection closed by peer"))
+
+    def pause_writing(self) -> None:
+        self._write_ok.clear()
+
+    def resume_writing(self) -> None:
+        self._write_ok.set()
+
+    # ------------------------------------------------------------------ handshake
+
+    async def _handshake(self) -> None:
+        hs = self._hs
+        try:
+            async with asyncio.timeout(self.host.limits.handshake_timeout):
+                if self.initiator:
+                    self._write_hs(hs.write_message())
+                    hs.read_message(await self._hs_inbox.get())
+                    self._write_hs(hs.write_message())
+                else:
+                    hs.read_message(await self._hs_inbox.get())
+                    self._write_hs(hs.write_message())
+                    hs.read_message(await self._hs_inbox.get())
+        except TimeoutError:
+            self._fail_handshake("handshake timed out")
+            return
+        except SwarmKeyMismatch as e:
+            self._refuse(e)
+            return
+        except HandshakeError as e:
+            self._fail_handshake(str(e), e)
+            return
+        except Exception as e:  # never leave ``ready`` pending: a dialer would wait its full timeout
+            log.exception("handshake with %s crashed", self.remote_host)
+            self._fail_handshake(f"handshake failed: {e!r}")
+            return
+        self._send, self._recv = hs.send_cipher, hs.recv_cipher
+        self.remote_peer = hs.remote_peer
+        port = hs.remote_payload.get("port")
+        self.remote_listen_port = port if isinstance(port, int) and 0 < port < 65536 else None
+        window = hs.remote_payload.get("window")
+        if isinstance(window, int) and 0 < window < 2**32:
+            self.remote_window = window
+        frame = hs.remote_payload.get("frame")
+        if isinstance(frame, int) and not isinstance(frame, bool) and LEGACY_FRAME_BODY <= frame:
+            self.max_data_body = min(frame, MAX_FRAME_BODY)
+        self._hs = None  # type: ignore[assignment]  # drop ephemeral keys
+        early, self._early_frames = self._early_frames, []
+        try:
+            for frame in early:
+                self._on_frame(memoryview(frame))
+        except ProtocolError as e:
+            self.close(str(e), abort=True)
+            return
+        if self._closed:
+            return
+        self.host.connection_ready(self)
+        if not self.ready.done():
+            self.ready.set_result(self)
+
+    def _refuse(self, error: SwarmKeyMismatch) -> None:
+        """Another swarm's peer: tell it why (listener side) and close, flushing the refusal."""
+        if not error.refused_by_peer:
+            self._write_hs(XXHandshake.refusal(error))
+            self.host.log_refusal(self.remote_host, self.remote_port, str(error))
+        else:
+            log.info("handshake with %s failed: %s", self.remote_host, error)
+        if not self.ready.done():
+            self.ready.set_exception(error)
+            self.ready.exception()  # mark retrieved: a listener-side refusal has no awaiter
+        self.close(str(error))  # not an abort: the refusal must reach the peer
+
+    def _fail_handshake(self, reason: str, error: HandshakeError | None = None) -> None:
+        """``error``: the handshake's own exception, handed to the dialer as it is (its class
+        tells a wrong peer id, ``PeerIdMismatch``, from a transient failure)."""
+        log.info("handshake with %s failed: %s", self.remote_host, reason)
+        if not self.ready.done():
+            self.ready.set_exception(error if error is not None else HandshakeError(reason))
+            self.ready.exception()  # mark retrieved: a listener-side failure has no awaiter
+        self.close(reason, abort=True)
+
+    def _write_hs(self, message: bytes) -> None:
+        if self._transport is not None and not self._closed and not self._transport.is_closing():
+            try:
+                self._transport.write(_HS_LEN.pack(len(message)) + message)
+            except RuntimeError:  # uvloop: the handle died under us (is_closing() can lag behind)
+                self.close("connection lost during the handshake", abort=True)
+
+    def _on_handshake_bytes(self, data: memoryview) -> None:
+        self._hs_buf += data
+        if len(self._hs_buf) > 2 * (MAX_HANDSHAKE_FRAME + 2):
+            raise HandshakeError("handshake message too large (not a p2ptrain peer?)")
+        while self._hs_expected and len(self._hs_buf) >= 2:
+            (n,) = _HS_LEN.unpack_from(self._hs_buf)
+            if n > MAX_HANDSHAKE_FRAME:
+                raise HandshakeError("handshake message too large (not a p2ptrain peer?)")
+            if len(self._hs_buf) < 2 + n:
+                return
+            if self.initiator and n == REFUSAL_SIZE and self._hs_expected == 1:
+                # Handled here, not by the handshake task: the listener closes right after its
+                # refusal, and connection_lost would cancel the task before it read the reason.
+                self._refuse(SwarmKeyMismatch(self._hs_buf[2], refused_by_peer=True))
+                return
+            self._hs_inbox.put_nowait(bytes(self._hs_buf[2 : 2 + n]))
+            del self._hs_buf[: 2 + n]
+            self._hs_expected -= 1
+        if not self._hs_expected and self._hs_buf:
+            rest, self._hs_buf = bytes(self._hs_buf), bytearray()
+            self._early_frames.extend(self._reader.feed(rest))
+
+    # ------------------------------------------------------------------ frames in
+
+    def _on_frame(self, frame: memoryview) -> None:
+        if self._recv is None:
+            if len(self._early_frames) >= 16:
+                raise ProtocolError("too many frames before the handshake completed")
+            self._early_frames.append(bytes(frame))
+            return
+        header = bytes(frame[:HEADER_SIZE])
+        kind, _flags, ident = parse_header(header)
+        if len(frame) < HEADER_SIZE + TAG_SIZE:
+            raise ProtocolError("frame shorter than its authentication tag")
+        if len(frame) > MAX_CONTROL_FRAME and kind != Kind.STREAM_DATA:
+            raise ProtocolError(f"frame of kind {kind} exceeds the {MAX_MESSAGE}-byte message limit")
+        if kind == Kind.STREAM_DATA and ident not in self._streams:
+            # Data for a stream we reset or never had (it was in flight when the reset left, or
+            # the peer ignores resets): authenticated, then dropped. Decrypted into one reusable
+            # scratch buffer, not a fresh one per frame: a peer pushing data into refused streams
+            # otherwise makes us allocate (and the allocator keep) hundreds of MB a second.
+            n = len(frame) - HEADER_SIZE - TAG_SIZE
+            if n > MAX_FRAME_BODY:
+                raise ProtocolError("stream data frame larger than the frame limit")
+            self._recv.decrypt_into(header, frame[HEADER_SIZE:], self.host.discard_buffer[:n])
+            return
+        if kind == Kind.STREAM_DATA and len(frame) >= POOLED_FRAME_MIN and self.host.pool.keep:
+            # decrypted into a pooled buffer; handed on read-only and never reused while viewed
+            n = len(frame) - HEADER_SIZE - TAG_SIZE
+            view = memoryview(self.host.pool.get(n))[:n]
+            self._recv.decrypt_into(header, frame[HEADER_SIZE:], view)
+            view = view.toreadonly()
+        else:
+            view = memoryview(self._recv.decrypt(header, frame[HEADER_SIZE:]))  # fresh, read-only bytes
+        if kind == Kind.REQUEST:
+            if self._spend_request_token():
+                self._on_request(ident, view)
+            else:  # frames of one read already in hand: refused cheaply, no handler runs
+                self.post(Kind.ERROR, ident, pack("busy: more requests than this peer serves per second"))
+        elif kind == Kind.RESPONSE or kind == Kind.ERROR:
+            fut = self._calls.get(ident)
+            if fut is not None and not fut.done():
+                if kind == Kind.RESPONSE:
+                    fut.set_result(unpack(view))
+                else:
+                    reason = unpack(view)
+                    fut.set_exception(RPCError(f"{self.remote_peer}: {reason if isinstance(reason, str) else 'error'}"))
+        elif kind == Kind.CANCEL:
+            task = self._serving.get(ident)
+            if task is not None:
+                task.cancel()
+        elif kind == Kind.STREAM_OPEN:
+            self._on_stream_open(ident, view)
+        elif kind == Kind.GOAWAY:  # a connection-level frame: its id names no stream
+            self.close("peer is going away")
+        else:
+            stream = self._streams.get(ident)
+            if stream is None:
+                return  # late frames of a stream we already closed: harmless
+            if kind == Kind.STREAM_DATA:
+                stream._on_data(view)
+            elif kind == Kind.STREAM_END:
+                stream._on_eof()
+            elif kind == Kind.WINDOW:
+                if len(view) != WINDOW_BODY.size:
+                    raise ProtocolError("malformed window update")
+                stream._on_window(WINDOW_BODY.unpack(view)[0])
+            elif kind == Kind.STREAM_RESET:
+                reason = unpack(view) if view else "reset"
+                stream._on_reset(f"reset by peer: {reason if isinstance(reason, str) else 'reset'}")
+
+    def _on_request(self, ident: int, body: memoryview) -> None:
+        if ident in self._serving:
+            raise ProtocolError("request id reused while in flight")
+        msg = unpack(body)
+        if not (isinstance(msg, list) and len(msg) == 2 and isinstance(msg[0], str)):
+            raise ProtocolError("malformed request")
+        method, args = msg
+        if len(self._serving) >= self.host.limits.max_concurrent_requests:
+            self.post(Kind.ERROR, ident, pack("busy: too many concurrent requests"))
+            return
+        handler = self.host._handlers.get(method)
+        if handler is None:
+            self.post(Kind.ERROR, ident, pack(f"unknown method {method!r}"))
+            return
+        task = self._spawn(self._serve(ident, method, handler, args))
+        self._serving[ident] = task
+
+    async def _serve(self, ident: int, method: str, handler: RequestHandler, args: Any) -> None:
+        try:
+            result = await handler(self, args)
+            body = pack(result)
+            if len(body) > MAX_MESSAGE:  # the peer would drop the connection over such a frame
+                log.warning("handler %s replied with %d bytes, over the %d-byte message limit", method,
+                            len(body), MAX_MESSAGE)
+                body = pack(f"{method}: reply of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte message limit")
+                self.post(Kind.ERROR, ident, body)
+                return
+            self.post(Kind.RESPONSE, ident, body)
+        except asyncio.CancelledError:
+            pass
+        except (DHTError, ValueError, TypeError, KeyError) as e:
+            # Includes schema errors from validating the peer's arguments: report, do not crash.
+            self.post(Kind.ERROR, ident, pack(f"{method}: {e}"[:500]))
+        except Exception:
+            log.exception("handler %s failed", method)
+            self.post(Kind.ERROR, ident, pack(f"{method}: internal error"))
+        finally:
+            self._serving.pop(ident, None)
+
+    def _spend_request_token(self) -> bool:
+        """Account one request against ``Limits.request_rate``: False when the bucket is empty.
+        Then the socket is left unread until a token is due, and the requests of the current read
+        that are over the limit get a "busy" error (the caller may retry) instead of a handler."""
+        rate = self.host.limits.request_rate
+        if rate <= 0:
+            return True
+        now = time.monotonic()
+        self._tokens = min(float(self.host.limits.request_burst), self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        allowed = self._tokens >= 1.0
+        if allowed:
+            self._tokens -= 1.0
+        if self._tokens < 1.0 and self._throttled is None and self._transport is not None:
+            # the bucket is empty: read this peer's next request only once it has a token
+            wait = (1.0 - self._tokens) / rate
+            self.throttled_s += wait
+            self._transport.pause_reading()
+            self._throttled = self.host.loop.call_later(wait, self._unthrottle)
+        return allowed
+
+    def _unthrottle(self) -> None:
+        self._throttled = None
+        if not self._closed and self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def _on_stream_open(self, ident: int, body: memoryview) -> None:
+        if ident in self._streams or (ident % 2 == 1) != (not self.initiator):
+            raise ProtocolError("bad stream id")
+        msg = unpack(body)
+        if not (isinstance(msg, list) and len(msg) == 2 and isinstance(msg[0], str)):
+            raise ProtocolError("malformed stream open")
+        protocol, header = msg
+        host, limits = self.host, self.host.limits
+        handler = host._stream_handlers.get(protocol)
+        reason = None
+        if handler is None:
+            reason = f"unknown protocol {protocol!r}"
+        elif len(self._streams) >= limits.max_streams or len(self._inbound) >= limits.max_inbound_streams:
+            reason = "too many streams"
+        elif host.inbound_stream_memory + limits.stream_window > limits.max_inbound_stream_memory:
+            reason = "busy: too many incoming streams on this host; retry later"
+            host.log_refusal(self.remote_host, self.remote_port, f"stream {protocol!r} from {self.remote_peer}: {reason}")
+        if reason is not None:
+            self.post(Kind.STREAM_RESET, ident, pack(reason))
+            if handler is not None:
+                self._refused_streams += 1
+                if self._refused_streams > limits.max_refused_streams:
+                    host.log_refusal(self.remote_host, self.remote_port,
+                                     f"{self.remote_peer}: kept opening streams past our limits; disconnected")
+                    self.close(f"opened {self._refused_streams} streams past our limits", abort=True)
+            return
+        stream = self._add_stream(ident, protocol, header)
+        self._inbound.add(ident)
+        host.inbound_stream_memory += limits.stream_window
+        self._spawn(self._serve_stream(stream, handler))
+
+    async def _serve_stream(self, stream: Stream, handler: StreamHandler) -> None:
+        try:
+            await handler(stream)
+            stream.write_eof()
+        except asyncio.CancelledError:
+            stream.reset("cancelled")
+        except DHTError as e:
+            stream.reset(str(e)[:200])
+        except Exception:
+            log.exception("stream handler %s failed", stream.protocol)
+            stream.reset("internal error")
+
+    # ------------------------------------------------------------------ frames out
+
+    def pack(self, obj: Any) -> bytes:
+        return pack(obj)
+
+    def send_frame(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
+        """Encrypt ``body`` (read in place, never copied first) and hand the frame to the socket.
+
+        Large frames are encrypted into a pooled buffer (see ``BufferPool``), small ones into a
+        fresh ``bytes``; either goes out with the length/header prefix in one ``writelines``.
+        """
+        # uvloop raises RuntimeError on a write to a closing socket, before connection_lost runs.
+        if self._closed or self._send is None or self._transport is None or self._transport.is_closing():
+            raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
+        header = pack_header(kind, ident)
+        n = len(body) if type(body) is not memoryview else body.nbytes
+        if n + TAG_SIZE >= POOLED_FRAME_MIN and n <= MAX_FRAME_BODY and self.host.pool.keep:
+            # into a pooled buffer, reused only after the transport has let go of it
+            ciphertext = memoryview(self.host.pool.get(n + TAG_SIZE))[: n + TAG_SIZE]
+            self._send.encrypt_into(header, body, ciphertext)
+        else:
+            ciphertext = self._send.encrypt(header, body)
+        try:
+            self._transport.writelines((LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header, ciphertext))
+        except RuntimeError:  # uvloop: the handle died under us (is_closing() can lag behind)
+            self.close("connection lost", abort=True)
+            raise PeerUnreachable(f"connection to {self.remote_peer} is closed") from None
+        self.bytes_sent += LENGTH.size + HEADER_SIZE + len(ciphertext)
+        self.last_activity = time.monotonic()
+
+    def post(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
+        """Send a control frame (reply, cancel, window, end, reset) if the connection is still
+        open; when it is not, the frame has no one to reach and dropping it is correct."""
+        try:
+            self.send_frame(kind, ident, body)
+        except PeerUnreachable:  # closed, or the socket is already closing: connection_lost follows
+            pass
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until the socket's write buffer is below its high-water mark."""
+        if self._write_ok.is_set():
+            return
+        if not await wait_event(self._write_ok, timeout):
+            raise RPCTimeout(f"peer {self.remote_peer} is not reading (write stalled {timeout} s)") from None
+        if self._closed:
+            raise PeerUnreachable(f"connection to {self.remote_peer} closed ({self.close_reason})")
+
+    def _new_id(self) -> int:
+        ident = self._next_id
+        self._next_id += 2
+        if self._next_id >= 2**32:
+            raise PeerUnreachable("id space exhausted on this connection; reconnect")
+        return ident
+
+    # ------------------------------------------------------------------ public API
+
+    async def call(self, method: str, args: Any = None, timeout: float = 5.0) -> Any:
+        """Call ``method`` on the remote peer; raises RPCTimeout, RPCError or PeerUnreachable."""
+        ident = self._new_id()
+        fut = self.host.loop.create_future()
+        self._calls[ident] = fut
+        try:
+            self.send_frame(Kind.REQUEST, ident, pack([method, args]))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self._cancel_remote(ident)
+            raise RPCTimeout(f"{method} to {self.remote_peer} timed out after {timeout} s") from None
+        except asyncio.CancelledError:
+            self._cancel_remote(ident)
+            raise
+        finally:
+            self._calls.pop(ident, None)
+
+    def _cancel_remote(self, ident: int) -> None:
+        self.post(Kind.CANCEL, ident)
+
+    async def open_stream(self, protocol: str, header: Any = None) -> Stream:
+        """Open a bulk stream served by the remote's handler for ``protocol``."""
+        if len(self._streams) >= self.host.limits.max_streams:
+            raise PeerUnreachable(f"too many open streams to {self.remote_peer}")
+        ident = self._new_id()
+        stream = self._add_stream(ident, protocol, header)
+        self.send_frame(Kind.STREAM_OPEN, ident, pack([protocol, header]))
+        return stream
+
+    def _add_stream(self, ident: int, protocol: str, header: Any) -> Stream:
+        """A stream that accepts our window and sends within the remote's announced one."""
+        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window, self.remote_window)
+        self._streams[ident] = stream
+        return stream
+
+    def forget_stream(self, ident: int) -> None:
+        self._streams.pop(ident, None)
+        if ident in self._inbound:
+            self._inbound.discard(ident)
+            self.host.inbound_stream_memory -= self.host.limits.stream_window
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._calls or self._serving or self._streams)
+
+    def close(self, reason: str = "closed", abort: bool = False) -> None:
+        if self._closed:
+            return
+        self.close_reason = reason
+        if self._transport is not None:
+            if abort:
+                self._transport.abort()
+            else:
+                self._transport.close()
+        self._teardown(reason)
+
+    def _teardown(self, reason: str) -> None:
+        first = not self._closed
+        self._closed = True
+        self.close_reason = self.close_reason or reason
+        if not first:
+            return
+        # A writer blocked in drain() on a paused socket gets no resume_writing() once the
+        # connection is lost: wake it, and drain() raises PeerUnreachable at once instead of
+        # sitting out its whole timeout (the survivors of a crash mid-round waited 35 s on this).
+        self._write_ok.set()
+        err = PeerUnreachable(f"connection to {self.remote_peer or self.remote_host} closed: {self.close_reason}")
+        if not self.ready.done():
+            self.ready.set_exception(HandshakeError(self.close_reason) if self.remote_peer is None else err)
+            self.ready.exception()  # mark retrieved: a listener-side failure has no awaiter
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        for stream in list(self._streams.values()):
+            stream._on_reset(self.close_reason)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._throttled is not None:
+            self._throttled.cancel()
+        self.host.connection_closed(self)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = self.host.loop.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

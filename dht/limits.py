@@ -1,0 +1,84 @@
+"""The bounds a host keeps against hostile or broken peers (``Limits``), and a per-address log throttle.
+
+Why a module of their own: every bound here is enforced somewhere else (the connection, the host,
+the stream windows, the buffer pool) and documented once, here, with the measurement that set it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Limits", "LogThrottle"]
+
+
+@dataclass
+class Limits:
+    """Per-connection and per-host bounds that keep a hostile peer from exhausting us."""
+
+    handshake_timeout: float = 10.0
+    frame_timeout: float = 30.0  # a started frame must complete within this (slow-loris guard)
+    idle_timeout: float = 300.0  # connections with nothing in flight are closed after this
+    max_concurrent_requests: int = 64  # per connection; more get a "busy" error
+    #: Requests a peer may send on one connection per second, with bursts of ``request_burst``
+    #: (a token bucket; 0 disables). Past it we stop reading that peer's socket until a token is
+    #: due: its requests wait in the kernel's buffers and TCP pushes back on it, instead of every
+    #: one costing us a decrypt, a decode and a handler on the event loop that training shares.
+    #: Honest peers send tens to a few hundred per second: about 18 per epoch (matchmaking polls,
+    #: progress reports, DHT lookups), measured at up to 146/s per connection in a 4-peer swarm
+    #: taking 8 epochs a second; the default leaves such fast small-model swarms a wide margin.
+    request_rate: float = 1000.0
+    request_burst: int = 2000
+    max_streams: int = 64  # per connection, both directions
+    stream_window: int = 8 << 20
+    #: Memory a peer can make us hold: every stream it opens may fill its window (``stream_window``)
+    #: with data its handler has not read yet, so streams opened by the remote side are capped per
+    #: connection (16 x 8 MiB = 128 MiB per peer, with at most 64 x 1 MiB RPC bodies in flight) and,
+    #: summed over all connections, to ``max_inbound_stream_memory`` of windows (128 streams by
+    #: default). Past either cap a new stream is reset with a reason ("too many streams", "busy")
+    #: and the streams already open go on. An averaging round opens 1-2 streams per peer pair.
+    max_inbound_streams: int = 16
+    max_inbound_stream_memory: int = 1 << 30
+    #: A peer whose streams were refused for capacity this many times is disconnected: each
+    #: refused stream may still bring a window of data in flight (decrypted, then dropped), so a
+    #: peer that keeps opening past the caps costs us bandwidth and CPU without holding memory.
+    max_refused_streams: int = 64
+    max_connections: int = 1024
+    #: inbound connections still in their handshake, from all addresses / from one IP address.
+    #: Past either cap a new inbound connection is closed at once: a flood of sockets that never
+    #: finish a handshake (held open until ``handshake_timeout``) cannot fill ``max_connections``
+    #: and lock out real peers (measured by benchmarks/flood.py). Per IP it stays well above what
+    #: a local swarm of a few hundred nodes on 127.0.0.1 opens at once when they all join.
+    max_handshakes: int = 256
+    max_handshakes_per_ip: int = 64
+    write_buffer_high: int = 4 << 20
+    #: frame buffers (up to 4 MiB each, sized to the frames) a host keeps for reuse by big frames,
+    #: received, decrypted or encrypted, shared by all its connections; 0 disables (a connection
+    #: then keeps a receive buffer of its own). An 8-member all-reduce holds ~20-30 at its peak
+    #: (frames queued in 14 streams, both ways, and the ones being received); each pool miss
+    #: costs a zero-filled, page-faulting allocation. Buffers are only allocated when that many
+    #: frames are in flight at once, so a DHT-only node never holds any.
+    buffer_pool: int = 32
+
+
+class LogThrottle:
+    """Whether to log an event about a remote address now: at most once per ``interval`` seconds
+    per address, counting the events held back. Sans-IO (the caller passes the time); at most
+    ``max_addresses`` are remembered, so a flood from many addresses cannot grow it either."""
+
+    def __init__(self, interval: float = 60.0, max_addresses: int = 4096):
+        self.interval = interval
+        self.max_addresses = max_addresses
+        self._last: dict[str, tuple[float, int]] = {}  # address -> (when last logged, held back since)
+
+    def allow(self, address: str, now: float) -> int | None:
+        """None: stay quiet. Else log, mentioning the returned number of events held back."""
+        last = self._last.get(address)
+        if last is not None and now - last[0] < self.interval:
+            self._last[address] = (last[0], last[1] + 1)
+            return None
+        if last is None and len(self._last) >= self.max_addresses:
+            self._last = {a: v for a, v in self._last.items() if now - v[0] < self.interval}
+            if len(self._last) >= self.max_addresses:
+                return None  # flooded from everywhere: one line per address already went out
+        self._last[address] = (now, 0)
+        return last[1] if last is not None else 0
