@@ -295,12 +295,33 @@ class Host:
         peer = conn.remote_peer
         assert peer is not None
         current = self._conns.get(peer)
-        # Two peers dialing each other at once get two connections; both stay usable, and the
-        # newest becomes the one used for outgoing calls.
-        if current is None or current.is_closed or conn.initiator:
+        # Two peers dialing each other at once get two connections; both stay usable (a stream
+        # the other side opens on either is served) and ``_prefer`` picks the one we send on.
+        if current is None or current.is_closed or self._prefer(conn, current):
             self._conns[peer] = conn
         for callback in self.on_connect:
             callback(conn)
+
+    def _prefer(self, new: Connection, old: Connection) -> bool:
+        """Whether ``new`` should carry what we send to its peer from now on instead of ``old``
+        (both open, both to that peer).
+
+        A direct connection beats a relayed one. Between two of a kind, both ends pick the same
+        one without a word: the one the peer with the smaller id dialed. Two peers that dial each
+        other at once (every pair of an all-reduce group that starts cold) then share one
+        connection both ways instead of each sending on its own, with half the sockets, wakeups
+        and ACK-only packets. Of two dialed by the same side, the newer wins: the peer redialed,
+        and the older one may be dead without either side having noticed yet."""
+        if (new.remote_host is None) != (old.remote_host is None):
+            return new.remote_host is not None  # (a relayed connection has no remote address)
+
+        def dialer(c: Connection) -> PeerID | None:
+            return self.peer_id if c.initiator else c.remote_peer
+
+        if dialer(new) == dialer(old):
+            return True
+        lower = min(self.peer_id, new.remote_peer)  # type: ignore[type-var]
+        return dialer(new) == lower
 
     def connection_closed(self, conn: Connection) -> None:
         self._all.discard(conn)

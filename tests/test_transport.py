@@ -163,6 +163,54 @@ async def test_rpc_round_trip(make_host):
         assert len(a.connections) == 1
 
 
+def _ready_counter(host: Host, n: int) -> tuple[asyncio.Event, list]:
+    """An event set once ``host`` has seen ``n`` more connections finish their handshake, and them."""
+    done, seen = asyncio.Event(), []
+
+    def on_ready(conn) -> None:
+        seen.append(conn)
+        if len(seen) >= n:
+            done.set()
+
+    host.on_connect.append(on_ready)
+    return done, seen
+
+
+def _socket_of(conn) -> tuple:
+    return conn._transport.get_extra_info("sockname"), conn._transport.get_extra_info("peername")
+
+
+async def test_peers_that_dial_each_other_at_once_send_on_one_connection(make_host):
+    """Both ends pick the connection the smaller peer id dialed (before, each sent on its own)."""
+    async with asyncio.timeout(10):
+        a, b = await make_host(), await make_host()
+        (ready_a, seen_a), (ready_b, seen_b) = _ready_counter(a, 2), _ready_counter(b, 2)
+        await asyncio.gather(a.connect(*addr(b), b.peer_id), b.connect(*addr(a), a.peer_id))
+        await ready_a.wait()
+        await ready_b.wait()
+        assert not any(c.is_closed for c in seen_a + seen_b)  # both stay open (and served)
+        ca, cb = a.connection(b.peer_id), b.connection(a.peer_id)
+        local_a, remote_a = _socket_of(ca)
+        local_b, remote_b = _socket_of(cb)
+        assert (local_a, remote_a) == (remote_b, local_b)  # the same socket, seen from both ends
+        dialed_by_a = ca.initiator
+        assert dialed_by_a == (a.peer_id < b.peer_id)
+        assert await a.call(b.peer_id, None, "echo", 1) == 1
+        assert await b.call(a.peer_id, None, "echo", 2) == 2
+
+
+async def test_a_redialed_peer_is_reached_on_the_newer_connection(make_host):
+    async with asyncio.timeout(10):
+        a, b = await make_host(), await make_host()
+        ready_b, _ = _ready_counter(b, 2)
+        first = await a.connect(*addr(b), b.peer_id)
+        second = await a._dial(*addr(b), b.peer_id, 5.0)  # what a redial makes, the first still open
+        await ready_b.wait()
+        assert a.connection(b.peer_id) is second
+        assert _socket_of(b.connection(a.peer_id))[1] == _socket_of(second)[0]  # b answers on it too
+        assert not first.is_closed
+
+
 async def test_connect_addr_with_listen_addrs(make_host):
     async with asyncio.timeout(10):
         a, b = await make_host(), await make_host()
