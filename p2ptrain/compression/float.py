@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, CompressionError, Encoded, abs_max, as_uint8, check_finite, frombuffer, scratch
+from .base import DTYPES, Codec, CompressionError, Encoded, abs_max, as_uint8, check_finite, frombuffer, scratch
 
 __all__ = ["NoneCodec", "Float16Codec", "BFloat16Codec"]
 
@@ -89,9 +89,7 @@ class _CastCodec(Codec):
 
 
 def _meta_dtype(meta: dict) -> torch.dtype:
-    from .base import DTYPES
-
-    return DTYPES[meta["dtype"]]
+    return DTYPES[meta["dtype"]]  # (validated by Codec._validate before any codec hook runs)
 
 
 class NoneCodec(_CastCodec):
