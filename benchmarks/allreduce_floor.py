@@ -10,7 +10,8 @@ that work without the rest of p2ptrain: two processes on uvloop, one TCP connect
 length-prefixed frames written with ``writelines`` and received through a ``BufferedProtocol``, the
 same reduce-scatter + all-gather as the butterfly at N=2 (send the peer's half, add what arrives
 into our half, divide it, send it back, copy the peer's averaged half into place), and nothing
-else: no streams or flow control, no matchmaking, no deadlines, no accounting, no fault tolerance.
+else: no streams or per-stream flow control (only the socket's own back-pressure), no matchmaking,
+no deadlines, no accounting, no fault tolerance.
 Three variants, each a layer of what the real round does, and an int8 one:
 
 * ``plain``: frames as they are (no cipher, no checks): close to what gloo's ring does.
@@ -24,14 +25,16 @@ Three variants, each a layer of what the real round does, and an int8 one:
 * ``int8``: ``aes+checks`` with p2ptrain's int8 codec on the wire, as the round uses it: encode
   what is sent, validate the received block scales (``add_bound``) and ``decode_add`` them, encode
   our averaged half with the division folded into the scales and decode it back (every member
-  holds what the others decode), decode the peer's half into place. It bounds issue 4's "int8
-  rounds >= 2.5x faster than uncompressed" here: the floor's int8 against its ``aes+checks``.
+  holds what the others decode), decode the peer's half into place. Its time against
+  ``aes+checks`` is what int8 gains over uncompressed in a design this lean, to hold against
+  issue 4's "int8 rounds >= 2.5x faster than uncompressed".
 
 Next to them, in the same run: torch.distributed gloo ``all_reduce`` and (unless ``--no-ours``)
-p2ptrain's own round (``allreduce_bench``'s members, codec ``none``). Each line prints seconds per
-round (the slower member's, median over rounds after one warmup; the members meet at a barrier
-before each round) and the ratio of gloo's time to it, which is the bus-bandwidth ratio. Every
-variant's result is checked against the exact average at sampled indices.
+p2ptrain's own round (``allreduce_bench``'s members, codec ``none``, and ``int8`` when that
+variant runs). Each line prints seconds per round (the slower member's, median over rounds after
+one warmup; the members meet at a barrier before each round) and the ratio of gloo's time to it,
+which is the bus-bandwidth ratio. Every variant's result is checked against the exact average at
+sampled indices.
 """
 
 from __future__ import annotations
