@@ -33,7 +33,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dht import DHTConfig, DHTNode, Identity, PeerUnreachable, RPCError, RPCTimeout
@@ -349,6 +349,21 @@ async def _live_round(target: Target, header_changes: dict, data: bytes, end: st
 _DROP = object()
 
 
+def _valid_header(header: dict) -> bool:
+    """The owner's header rules, restated: the same keys; our rank, our numel and our codecs (equal
+    in value: msgpack may carry 1 as 1.0); a declared weight that is a number in (0, max_weight]
+    (any, not just the usual 1.0: a sender may count many samples)."""
+    from p2ptrain.averaging import AllReduceConfig
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    return (set(header) == set(_BASE_HEADER) and number(header["from"]) and header["from"] == 1
+            and number(header["n"]) and header["n"] == 512 and number(header["w"])
+            and 0 < header["w"] <= AllReduceConfig().max_weight
+            and header["codec"] == header["gcodec"] == "none()")
+
+
 @settings(FUZZ, max_examples=60)
 @given(changes=st.dictionaries(st.sampled_from(["from", "w", "n", "codec", "gcodec", "extra"]),
                                JUNK | EDGE_INTS | FLOATS | st.just(_DROP), max_size=2),
@@ -356,19 +371,24 @@ _DROP = object()
        | st.builds(lambda i, v: struct.pack("<512f", *[v if j == i else 0.5 for j in range(512)]),
                    st.integers(0, 511), st.sampled_from([math.inf, -math.inf, math.nan, 0.25, 3e38])),
        end=st.sampled_from(["eof", "eof", "reset"]))
+# headers that differ from the usual one and are still valid (the first was once taken for hostile)
+@example(changes={"w": 2**31 - 1}, data=bytes(2048), end="eof")
+@example(changes={"from": 1.0, "n": 512.0}, data=struct.pack("<512f", *[0.25] * 512), end="eof")
+@example(changes={"w": 1e12}, data=struct.pack("<512f", *[3e26] * 512), end="eof")  # sum overflows
 def test_fuzz_allreduce_inside_a_live_round(target, changes, data, end):
     """A hostile member of a real round: the owner finishes the round, drops the member unless its
-    part was valid (averaging it in when it was), and never raises or logs an error. Valid: the
-    plausible header, exactly one part of finite values small enough that the owner's float32 sum
-    (its own values are 1.0, both weights 1) cannot overflow."""
+    part was valid (averaging it in when it was), and never raises or logs an error. Valid: a header
+    the owner's rules accept, exactly one part of finite values small enough that the owner's
+    float32 sum (its own values are 1.0 at weight 1, theirs at their declared weight) cannot
+    overflow."""
     from p2ptrain.averaging.round import _SUM_LIMIT
 
     sent, result = _example(target, _live_round, changes, data, end)
     assert sent[0] in ("eof", "reset", "reset-by-us"), sent
-    header = {**_BASE_HEADER, **changes}
+    header = {k: v for k, v in {**_BASE_HEADER, **changes}.items() if v is not _DROP}
     values = struct.unpack("<512f", data) if len(data) == 2048 else ()
-    valid = (header == _BASE_HEADER and type(header["from"]) is int and end == "eof" and len(data) == 2048
-             and all(math.isfinite(x) for x in values) and 1.0 + max(map(abs, values)) <= _SUM_LIMIT)
+    valid = (_valid_header(header) and end == "eof" and len(data) == 2048 and all(math.isfinite(x) for x in values)
+             and 1.0 + max(map(abs, values)) * (header["w"] / 1.0) <= _SUM_LIMIT)
     if valid:
         # the reply: a length-prefixed summary, then the averaged 512 float32 values
         assert result.failed == {} and sent[0] == "eof" and sent[1] > 2048, (sent, result.failed)
