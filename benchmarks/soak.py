@@ -91,6 +91,16 @@ class Proc:
             return ""
 
 
+def child_env() -> dict[str, str]:
+    """The environment of every ``p2ptrain`` process we start: ours without P2PTRAIN_* settings
+    (each run sets its own), with this checkout importable (the script runs from a checkout that
+    need not be installed) and unbuffered output (progress lines arrive as they are printed)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
 class Swarm:
     """The processes of one run: each in its own session (a terminal Ctrl+C reaches only us) with
     PDEATHSIG (if we die, they die); stdout lines land on one queue, stderr in a log per process."""
@@ -102,9 +112,7 @@ class Swarm:
         self.q: queue.Queue = queue.Queue()
         self.procs: dict[str, Proc] = {}
         self.pids: set[int] = set()
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")}
-        self.env["PYTHONUNBUFFERED"] = "1"
-        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+        self.env = child_env()
 
     def spawn(self, name: str, argv: list[str], bootstrap: bool, frontier: int, save: Path | None = None,
               join: tuple[str, ...] = ()) -> Proc:
@@ -345,16 +353,18 @@ def run_swarm(opts: argparse.Namespace, workdir: Path, churn: bool, stop: thread
                     raise RuntimeError("no peer reported progress within "
                                        f"{opts.start_after:.0f} s: {[p.stderr_tail(2) for p in swarm.procs.values()]}")
                 continue
-            if now - t0 >= opts.minutes * 60:
-                break
+            if now - t0 >= opts.minutes * 60 and (not churn or _recovered(watch, res)
+                                                  or now - t0 >= opts.minutes * 60 + opts.hang_after):
+                break  # with churn, once the swarm is seen past its last kill (bounded: one that
+                # never gets there is reported by Result.failures), not at a fixed time after it
             training = sum(1 for a in swarm.live(False).values() if a)
             peer_seconds += training * (now - (last if last is not None else t0))
             last = now
             for h in watch.check(now):
                 res.hangs.append(f"{h[1]}: {h[2]} (at {h[0] - t0:.0f} s)")
                 say(f"HANG {res.hangs[-1]}")
-            # no churn in the last few seconds: the swarm must be seen to advance past the last
-            # kill (progress lines come once a second) and newcomers to finish joining
+            # no churn in the last few seconds: newcomers finish joining, and the run ends once
+            # the swarm is seen past the last kill (above)
             if churn and now - t0 < opts.minutes * 60 - min(5.0, 0.2 * opts.minutes * 60):
                 for action in sched.step(now, swarm.live(False), swarm.live(True)):
                     if isinstance(action, Kill):
@@ -407,6 +417,11 @@ def run_swarm(opts: argparse.Namespace, workdir: Path, churn: bool, stop: thread
     return res
 
 
+def _recovered(watch: ProgressWatch, res: Result) -> bool:
+    """Whether the epoch frontier has moved past the epoch of the last kill: the run may end."""
+    return res.epoch_at_last_kill is None or watch.frontier > res.epoch_at_last_kill
+
+
 def _joined_through_cache(p: Proc) -> bool:
     """Whether the process logged that every bootstrap address failed and its peer cache (shared
     in ``--data-dir``, as peers of one machine share it) got it in: a join that used to fail."""
@@ -441,8 +456,7 @@ def _shutdown(swarm: Swarm, res: Result, grace: float, pump: Any, say: Any) -> N
 
 
 def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")}
-    return subprocess.run([sys.executable, "-m", "p2ptrain", *argv], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "p2ptrain", *argv], cwd=cwd, env=child_env(), capture_output=True,
                           text=True, timeout=120)
 
 
