@@ -475,9 +475,10 @@ async def test_hostile_sender_is_dropped(swarm, kind):
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
 async def test_sender_whose_values_would_overflow_the_sum_is_dropped(swarm, codec):
-    """Finite but huge values at the largest accepted weight would overflow the owner's float32
-    sum to inf: the sender is dropped before its chunk touches the sum (which, for ``none``, is the
-    owner's own shard of ``flat``), and the honest members' average is exact."""
+    """Finite but huge values (3e38) at the largest accepted weight would overflow the owner's
+    float32 sum (int8) or the difference its running mean takes (``none``) to inf: the sender is
+    dropped before its chunk touches the accumulator (the owner's own shard of ``flat``), and the
+    honest members' average is exact."""
     async with asyncio.timeout(20):
         cfg = AllReduceConfig(chunk_numel=4096, join_timeout=1, stall_timeout=0.5, timeout=8)
         group, hosts, services = await swarm.group(3, clients={2}, config=cfg, raw={2})

@@ -68,10 +68,10 @@ final division strictly ordered (FIFO) without locks; on a process with fewer th
 
 Hot path (measured, see benchmarks/allreduce_bench.py): with the default 1M-value chunks a float32
 chunk is one 4 MiB stream frame, read as one zero-copy view of the decrypted frame. For ``none``
-the sender writes views of ``flat`` (``run`` checked it is finite; no encode pass), the owner folds
-its own weighted values into the first foreign contribution in one pass and divides straight into
-``flat``; the shard accumulator is kept by the service for the next round (a fresh one costs a
-page fault per 4 KiB).
+the sender writes views of ``flat`` (``run`` checked it is finite; no encode pass), the owner
+keeps a running weighted mean of each chunk in ``flat`` itself (one ``lerp`` pass per
+contribution, no division pass) and sends views of it back; other codecs' shard accumulator is
+kept by the service for the next round (a fresh one costs a page fault per 4 KiB).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ from dht.stream import Stream
 from dht.wire import MAX_FRAME_BODY, pack, unpack
 
 from ..compression import Codec, CompressionError, ErrorFeedback
-from ..compression.base import check_finite
+from ..compression.base import check_finite, frombuffer
 from ..compression.float import NoneCodec
 from .group import Group, partition
 from .robust import aggregate
@@ -338,7 +338,7 @@ class _Round:
         # directly (no per-chunk encode pass, no worker hop) and the owner folds its own weighted
         # values into the first foreign contribution in one pass.
         self.raw = type(codec) is NoneCodec
-        self.acc_in_place = False
+        self.acc_in_place = self.running_mean = False
         if self.is_owner:
             # The accumulator, filled lazily chunk by chunk (in the worker, pipelined with the
             # network), from our own values at the first foreign contribution (see _accumulate).
@@ -359,6 +359,12 @@ class _Round:
                 self.buffer_bytes += self.acc.numel() * 4
             self.wsum = [float(weight)] * len(self.my_chunks)
             self.count = [1] * len(self.my_chunks)
+            # ``none`` both ways, accumulated in flat: each contribution moves the chunk's weighted
+            # mean toward its values (one lerp pass, as cheap as the add it replaces), so the
+            # average is ready when the last one arrives and the reply needs no division pass. A
+            # lerp of two values within _SUM_LIMIT cannot overflow; own values beyond it (never,
+            # in practice) keep the sum-then-divide path.
+            self.running_mean = self.raw and self.acc_in_place and type(gcodec) is NoneCodec and absmax <= _SUM_LIMIT
             if self.robust:
                 # Per-sender chunk buffers: ROBUST_WINDOW slots of [group size, chunk] decoded
                 # float32 values (a sender may store chunk c only once chunk c - ROBUST_WINDOW is
@@ -496,6 +502,16 @@ class _Round:
         # foreign contribution writes acc = own + ratio * theirs in one pass; a message that fails
         # validation leaves acc untouched and never counts (a chunk still at count 1 keeps flat).
         meta = dict(self.rmeta, numel=b - a)
+        if self.running_mean:
+            top = self.codec.add_bound(meta, buf)  # validates: NaN/inf and malformed raise
+            if not top <= _SUM_LIMIT:
+                raise CompressionError(f"values up to {top:.3g} would overflow the float32 mean")
+            wsum = self.wsum[ci] + inc.weight
+            torch.lerp(acc, frombuffer(buf, torch.float32, 0, b - a), inc.weight / wsum, out=acc)
+            self.wsum[ci] = wsum
+            self.count[ci] += 1
+            inc.done = ci + 1
+            return True
         ratio = inc.weight / self.weight
         grow = self.codec.add_bound(meta, buf) * ratio  # validates: NaN/inf and malformed raise
         if not self.bound[ci] + grow <= _SUM_LIMIT:
@@ -641,8 +657,10 @@ class _Round:
         elif type(self.gcodec) is NoneCodec:
             # Lossless, and finite by construction (``_accumulate`` kept |sum| <= _SUM_LIMIT; the
             # divisor wsum / w_own >= 1 once another contribution counted): divide straight into
-            # flat and send that (no check pass, no separate division pass, no copy).
-            torch.div(x, self.wsum[ci] / self.weight, out=out)
+            # flat and send that (no check pass, no separate division pass, no copy). A running
+            # mean is in flat already.
+            if not self.running_mean:
+                torch.div(x, self.wsum[ci] / self.weight, out=out)
             return memoryview(out.numpy()).cast("B")
         else:  # the division rides on the encode (int8 rescales its block scales): no pass of its own
             scale = self.weight / self.wsum[ci]
