@@ -11,6 +11,13 @@ in a round with a model on the GPU; the baseline rows are then the host-bound co
 chunk (what ``none`` costs at least) and a device ``add_``.
 
     python benchmarks/compression_bench.py [--numel N] [--chunk N] [--threads T] [--device cuda] [--json out.json]
+    python benchmarks/compression_bench.py --quality
+
+``--quality`` prints each codec's relative L2 error ``|dec - x| / |x|`` instead, on tensors of
+different tails: Gaussian, Student-t (3 degrees of freedom), Gaussian with 0.2% of the values
+x100, and real updates of the example tasks (the first gradient of ``digits`` and ``char_lm``, and
+``char_lm``'s DiLoCo pseudo-gradient after 50 AdamW steps), with their kurtosis, and the ratio of
+``int8``'s error to ``int8-outlier``'s.
 """
 
 from __future__ import annotations
@@ -38,6 +45,54 @@ def best_time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> fl
     return best
 
 
+def _task_updates() -> list[tuple[str, torch.Tensor]]:
+    """The first gradient of each example task, and char_lm's pseudo-gradient after 50 steps."""
+    from p2ptrain.tasks import get_task
+
+    out = []
+    for name in ("digits", "char_lm"):
+        task = get_task(name)
+        torch.manual_seed(0)
+        model = task.make_model(seed=0)
+        opt = task.make_optimizer(model.parameters())
+        start = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        for step, batch in zip(range(50), task.batches(32, seed=0)):
+            opt.zero_grad()
+            task.loss(model, batch).backward()
+            if step == 0:
+                out.append((f"{name} gradient", torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
+            opt.step()
+        if name == "char_lm":
+            out.append((f"{name} pseudo-gradient", start - torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+    return out
+
+
+def quality(codecs: list[str]) -> None:
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 22
+    spiky = torch.randn(n, generator=g)
+    spiky[torch.randint(0, n, (n // 500,), generator=g)] *= 100
+    inputs = [("gaussian", torch.randn(n, generator=g)),
+              ("student-t, 3 dof", torch.distributions.StudentT(3.0).sample((n,))),
+              ("gaussian, 0.2% x100", spiky), *_task_updates()]
+    codecs = [c for c in codecs if c != "topk"]  # (sparse: its error is what it drops, not a rounding)
+    print(f"{'relative L2 error':<26}{'kurtosis':>9}" + "".join(f"{c:>14}" for c in codecs)
+          + ("  int8 / int8-outlier" if {"int8", "int8-outlier"} <= set(codecs) else ""))
+    for label, x in inputs:
+        x = x.float().contiguous()
+        kurt = float(((x - x.mean()) ** 4).mean() / x.var() ** 2)
+        errs = {}
+        for name in codecs:
+            codec = get_codec(name)
+            dec = torch.empty_like(x)
+            for c, o in zip(iter_chunks(x), iter_chunks(dec)):
+                enc = codec.encode(c)
+                codec.decode(enc.meta, enc.tobytes(), out=o)
+            errs[name] = float((dec - x).norm() / x.norm())
+        ratio = f"{errs['int8'] / errs['int8-outlier']:>20.1f}x" if {"int8", "int8-outlier"} <= set(errs) else ""
+        print(f"{label:<26}{kurt:>9.1f}" + "".join(f"{errs[c]:>14.2e}" for c in codecs) + ratio)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=int, default=64 << 20)
@@ -49,7 +104,11 @@ def main(argv=None) -> None:
     ap.add_argument("--topk-fraction", type=float, default=0.01)
     ap.add_argument("--device", default="cpu", help="where the tensors live: cpu (default) or cuda")
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--quality", action="store_true", help="print each codec's error on differently tailed "
+                    "tensors and real task updates instead of throughput")
     args = ap.parse_args(argv)
+    if args.quality:
+        return quality([n for n in args.codecs.split(",") if n])
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device here")

@@ -24,6 +24,14 @@ def test_help_mentions_the_training_commands():
         assert out.returncode == 0 and "--example" in out.stdout and "--epochs" in out.stdout
 
 
+def test_compression_choices_are_the_codecs():
+    """The CLI restates the codec names (importing them would import torch for every --help)."""
+    from p2ptrain.cli.peer_cmd import COMPRESSION_CHOICES
+    from p2ptrain.compression import CODECS
+
+    assert COMPRESSION_CHOICES == list(CODECS)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["peer", "--epochs", "0"], "--epochs must be at least 1"),
     (["peer", "--bootstrap", "/ip4/1.2.3/tcp/1"], "1.2.3"),

@@ -15,6 +15,7 @@ from p2ptrain.compression import (
     CompressionError,
     ErrorFeedback,
     Int8Codec,
+    Int8OutlierCodec,
     TopKCodec,
     get_codec,
     iter_chunks,
@@ -26,8 +27,8 @@ BLOCK = 64  # a small int8 block in the property tests so block +- 1 shapes stay
 
 
 def make_codec(name: str):
-    if name == "int8":
-        return get_codec("int8", block=BLOCK)
+    if name in ("int8", "int8-outlier"):
+        return get_codec(name, block=BLOCK)
     return get_codec(name)
 
 
@@ -116,6 +117,77 @@ def test_int8_blockwise_bound(x):
     assert ((out.double() - x64).abs() <= bound).all()
 
 
+@SETTINGS
+@given(x=chunks(), outliers=st.sampled_from([1, 2, 5]))
+def test_int8_outlier_bound(x, outliers):
+    """The ``outliers`` largest |values| of every block come back exactly, the others within half
+    a step of the largest |value| left; and that error never exceeds plain int8's bound."""
+    codec = get_codec("int8-outlier", block=BLOCK, outliers=outliers)
+    roundtrip(codec, x)
+    n = x.numel()
+    if n == 0:
+        return
+    out = codec.decode(codec.encode(x).meta, codec.encode(x).tobytes(), out=torch.empty(n)).double()
+    x64 = x.float().double()  # what the codec sees (a float16/bfloat16 chunk is cast exactly)
+    nb = -(-n // BLOCK)
+    padded = torch.full((nb * BLOCK,), -1.0, dtype=torch.float64)  # padding sorts below every |x|
+    padded[:n] = x64.abs()
+    ranked = padded.view(nb, BLOCK).sort(dim=1, descending=True)
+    rest = ranked.values[:, outliers].clamp_min(0).repeat_interleave(BLOCK)[:n]  # (k+1)-th largest |x|
+    absmax = ranked.values[:, 0].repeat_interleave(BLOCK)[:n]
+    kept = torch.zeros(nb * BLOCK, dtype=torch.bool)
+    kept.view(nb, BLOCK).scatter_(1, ranked.indices[:, :outliers], True)
+    kept = kept[:n]
+    err = (out - x64).abs()
+    # ties: when several values share the (k+1)-th |value|, which of them travel exactly is the codec's choice
+    exact = kept & (x64.abs() > rest)
+    assert (err[exact] == 0).all()
+    assert (err <= rest / 254 * (1 + 1e-5) + 2.0**-100).all()
+    assert (err <= absmax / 254 * (1 + 1e-5) + 2.0**-100).all()
+
+
+def test_int8_outlier_beats_int8_on_heavy_tails():
+    """What the variant is for: a few huge values per block no longer coarsen everyone's step."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 16, generator=g)
+    x[torch.randint(0, x.numel(), (x.numel() // 500,), generator=g)] *= 100
+    errs = {}
+    for name in ("int8", "int8-outlier"):
+        codec = get_codec(name)
+        out = codec.decode(*_enc_meta_wire(codec.encode(x)))
+        errs[name] = float((out - x).norm() / x.norm())
+    assert errs["int8-outlier"] < errs["int8"] / 4, errs
+    n = 1 << 20
+    assert get_codec("int8-outlier").encoded_nbytes(n) == n + 4 * (n // 256) + 2 * 5 * (n // 256)
+
+
+def test_int8_outlier_options_and_bad_positions():
+    for bad in ({"block": 512}, {"outliers": 0}, {"outliers": 256}, {"outliers": True}, {"outliers": 1.5}):
+        with pytest.raises(CompressionError, match="bad options"):
+            get_codec("int8-outlier", **bad)
+    codec = Int8OutlierCodec(block=64, outliers=2)
+    x = torch.randn(300)  # 4 full blocks and a tail of 44
+    enc = codec.encode(x)
+    nb = 5
+    pos = 4 * nb + 4 * nb * 2  # where the positions start
+    for at, value in ((pos, 64), (pos + 2 * 4, 44), (pos + 2 * 4 + 1, 255)):  # outside a block / the tail
+        b = bytearray(enc.tobytes())
+        b[at] = value
+        for check in (codec.decode, codec.add_bound):
+            with pytest.raises(CompressionError, match="position"):
+                check(enc.meta, bytes(b))
+        acc = torch.zeros(300)
+        with pytest.raises(CompressionError, match="position"):
+            Int8OutlierCodec(block=64, outliers=2, check_finite_on_decode=False).decode_add(enc.meta, bytes(b), acc)
+        assert (acc == 0).all()
+    b = bytearray(enc.tobytes())
+    b[4 * nb : 4 * nb + 4] = torch.tensor([float("nan")]).numpy().tobytes()  # an outlier value
+    with pytest.raises(CompressionError, match="NaN or inf"):
+        codec.add_bound(enc.meta, bytes(b))
+    with pytest.raises(CompressionError, match="outliers=3"):
+        get_codec("int8-outlier", block=64).decode({**enc.meta, "outliers": 3}, enc.tobytes())
+
+
 def test_int8_default_block_and_ratio():
     codec = get_codec("int8")
     assert codec.block == 256
@@ -189,7 +261,7 @@ def test_encode_into_out_buffer(name, dtype, feedback):
     enc = codec.encode(x, key=1, out=out)
     assert enc.tobytes() == want
     aliases = [b.data_ptr() == out.data_ptr() for b in enc.buffers if isinstance(b, torch.Tensor)]
-    copies = name == "int8" or (name in ("fp16", "bf16") and (feedback or dtype != codec.wire_dtype))
+    copies = name in ("int8", "int8-outlier") or (name in ("fp16", "bf16") and (feedback or dtype != codec.wire_dtype))
     if copies:
         assert aliases == [True] and bytes(out[:nbytes].numpy()) == want
         assert (out[nbytes:] == 0xAB).all()
@@ -223,7 +295,7 @@ def test_add_bound_covers_what_decode_add_adds(name):
         acc.zero_()
         codec.decode_add(enc.meta, dup, acc)
         assert float(acc[0]) == 5.0 * k <= codec.add_bound(enc.meta, dup)
-    elif name != "int8":  # a NaN in the payload
+    elif name not in ("int8", "int8-outlier"):  # a NaN in the payload
         bad = bytearray(wire)
         bad[0:4 if name == "none" else 2] = (b"\x00\x00\xc0\x7f" if name == "none" else
                                                {"fp16": b"\x00\x7e", "bf16": b"\xc0\x7f"}[name])
@@ -555,7 +627,7 @@ def test_cuda_roundtrip(name):
     out = torch.empty(5000, device="cuda")
     codec.decode(enc.meta, enc.tobytes(), out=out)
     codec.decode_add(enc.meta, enc.tobytes(), out, 1.0)
-    ref = get_codec(name).decode(enc.meta, enc.tobytes()) if name != "int8" else codec.decode(enc.meta, enc.tobytes())
+    ref = codec.decode(enc.meta, enc.tobytes())
     torch.testing.assert_close(out.cpu(), 2 * ref, rtol=1e-6, atol=1e-6)
 
 

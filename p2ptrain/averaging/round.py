@@ -286,7 +286,7 @@ class _Incoming:
 
 
 #: gather codecs whose encode never fails on finite values: owners may sum in place (see _Round)
-_IN_PLACE_GATHER = ("none", "int8")
+_IN_PLACE_GATHER = ("none", "int8", "int8-outlier")
 
 #: the largest |sum| an owner's float32 accumulator may reach: half of float32's max leaves room
 #: for the rounding of every addition, so a sum checked against it never overflows to inf

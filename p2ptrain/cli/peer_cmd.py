@@ -56,6 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+#: p2ptrain.compression.CODECS, restated: importing it would import torch for every ``--help``
+COMPRESSION_CHOICES = ["none", "fp16", "bf16", "int8", "int8-outlier", "topk"]
+
+
 def add_training_args(p: argparse.ArgumentParser) -> None:
     """What to train and how: the same flags for ``p2ptrain peer`` and ``p2ptrain swarm``."""
     p.add_argument("--config", metavar="FILE",
@@ -68,8 +72,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-batch-size", type=int, default=512, help="swarm samples per global step (sync)")
     p.add_argument("--batch-size", type=int, help="samples per local step (default: the example's)")
     p.add_argument("--local-steps", type=int, default=50, help="local steps per outer round (diloco, default 50)")
-    p.add_argument("--compression", choices=["none", "fp16", "bf16", "int8", "topk"],
-                   help="codec on the wire (default: none for sync, int8 for diloco)")
+    p.add_argument("--compression", choices=COMPRESSION_CHOICES,
+                   help="codec on the wire (default: none for sync, int8 for diloco; int8-outlier sends each "
+                        "block's 2 largest values exactly: for heavy-tailed updates)")
     p.add_argument("--aggregation", choices=["mean", "trimmed_mean", "median", "centered_clip"], default="mean",
                    help="how a group combines its members' updates: mean (default, trusts every peer) or a "
                         "robust rule that a minority of hostile peers cannot steer; the same on every peer")

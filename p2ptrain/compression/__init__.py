@@ -1,6 +1,6 @@
 """Compression codecs for the averaging subsystem (sans-IO: tensors in, raw bytes out).
 
->>> codec = get_codec("int8")                     # or "none", "fp16", "bf16", "topk"
+>>> codec = get_codec("int8")                     # or "none", "fp16", "bf16", "int8-outlier", "topk"
 >>> enc = codec.encode(chunk)                     # chunk: flat contiguous 1-D float tensor
 >>> wire = enc.memoryviews()                      # raw buffers, written back to back
 >>> codec.encoded_nbytes(chunk.numel())           # == enc.nbytes: preallocate / validate size
@@ -20,6 +20,7 @@ from .base import DEFAULT_MAX_NUMEL, DTYPES, Codec, CompressionError, Encoded, i
 from .feedback import ErrorFeedback
 from .float import BFloat16Codec, Float16Codec, NoneCodec
 from .int8 import Int8Codec
+from .int8_outlier import Int8OutlierCodec
 from .topk import TopKCodec
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "BFloat16Codec",
     "Float16Codec",
     "Int8Codec",
+    "Int8OutlierCodec",
     "NoneCodec",
     "TopKCodec",
     "get_codec",
@@ -50,6 +52,7 @@ _FACTORIES: dict[str, Callable[..., Codec]] = {
     "fp16": Float16Codec,
     "bf16": BFloat16Codec,
     "int8": Int8Codec,
+    "int8-outlier": Int8OutlierCodec,
     "topk": _topk,
 }
 
@@ -59,7 +62,8 @@ CODECS: tuple[str, ...] = tuple(_FACTORIES)
 
 def get_codec(name: str, **opts: Any) -> Codec:
     """A codec by name. Options: every codec takes ``max_numel`` and ``check_finite_on_decode``;
-    ``int8`` takes ``block`` (default 256); ``topk`` takes ``fraction`` (default 0.01) and
+    ``int8`` takes ``block`` (default 256); ``int8-outlier`` takes ``block`` (default 256, at most 256) and
+    ``outliers`` (values per block sent exactly, default 2); ``topk`` takes ``fraction`` (default 0.01) and
     ``error_feedback`` (default True: returns a stateful :class:`ErrorFeedback`, one per model/averager;
     pass ``key=`` to ``encode``)."""
     try:
@@ -68,5 +72,5 @@ def get_codec(name: str, **opts: Any) -> Codec:
         raise CompressionError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}") from None
     try:
         return factory(**opts)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # an unknown option, or a value out of range
         raise CompressionError(f"bad options for codec {name!r}: {e}") from None
