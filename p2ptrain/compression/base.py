@@ -116,19 +116,30 @@ def out_buffer(codec: Codec, chunk: torch.Tensor, out: torch.Tensor | None) -> t
     return out if chunk.device.type == "cpu" else None
 
 
+#: whether torch has spent its one "buffer is not writable" warning (TORCH_WARN_ONCE: per process)
+_READONLY_WARNED = False
+
+
 def frombuffer(buf: BufferLike, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
     """A read-only-in-spirit tensor view of ``count`` ``dtype`` values at byte ``offset`` of ``buf``.
 
-    ``torch.frombuffer`` needs a writable buffer to avoid a warning; bytes are read-only, so those are
-    wrapped without copying and the result is never written to.
+    ``torch.frombuffer`` warns about a read-only buffer (bytes, a received frame); those are
+    wrapped without copying and the result is never written to. torch warns once per process, so
+    only the first read-only buffer goes through ``warnings.catch_warnings`` (which swaps the
+    process-wide filters: ~10 us, and not thread-safe, on every one of a round's chunks).
     """
+    global _READONLY_WARNED
     if count == 0:
         return torch.empty(0, dtype=dtype)
+    if _READONLY_WARNED or not memoryview(buf).readonly:
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer" - we never write to it
-        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+    _READONLY_WARNED = True
+    return t
 
 
 class Codec:
@@ -374,7 +385,7 @@ def check_finite(x: torch.Tensor, what: str) -> None:
         if abs_max(x) < float("inf"):  # NaN compares false
             return
         raise CompressionError(f"{what} contains NaN or inf; refusing to encode/average it")
-    if bool(torch.isfinite(x.sum())):
+    if math.isfinite(float(x.sum())):  # (a Python float: no scalar-tensor op to dispatch)
         return
     if not bool(torch.isfinite(x).all()):
         raise CompressionError(f"{what} contains NaN or inf; refusing to encode/average it")
