@@ -501,6 +501,7 @@ class _Round:
         # by wsum / w_own): starting it from our own values then needs no multiply pass. The first
         # foreign contribution writes acc = own + ratio * theirs in one pass; a message that fails
         # validation leaves acc untouched and never counts (a chunk still at count 1 keeps flat).
+        # With ``running_mean``, acc holds the weighted mean itself (see __init__).
         meta = dict(self.rmeta, numel=b - a)
         if self.running_mean:
             top = self.codec.add_bound(meta, buf)  # validates: NaN/inf and malformed raise
