@@ -59,8 +59,6 @@ RequestHandler = Callable[["Connection", Any], Awaitable[Any]]
 StreamHandler = Callable[[Stream], Awaitable[None]]
 
 
-
-
 class Connection(asyncio.BufferedProtocol):
     """One secure connection. Created by ``Host``; use ``call`` and ``open_stream``."""
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CompressionError, Encoded, as_uint8, frombuffer, scratch
+from .base import CompressionError, Encoded, abs_max, as_uint8, frombuffer, scratch
 from .int8 import _INF, _TINY, Int8Codec
 
 __all__ = ["Int8OutlierCodec"]
@@ -86,9 +86,9 @@ class Int8OutlierCodec(Int8Codec):
         for start, stop, rows, cols, b0 in self._parts(n):
             xb = x[start:stop].view(rows, cols)
             t = tmp[: stop - start].view(rows, cols)
-            # NaN/inf first, with the cheap reductions int8 uses (NaN propagates through amax/amin;
-            # topk's ordering of NaN is not something to rely on)
-            if not float(torch.maximum(xb.amax(), xb.amin().neg())) < _INF:
+            # NaN/inf first, with one min/max pass (NaN propagates through it; topk's ordering of
+            # NaN is not something to rely on)
+            if not abs_max(xb) < _INF:
                 raise CompressionError("int8-outlier: input chunk contains NaN or inf; refusing to encode it")
             kk = min(k, cols)
             top = torch.topk(torch.abs(xb, out=t), min(k + 1, cols), dim=1)  # descending |x|
