@@ -125,7 +125,7 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     import torch
 
     from dht.identity import Identity, PeerID
-    from dht.transport import Host
+    from dht.transport import Host, Limits
     from p2ptrain.averaging.allreduce import AllReduceConfig, AllReduceService
     from p2ptrain.averaging.group import Group, Member
     from p2ptrain.compression import get_codec
@@ -139,7 +139,12 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     if os.environ.get("P2PT_BENCH_LOG"):
         logging.getLogger("dht").setLevel(logging.INFO)
         logging.getLogger("p2ptrain").setLevel(logging.INFO)
-    host = Host(Identity(), (listen_ip, 0))
+    lim = {}
+    if os.environ.get("P2PT_BENCH_SEAL"):  # --seal-threads
+        lim["seal_threads"] = int(os.environ["P2PT_BENCH_SEAL"])
+    if os.environ.get("P2PT_BENCH_WINDOW"):  # --stream-window
+        lim["stream_window"] = int(os.environ["P2PT_BENCH_WINDOW"])
+    host = Host(Identity(), (listen_ip, 0), limits=Limits(**lim))
     await host.start()
     print(json.dumps({"peer": host.peer_id.to_base58(), "port": host.listen_port, "ip": listen_ip}), flush=True)
     loop = asyncio.get_running_loop()
@@ -542,6 +547,11 @@ def main() -> None:
                          "share the cores; a trainer on a many-core box runs with more)")
     ap.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
                     help="experiment: sys.setswitchinterval(S) in our members (default: Python's 5 ms)")
+    ap.add_argument("--seal-threads", type=int, default=None, metavar="T",
+                    help="threads that encrypt our big outgoing frames (Limits.seal_threads; default: the "
+                         "library's, 2 from 4 usable CPUs up, else 0 = inline on the event loop)")
+    ap.add_argument("--stream-window", type=int, default=None, metavar="BYTES",
+                    help="experiment: each member's per-stream receive window (Limits.stream_window)")
     ap.add_argument("--beside-training", action="store_true",
                     help="each of our members also runs a small model's training loop in another thread, as a "
                          "peer does while a round overlaps compute (delayed updates, DiLoCo)")
@@ -570,6 +580,10 @@ def main() -> None:
         os.environ["P2PT_BENCH_SWITCH"] = str(args.switch_interval)
     if args.beside_training:
         os.environ["P2PT_BENCH_BUSY"] = "1"
+    if args.stream_window:
+        os.environ["P2PT_BENCH_WINDOW"] = str(args.stream_window)
+    if args.seal_threads is not None:
+        os.environ["P2PT_BENCH_SEAL"] = str(max(0, args.seal_threads))
     if args.worker:
         _loop_policy()
         asyncio.run(_worker_main(args.profile_out, args.listen_ip))

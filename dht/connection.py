@@ -29,6 +29,7 @@ from .errors import (
 )
 from .identity import PeerID
 from .noise import REFUSAL_SIZE, CipherState, SwarmKeyMismatch, XXHandshake
+from .sealer import OrderedSender
 from .stream import WINDOW_BODY, Stream
 from .wire import (
     HEADER_SIZE,
@@ -70,7 +71,7 @@ class Connection(asyncio.BufferedProtocol):
         self.remote_host: str | None = None
         self.remote_port: int | None = None  # the socket's (ephemeral) port, for log lines
         self.remote_listen_port: int | None = None
-        self.remote_window = host.limits.stream_window  # the peer's receive window per stream
+        self.remote_window = host.stream_window  # the peer's receive window per stream
         self.max_data_body = LEGACY_FRAME_BODY  # largest stream data frame the peer accepts
         self.ready: asyncio.Future[Connection] = host.loop.create_future()
         self._transport: asyncio.Transport | None = None
@@ -93,6 +94,8 @@ class Connection(asyncio.BufferedProtocol):
         self._tasks: set[asyncio.Task] = set()
         self._write_ok = asyncio.Event()
         self._write_ok.set()
+        # frames waiting for an earlier frame's encryption on the host's sealing pool (dht.sealer)
+        self._outq = OrderedSender(host.loop, self._write_frame, self._seal_failed)
         self._closed = False
         self.close_reason: str | None = None
         now = time.monotonic()
@@ -126,7 +129,7 @@ class Connection(asyncio.BufferedProtocol):
             self.initiator,
             prologue=host.prologue,
             expected_peer=self.expected_peer,
-            local_payload={"port": host.listen_port, "window": host.limits.stream_window, "frame": MAX_FRAME_BODY},
+            local_payload={"port": host.listen_port, "window": host.stream_window, "frame": MAX_FRAME_BODY},
             static=host.static_key,
             psk=host.swarm_key.secret if host.swarm_key is not None else None,
         )
@@ -417,7 +420,7 @@ class Connection(asyncio.BufferedProtocol):
             reason = f"unknown protocol {protocol!r}"
         elif len(self._streams) >= limits.max_streams or len(self._inbound) >= limits.max_inbound_streams:
             reason = "too many streams"
-        elif host.inbound_stream_memory + limits.stream_window > limits.max_inbound_stream_memory:
+        elif host.inbound_stream_memory + host.stream_window > host.inbound_stream_cap:
             reason = "busy: too many incoming streams on this host; retry later"
             host.log_refusal(self.remote_host, self.remote_port, f"stream {protocol!r} from {self.remote_peer}: {reason}")
         if reason is not None:
@@ -431,7 +434,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         stream = self._add_stream(ident, protocol, header)
         self._inbound.add(ident)
-        host.inbound_stream_memory += limits.stream_window
+        host.inbound_stream_memory += host.stream_window
         self._spawn(self._serve_stream(stream, handler))
 
     async def _serve_stream(self, stream: Stream, handler: StreamHandler) -> None:
@@ -455,26 +458,64 @@ class Connection(asyncio.BufferedProtocol):
         """Encrypt ``body`` (read in place, never copied first) and hand the frame to the socket.
 
         Large frames are encrypted into a pooled buffer (see ``BufferPool``), small ones into a
-        fresh ``bytes``; either goes out with the length/header prefix in one ``writelines``.
+        fresh ``bytes``; either goes out with the length/header prefix in one ``writelines``
+        (after any frame still being sealed on the host's pool: see ``send_bulk``).
         """
-        # uvloop raises RuntimeError on a write to a closing socket, before connection_lost runs.
-        if self._closed or self._send is None or self._transport is None or self._transport.is_closing():
-            raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
+        self._check_open()
         header = pack_header(kind, ident)
         n = len(body) if type(body) is not memoryview else body.nbytes
         if n + TAG_SIZE >= POOLED_FRAME_MIN and n <= MAX_FRAME_BODY and self.host.pool.keep:
             # into a pooled buffer, reused only after the transport has let go of it
             ciphertext = memoryview(self.host.pool.get(n + TAG_SIZE))[: n + TAG_SIZE]
-            self._send.encrypt_into(header, body, ciphertext)
+            self._send.encrypt_into(header, body, ciphertext)  # type: ignore[union-attr]
         else:
-            ciphertext = self._send.encrypt(header, body)
+            ciphertext = self._send.encrypt(header, body)  # type: ignore[union-attr]
+        prefix = LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header
+        if self._outq:
+            self._outq.push_ready(prefix, ciphertext)
+        else:
+            self._write_frame(prefix, ciphertext)
+        if self._closed:
+            raise PeerUnreachable(f"connection to {self.remote_peer} is closed") from None
+
+    async def send_bulk(self, kind: Kind, ident: int, body: memoryview) -> None:
+        """``send_frame`` for a big frame, sealed on the host's pool where it has one (many-core
+        machines, see ``dht.sealer``) so the loop moves other frames meanwhile. Returns once
+        ``body`` has been read: the caller may reuse it then."""
+        pool = self.host.sealer
+        n = body.nbytes
+        if pool is None or n + TAG_SIZE < POOLED_FRAME_MIN or n > MAX_FRAME_BODY or not self.host.pool.keep:
+            self.send_frame(kind, ident, body)
+            return
+        self._check_open()
+        header = pack_header(kind, ident)
+        ciphertext = memoryview(self.host.pool.get(n + TAG_SIZE))[: n + TAG_SIZE]
+        job = self._send.encrypt_job(header, body, ciphertext)  # type: ignore[union-attr]
+        await self._outq.seal(pool, LENGTH.pack(HEADER_SIZE + n + TAG_SIZE) + header, ciphertext, job)
+        if self._closed:
+            raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
+
+    def _check_open(self) -> None:
+        # uvloop raises RuntimeError on a write to a closing socket, before connection_lost runs.
+        if self._closed or self._send is None or self._transport is None or self._transport.is_closing():
+            raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
+
+    def _write_frame(self, prefix: bytes, ciphertext: bytes | memoryview) -> None:
+        """Hand one sealed frame to the socket (frames reach here in nonce order)."""
+        if self._closed or self._transport is None:
+            return
         try:
-            self._transport.writelines((LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header, ciphertext))
+            self._transport.writelines((prefix, ciphertext))
         except RuntimeError:  # uvloop: the handle died under us (is_closing() can lag behind)
             self.close("connection lost", abort=True)
-            raise PeerUnreachable(f"connection to {self.remote_peer} is closed") from None
-        self.bytes_sent += LENGTH.size + HEADER_SIZE + len(ciphertext)
+            return
+        self.bytes_sent += len(prefix) + len(ciphertext)
         self.last_activity = time.monotonic()
+
+    def _seal_failed(self, reason: str) -> None:
+        if not self._closed:  # (a host closing cancels what it had queued: nothing to report)
+            log.error("connection to %s: %s", self.remote_peer, reason)
+            self.close(reason, abort=True)
 
     def post(self, kind: Kind, ident: int, body: bytes | bytearray | memoryview = b"") -> None:
         """Send a control frame (reply, cancel, window, end, reset) if the connection is still
@@ -533,7 +574,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _add_stream(self, ident: int, protocol: str, header: Any) -> Stream:
         """A stream that accepts our window and sends within the remote's announced one."""
-        stream = Stream(self, ident, protocol, header, self.host.limits.stream_window, self.remote_window)
+        stream = Stream(self, ident, protocol, header, self.host.stream_window, self.remote_window)
         self._streams[ident] = stream
         return stream
 
@@ -541,7 +582,7 @@ class Connection(asyncio.BufferedProtocol):
         self._streams.pop(ident, None)
         if ident in self._inbound:
             self._inbound.discard(ident)
-            self.host.inbound_stream_memory -= self.host.limits.stream_window
+            self.host.inbound_stream_memory -= self.host.stream_window
 
     @property
     def is_closed(self) -> bool:
@@ -572,6 +613,7 @@ class Connection(asyncio.BufferedProtocol):
         # connection is lost: wake it, and drain() raises PeerUnreachable at once instead of
         # sitting out its whole timeout (the survivors of a crash mid-round waited 35 s on this).
         self._write_ok.set()
+        self._outq.clear()
         err = PeerUnreachable(f"connection to {self.remote_peer or self.remote_host} closed: {self.close_reason}")
         if not self.ready.done():
             self.ready.set_exception(HandshakeError(self.close_reason) if self.remote_peer is None else err)

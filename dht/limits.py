@@ -29,15 +29,24 @@ class Limits:
     request_rate: float = 1000.0
     request_burst: int = 2000
     max_streams: int = 64  # per connection, both directions
-    stream_window: int = 8 << 20
+    #: Each stream's receive window: what a sender may have in flight to us. None: 8 MiB, or 32 MiB
+    #: where big frames are sealed on threads (``seal_threads``, by default where this process may
+    #: use 4 or more CPUs): a sender that may run further ahead keeps them busy. Measured with
+    #: benchmarks/allreduce_bench.py on a 16-core host, N = 2, 256 MB, uncompressed: 0.190-0.195 s
+    #: per round with both, 0.212-0.217 s sealing with 8 MiB windows, 0.223-0.251 s inline with
+    #: either window. On 2 cores a wider window only holds more memory (no faster round).
+    stream_window: int | None = None
     #: Memory a peer can make us hold: every stream it opens may fill its window (``stream_window``)
     #: with data its handler has not read yet, so streams opened by the remote side are capped per
-    #: connection (16 x 8 MiB = 128 MiB per peer, with at most 64 x 1 MiB RPC bodies in flight) and,
-    #: summed over all connections, to ``max_inbound_stream_memory`` of windows (128 streams by
-    #: default). Past either cap a new stream is reset with a reason ("too many streams", "busy")
-    #: and the streams already open go on. An averaging round opens 1-2 streams per peer pair.
+    #: connection (16 x 8 MiB = 128 MiB per peer, 512 MiB with 32 MiB windows, with at most
+    #: 64 x 1 MiB RPC bodies in flight) and,
+    #: summed over all connections, to ``max_inbound_stream_memory`` of windows (None: 128 windows,
+    #: 1 GiB with 8 MiB windows, 4 GiB on the many-core hosts that get 32 MiB ones, so that an
+    #: averaging group may still have over 100 members). Past either cap a new stream is reset with
+    #: a reason ("too many streams", "busy") and the streams already open go on. An averaging
+    #: round opens 1-2 streams per peer pair.
     max_inbound_streams: int = 16
-    max_inbound_stream_memory: int = 1 << 30
+    max_inbound_stream_memory: int | None = None
     #: A peer whose streams were refused for capacity this many times is disconnected: each
     #: refused stream may still bring a window of data in flight (decrypted, then dropped), so a
     #: peer that keeps opening past the caps costs us bandwidth and CPU without holding memory.
@@ -58,6 +67,11 @@ class Limits:
     #: costs a zero-filled, page-faulting allocation. Buffers are only allocated when that many
     #: frames are in flight at once, so a DHT-only node never holds any.
     buffer_pool: int = 32
+    #: threads that encrypt big outgoing frames off the event loop (``dht.sealer``); None: 2 where
+    #: the process may use 4 or more CPUs, else 0 (inline: on 2 cores a thread only competes with
+    #: the loop, N = 2 rounds 0.198 s against 0.170 s inline). ``benchmarks/allreduce_bench.py
+    #: --seal-threads T --stream-window B`` measures both knobs (see ``stream_window``).
+    seal_threads: int | None = None
 
 
 class LogThrottle:

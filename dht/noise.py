@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from typing import Callable
 
 import msgpack
 from cryptography.exceptions import InvalidTag
@@ -36,6 +37,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .errors import HandshakeError, PeerIdMismatch, ProtocolError
 from .identity import Identity, PeerID
+from .sealer import seal_job
 
 PROTOCOL_NAME = b"Noise_XX_25519_AESGCM_SHA256"
 PSK_PROTOCOL_NAME = b"Noise_XXpsk0_25519_AESGCM_SHA256"
@@ -125,10 +127,11 @@ def _dh(priv: X25519PrivateKey, pub: bytes) -> bytes:
 class CipherState:
     """One direction of an AEAD channel with a counter nonce (Noise's CipherState)."""
 
-    __slots__ = ("_aead", "_n")
+    __slots__ = ("_aead", "_key", "_n")
 
     def __init__(self, key: bytes | None = None):
         self._aead = AESGCM(key) if key is not None else None
+        self._key = key
         self._n = 0
 
     @property
@@ -159,6 +162,12 @@ class CipherState:
         """Encrypt ``plaintext`` into ``out`` (len(plaintext) + 16 bytes) without a temporary copy."""
         assert self._aead is not None
         self._aead.encrypt_into(self._next_nonce(), plaintext, ad, out)
+
+    def encrypt_job(self, ad: bytes, plaintext, out) -> Callable[[], None]:
+        """Reserve the next nonce now (frames must leave in nonce order) and return the
+        encryption into ``out`` as a call for another thread (see ``dht.sealer``)."""
+        assert self._key is not None
+        return seal_job(self._key, self._next_nonce(), ad, plaintext, out)
 
     def decrypt_into(self, ad: bytes, ciphertext, out) -> None:
         assert self._aead is not None

@@ -19,6 +19,7 @@ the log); the dialer's ``connect`` raises :class:`~dht.noise.SwarmKeyMismatch` s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import socket
 import time
@@ -33,6 +34,8 @@ from .identity import Identity, PeerID
 from .limits import Limits, LogThrottle
 from .multiaddr import Multiaddr
 from .noise import StaticKey
+from .sealer import default_threads, make_pool
+from .stream import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
 from .swarmkey import SwarmKey, load_swarm_key
 from .wire import MAX_FRAME, MAX_FRAME_BODY
 
@@ -92,6 +95,15 @@ class Host:
         self.pool = BufferPool(MAX_FRAME, self.limits.buffer_pool)  # (a whole frame: connections receive into them too)
         self._discard: memoryview | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        #: encrypts big outgoing frames off the loop on many-core machines (``dht.sealer``); None: inline
+        self.sealer: concurrent.futures.ThreadPoolExecutor | None = None
+        seal = self.limits.seal_threads
+        self._seal_threads = default_threads() if seal is None else max(0, seal)
+        #: each stream's receive window (``Limits.stream_window``; by default wide where we seal on threads)
+        self.stream_window: int = self.limits.stream_window or (
+            WIDE_STREAM_WINDOW if self._seal_threads else DEFAULT_STREAM_WINDOW)
+        #: the windows of inbound streams this host holds at most, summed over its connections
+        self.inbound_stream_cap: int = self.limits.max_inbound_stream_memory or 128 * self.stream_window
 
     @property
     def discard_buffer(self) -> memoryview:
@@ -107,6 +119,7 @@ class Host:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.sealer = make_pool(self._seal_threads)
         if self._listen is not None:
             host, port = self._listen
             self._server = await self.loop.create_server(
@@ -387,4 +400,8 @@ class Host:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
+        if self.sealer is not None:
+            # every connection is closed: what is still queued has no one to go to
+            self.sealer.shutdown(wait=False, cancel_futures=True)
+            self.sealer = None
         self.pool.clear()

@@ -17,13 +17,13 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import os
 from typing import Any
 
 import torch
 
 from dht.aio import cancel_all
 from dht.identity import PeerID
+from dht.sealer import usable_cpus
 from dht.stream import Stream
 from dht.transport import Host
 
@@ -51,14 +51,6 @@ MAX_WAITING_PER_PEER = 4
 
 def _noop() -> None:
     pass
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 class AllReduceService:

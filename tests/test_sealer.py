@@ -1,0 +1,275 @@
+"""Big frames encrypted on a thread pool (``dht.sealer``), as on many-core machines.
+
+The pool is off by default on this 2-core box, so these tests turn it on with
+``Limits(seal_threads=2)`` and check what must not change: the bytes a stream delivers, frame
+order against small control frames and RPCs on the same connection, a writer cancelled mid-frame,
+and an all-reduce round's exact result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import os
+
+import pytest
+import torch
+
+from dht import sealer
+from dht.identity import Identity
+from dht.stream import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
+from dht.transport import Host, Limits
+from p2ptrain.averaging.allreduce import AllReduceConfig, AllReduceService
+from p2ptrain.averaging.group import Group, Member
+
+MiB = 1 << 20
+SEAL = Limits(seal_threads=2)
+
+pytestmark = [pytest.mark.usefixtures("loop_errors"), pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+async def hosts():
+    made: list[Host] = []
+
+    async def make(limits: Limits = SEAL) -> Host:
+        h = Host(Identity(), ("127.0.0.1", 0), limits=limits)
+        await h.start()
+        h.on_request("echo", lambda _c, args: _echo(args))
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        await h.close()
+
+
+async def _echo(args):
+    return args
+
+
+def pattern(nbytes: int, seed: int) -> bytes:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+
+
+async def test_pool_and_wide_windows_only_where_asked_or_many_cores(hosts, monkeypatch):
+    assert (await hosts()).sealer is not None
+    assert (await hosts(Limits(seal_threads=0))).sealer is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(2)))
+    assert sealer.default_threads() == 0
+    two = await hosts(Limits())
+    assert two.sealer is None and two.stream_window == DEFAULT_STREAM_WINDOW
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert sealer.default_threads() == 2
+    many = await hosts(Limits())
+    assert many.sealer is not None and many.stream_window == WIDE_STREAM_WINDOW
+    assert many.inbound_stream_cap == 128 * WIDE_STREAM_WINDOW and two.inbound_stream_cap == 1 << 30
+    assert (await hosts(Limits(stream_window=1 << 20))).stream_window == 1 << 20
+    inline = await hosts(Limits(seal_threads=0))  # no sealing threads: no reason for wide windows
+    assert inline.sealer is None and inline.stream_window == DEFAULT_STREAM_WINDOW
+    # what a host advertises is what its peer's streams to it may have in flight
+    conn = await two.connect("127.0.0.1", many.listen_port, many.peer_id)
+    assert conn.remote_window == WIDE_STREAM_WINDOW
+
+
+async def test_streams_and_rpcs_share_a_sealing_connection(hosts):
+    """Two streams of 4 MiB frames both ways plus a stream of RPCs on the same connection: every
+    byte arrives, in order, and every RPC answers (a nonce out of order would fail the frame's
+    authentication and close the connection)."""
+    a, b = await hosts(), await hosts()
+    sizes = {"x": 24 * MiB + 12345, "y": 17 * MiB + 7}
+    got: dict[str, str] = {}
+    done = asyncio.Event()
+
+    async def sink(stream):
+        h = hashlib.sha256()
+        while (chunk := await stream.read(10)) is not None:
+            h.update(chunk)
+        got[stream.header["name"]] = h.hexdigest()
+        await stream.write(b"ok")
+        stream.write_eof()
+        if len(got) == len(sizes):
+            done.set()
+
+    b.on_stream("sink", sink)
+    async with asyncio.timeout(30):
+        conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
+
+        async def send(name: str, seed: int) -> bytes:
+            data = pattern(sizes[name], seed)
+            stream = await conn.open_stream("sink", {"name": name})
+            view = memoryview(data)
+            for i in range(0, len(view), 4 * MiB):
+                await stream.write(view[i : i + 4 * MiB], timeout=10)
+            stream.write_eof()
+            assert await stream.read_all(16, timeout=10) == b"ok"
+            return data
+
+        async def rpcs() -> int:
+            n = 0
+            while not done.is_set():
+                assert await conn.call("echo", [n, b"z" * 300], timeout=10) == [n, b"z" * 300]
+                n += 1
+                await asyncio.sleep(0)
+            return n
+
+        sent_x, sent_y, n_calls = await asyncio.gather(send("x", 1), send("y", 2), rpcs())
+        await done.wait()
+    assert got == {"x": hashlib.sha256(sent_x).hexdigest(), "y": hashlib.sha256(sent_y).hexdigest()}
+    assert n_calls > 0 and not conn.is_closed
+
+
+async def test_a_writer_cancelled_mid_frame_leaves_the_connection_usable(hosts):
+    a, b = await hosts(), await hosts()
+    received = []
+
+    async def slow_sink(stream):
+        while (chunk := await stream.read(10)) is not None:
+            received.append(len(chunk))
+
+    b.on_stream("sink", slow_sink)
+    async with asyncio.timeout(30):
+        conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
+        stream = await conn.open_stream("sink")
+        buf = bytearray(pattern(32 * MiB, 3))
+
+        async def write_all():
+            await stream.write(buf, timeout=10)
+
+        for _ in range(4):  # cancel at a few points of the transfer
+            task = asyncio.create_task(write_all())
+            await asyncio.sleep(0.002)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            buf[:] = bytes(len(buf))  # the caller reuses its buffer at once: nothing may read it now
+            if stream.closed:
+                break
+        stream.reset("cancelled")
+        # the connection (its nonces) survived: calls and a fresh stream still work
+        assert await conn.call("echo", "still here", timeout=10) == "still here"
+        data = pattern(9 * MiB, 4)
+        got = []
+
+        async def check(stream):
+            got.append(bytes(await stream.read_all(16 * MiB, timeout=10)))
+
+        b.on_stream("check", check)
+        s2 = await conn.open_stream("check")
+        await s2.write(data, timeout=10)
+        s2.write_eof()
+        while not got:
+            await asyncio.sleep(0.01)
+    assert got[0] == data and not conn.is_closed
+
+
+class _ManualPool(concurrent.futures.Executor):
+    """Runs nothing until told: the test completes jobs in any order it likes."""
+
+    def __init__(self):
+        self.jobs: list[tuple[concurrent.futures.Future, object]] = []
+
+    def submit(self, fn, *args, **kwargs):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.append((fut, fn))
+        return fut
+
+    def run(self, i: int) -> None:
+        fut, fn = self.jobs[i]
+        fut.set_running_or_notify_cancel()
+        fn()
+        fut.set_result(None)
+
+
+async def test_frames_leave_in_queue_order_whatever_order_they_are_sealed_in():
+    written: list[bytes] = []
+    failed: list[str] = []
+    q = sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), failed.append)
+    pool = _ManualPool()
+    ran: list[int] = []
+    seals = [asyncio.create_task(q.seal(pool, b"big%d" % i, b"", lambda i=i: ran.append(i))) for i in range(3)]
+    await asyncio.sleep(0)
+    q.push_ready(b"small", b"")  # a control frame posted behind them waits for them
+    assert written == [] and len(q) == 4
+    pool.run(2)
+    pool.run(1)
+    await asyncio.sleep(0.01)
+    assert written == []  # frame 0 is still being sealed
+    pool.run(0)
+    await asyncio.wait_for(asyncio.gather(*seals), 5)
+    assert written == [b"big0", b"big1", b"big2", b"small"] and ran == [2, 1, 0] and not failed and not q
+
+
+async def test_a_cancelled_seal_not_started_is_sealed_inline_and_sent_in_turn():
+    written: list[bytes] = []
+    q = sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), pytest.fail)
+    pool = _ManualPool()
+    ran: list[str] = []
+    t0 = asyncio.create_task(q.seal(pool, b"a", b"", lambda: ran.append("a")))
+    t1 = asyncio.create_task(q.seal(pool, b"b", b"", lambda: ran.append("b")))
+    await asyncio.sleep(0)
+    t1.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t1
+    assert ran == ["b"] and written == []  # sealed before its caller got its buffer back; waits for "a"
+    pool.run(0)
+    await asyncio.wait_for(t0, 5)
+    assert written == [b"a", b"b"]
+
+
+async def test_a_failed_seal_closes_the_connection_instead_of_skipping_a_nonce():
+    written: list[bytes] = []
+    failed: list[str] = []
+    q = sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), failed.append)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        def boom():
+            raise ValueError("bad buffer")
+        await asyncio.wait_for(q.seal(pool, b"x", b"", boom), 5)
+        q.push_ready(b"after", b"")
+    finally:
+        pool.shutdown()
+    assert written == [] and len(failed) == 1 and "bad buffer" in failed[0]
+
+
+async def test_allreduce_exact_with_sealing_threads():
+    n, numel = 3, (3 << 20) + 77  # chunks of 1M values: 4 MiB frames, sealed on the pool
+    made, services, members = [], [], []
+    try:
+        for _ in range(n):
+            h = Host(Identity(), ("127.0.0.1", 0), limits=SEAL)
+            await h.start()
+            made.append(h)
+            members.append(Member(h.peer_id, ("127.0.0.1", h.listen_port), 1.0))
+            svc = AllReduceService(h, AllReduceConfig(timeout=30))
+            await svc.start()
+            services.append(svc)
+        group = Group(os.urandom(16), tuple(members))
+        inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+        flats = [x.clone() for x in inputs]
+        weights = [1.0, 2.0, 3.0]
+        async with asyncio.timeout(40):
+            results = await asyncio.gather(*(s.run(group, r, flats[r], weights[r]) for r, s in enumerate(services)))
+        want = sum(w * x for w, x in zip(weights, inputs)) / sum(weights)
+        for r, res in enumerate(results):
+            assert res.ok, res.failed
+            torch.testing.assert_close(flats[r], want, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(flats[0], f) for f in flats[1:])
+    finally:
+        for s in services:
+            await s.close()
+        for h in made:
+            await h.close()
+
+
+async def test_a_pool_shutting_down_under_a_writer_seals_inline_without_cancelling_it():
+    written: list[bytes] = []
+    q = sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), pytest.fail)
+    pool = _ManualPool()
+    ran: list[str] = []
+    t = asyncio.create_task(q.seal(pool, b"a", b"", lambda: ran.append("a")))
+    await asyncio.sleep(0)
+    pool.jobs[0][0].cancel()  # what shutdown(cancel_futures=True) does to a job not started
+    await asyncio.wait_for(t, 5)  # returns: the writer's task was not the one cancelled
+    assert ran == ["a"] and written == [b"a"] and not t.cancelled()
