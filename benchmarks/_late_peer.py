@@ -28,7 +28,6 @@ import os
 import resource
 import sys
 import threading
-import resource
 import time
 
 _lock = threading.Lock()

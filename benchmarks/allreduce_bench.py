@@ -148,7 +148,10 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     await host.start()
     print(json.dumps({"peer": host.peer_id.to_base58(), "port": host.listen_port, "ip": listen_ip}), flush=True)
     loop = asyncio.get_running_loop()
-    readline = lambda: loop.run_in_executor(None, sys.stdin.readline)
+
+    def readline():
+        return loop.run_in_executor(None, sys.stdin.readline)
+
     job = json.loads(await readline())
     if job.get("frame"):  # experiment: cap the stream data frames this member sends and accepts
         import dht.connection

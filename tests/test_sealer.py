@@ -22,6 +22,7 @@ from dht.stream import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
 from dht.transport import Host, Limits
 from p2ptrain.averaging.allreduce import AllReduceConfig, AllReduceService
 from p2ptrain.averaging.group import Group, Member
+from test_transport import make_host  # noqa: F401 - a fixture
 
 MiB = 1 << 20
 SEAL = Limits(seal_threads=2)
@@ -29,55 +30,35 @@ SEAL = Limits(seal_threads=2)
 pytestmark = [pytest.mark.usefixtures("loop_errors"), pytest.mark.timeout(60)]
 
 
-@pytest.fixture
-async def hosts():
-    made: list[Host] = []
-
-    async def make(limits: Limits = SEAL) -> Host:
-        h = Host(Identity(), ("127.0.0.1", 0), limits=limits)
-        await h.start()
-        h.on_request("echo", lambda _c, args: _echo(args))
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        await h.close()
-
-
-async def _echo(args):
-    return args
-
-
 def pattern(nbytes: int, seed: int) -> bytes:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
 
 
-async def test_pool_and_wide_windows_only_where_asked_or_many_cores(hosts, monkeypatch):
-    assert (await hosts()).sealer is not None
-    assert (await hosts(Limits(seal_threads=0))).sealer is None
+async def test_pool_and_wide_windows_only_where_asked_or_many_cores(make_host, monkeypatch):  # noqa: F811
+    assert (await make_host(SEAL)).sealer is not None
+    assert (await make_host(Limits(seal_threads=0))).sealer is None
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(2)))
     assert sealer.default_threads() == 0
-    two = await hosts(Limits())
+    two = await make_host(Limits())
     assert two.sealer is None and two.stream_window == DEFAULT_STREAM_WINDOW
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
     assert sealer.default_threads() == 2
-    many = await hosts(Limits())
+    many = await make_host(Limits())
     assert many.sealer is not None and many.stream_window == WIDE_STREAM_WINDOW
     assert many.inbound_stream_cap == 128 * WIDE_STREAM_WINDOW and two.inbound_stream_cap == 1 << 30
-    assert (await hosts(Limits(stream_window=1 << 20))).stream_window == 1 << 20
-    inline = await hosts(Limits(seal_threads=0))  # no sealing threads: no reason for wide windows
+    assert (await make_host(Limits(stream_window=1 << 20))).stream_window == 1 << 20
+    inline = await make_host(Limits(seal_threads=0))  # no sealing threads: no reason for wide windows
     assert inline.sealer is None and inline.stream_window == DEFAULT_STREAM_WINDOW
     # what a host advertises is what its peer's streams to it may have in flight
     conn = await two.connect("127.0.0.1", many.listen_port, many.peer_id)
     assert conn.remote_window == WIDE_STREAM_WINDOW
 
 
-async def test_streams_and_rpcs_share_a_sealing_connection(hosts):
+async def test_streams_and_rpcs_share_a_sealing_connection(make_host):  # noqa: F811
     """Two streams of 4 MiB frames both ways plus a stream of RPCs on the same connection: every
     byte arrives, in order, and every RPC answers (a nonce out of order would fail the frame's
     authentication and close the connection)."""
-    a, b = await hosts(), await hosts()
+    a, b = await make_host(SEAL), await make_host(SEAL)
     sizes = {"x": 24 * MiB + 12345, "y": 17 * MiB + 7}
     got: dict[str, str] = {}
     done = asyncio.Event()
@@ -120,8 +101,8 @@ async def test_streams_and_rpcs_share_a_sealing_connection(hosts):
     assert n_calls > 0 and not conn.is_closed
 
 
-async def test_a_writer_cancelled_mid_frame_leaves_the_connection_usable(hosts):
-    a, b = await hosts(), await hosts()
+async def test_a_writer_cancelled_mid_frame_leaves_the_connection_usable(make_host):  # noqa: F811
+    a, b = await make_host(SEAL), await make_host(SEAL)
     received = []
 
     async def slow_sink(stream):
@@ -182,10 +163,15 @@ class _ManualPool(concurrent.futures.Executor):
         fut.set_result(None)
 
 
-async def test_frames_leave_in_queue_order_whatever_order_they_are_sealed_in():
+def _sender(fail=pytest.fail) -> tuple[sealer.OrderedSender, list[bytes]]:
+    """A send queue whose frames are recorded (their prefixes) instead of written to a socket."""
     written: list[bytes] = []
+    return sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), fail), written
+
+
+async def test_frames_leave_in_queue_order_whatever_order_they_are_sealed_in():
     failed: list[str] = []
-    q = sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), failed.append)
+    q, written = _sender(failed.append)
     pool = _ManualPool()
     ran: list[int] = []
     seals = [asyncio.create_task(q.seal(pool, b"big%d" % i, b"", lambda i=i: ran.append(i))) for i in range(3)]
@@ -202,8 +188,7 @@ async def test_frames_leave_in_queue_order_whatever_order_they_are_sealed_in():
 
 
 async def test_a_cancelled_seal_not_started_is_sealed_inline_and_sent_in_turn():
-    written: list[bytes] = []
-    q = sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), pytest.fail)
+    q, written = _sender()
     pool = _ManualPool()
     ran: list[str] = []
     t0 = asyncio.create_task(q.seal(pool, b"a", b"", lambda: ran.append("a")))
@@ -219,9 +204,8 @@ async def test_a_cancelled_seal_not_started_is_sealed_inline_and_sent_in_turn():
 
 
 async def test_a_failed_seal_closes_the_connection_instead_of_skipping_a_nonce():
-    written: list[bytes] = []
     failed: list[str] = []
-    q = sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), failed.append)
+    q, written = _sender(failed.append)
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         def boom():
@@ -264,8 +248,7 @@ async def test_allreduce_exact_with_sealing_threads():
 
 
 async def test_a_pool_shutting_down_under_a_writer_seals_inline_without_cancelling_it():
-    written: list[bytes] = []
-    q = sealer.OrderedSender(asyncio.get_running_loop(), lambda prefix, ct: written.append(prefix), pytest.fail)
+    q, written = _sender()
     pool = _ManualPool()
     ran: list[str] = []
     t = asyncio.create_task(q.seal(pool, b"a", b"", lambda: ran.append("a")))
