@@ -147,7 +147,8 @@ def test_client_mode_peer_trains_with_a_listening_one():
         events = [json.loads(line) for line in client.stdout.splitlines()]
         assert events[0]["event"] == "started" and events[0]["multiaddrs"] == []  # listens nowhere
         done = events[-1]
-        assert done["event"] == "done" and done["epoch"] == 6 and done["group_size"] == 2 and done["failed_rounds"] == 0
+        assert done["event"] == "done" and done["epoch"] == 6 and done["group_size"] == 2 and done["failed_rounds"] == 0, \
+            events[-8:]
         assert server.wait(timeout=60) == 0
     finally:
         server.kill()
