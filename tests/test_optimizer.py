@@ -462,3 +462,31 @@ def test_expected_round_size_counts_delayed_peers_that_reported_the_next_epoch()
     for delay in (True, False):
         fake.delay_updates = delay
         assert DecentralizedOptimizer._expected(fake, same, 4) == 3  # type: ignore[arg-type]
+
+
+def test_failed_state_loads_warn_once_then_count(swarm, caplog, monkeypatch):
+    """A peer ahead that serves no state (client mode) makes every step try to load it again:
+    one warning, then the failures are counted into the next one instead of flooding the log."""
+    import logging
+
+    from p2ptrain.checkpoint import StateTransferError
+    from p2ptrain.optim import optimizer as optimizer_module
+
+    opt = DecentralizedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), dht=swarm(), run_id="quiet-loads",
+                                 target_batch_size=64, batch_size_per_step=16)
+    try:
+        def no_provider(view, **_kw):
+            raise StateTransferError("no peer serves it")
+
+        monkeypatch.setattr(opt, "_fetch_state", no_provider)
+        view = opt.tracker.estimate()
+        with caplog.at_level(logging.WARNING, logger="p2ptrain.optim"):
+            assert not any(opt._load_state_from_peers(view) for _ in range(5))
+            said = [r.getMessage() for r in caplog.records if "could not load the swarm's state" in r.getMessage()]
+            assert len(said) == 1 and "no peer serves it" in said[0] and opt.epoch == 0
+            monkeypatch.setattr(optimizer_module, "_LOAD_WARN_EVERY", 0.0)
+            caplog.clear()
+            opt._load_state_from_peers(view)
+            assert "(4 more failed since the last warning)" in caplog.text
+    finally:
+        opt.close()

@@ -61,6 +61,8 @@ from .state_sync import StateSync
 from .warmup import warmed_step
 
 log = logging.getLogger("p2ptrain.optim")
+#: seconds between two warnings about failed state loads (the ones between go to DEBUG, counted)
+_LOAD_WARN_EVERY = 30.0
 
 _MODES = ("sync", "diloco")
 
@@ -240,6 +242,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._sps = 0.0
         self._last_step_start: float | None = None
         self._paused = 0.0  # seconds of this step spent waiting for averaging
+        # failed state loads: the last one logged as a warning, and how many since went unlogged
+        # (a peer ahead that serves nothing, e.g. in client mode, makes every step try again)
+        self._load_warned_at = -float("inf")
+        self._load_failures_quiet = 0
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
         self._state_lock = threading.Lock()  # held while parameters change (snapshots wait on it)
@@ -666,7 +672,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
             if result is not None:  # fetched, but it does not fit us: not a state to follow either
                 self.tracker.ignore(list(result.contributors))
-            log.warning("could not load the swarm's state (%s); continuing from our own at epoch %d", e, self.epoch)
+            now = time.monotonic()
+            if now - self._load_warned_at >= _LOAD_WARN_EVERY:
+                quiet = self._load_failures_quiet
+                more = f" ({quiet} more failed since the last warning)" if quiet else ""
+                log.warning("could not load the swarm's state (%s); continuing from our own at epoch %d%s",
+                            e, self.epoch, more)
+                self._load_warned_at, self._load_failures_quiet = now, 0
+            else:
+                self._load_failures_quiet += 1
+                log.debug("could not load the swarm's state (%s); continuing from our own at epoch %d", e, self.epoch)
         for acc in self._grad_acc:
             acc.zero_()
         self.epoch = max(epoch, self.epoch)
