@@ -463,10 +463,8 @@ class Connection(asyncio.BufferedProtocol):
         """
         self._check_open()
         header = pack_header(kind, ident)
-        n = len(body) if type(body) is not memoryview else body.nbytes
-        if n + TAG_SIZE >= POOLED_FRAME_MIN and n <= MAX_FRAME_BODY and self.host.pool.keep:
-            # into a pooled buffer, reused only after the transport has let go of it
-            ciphertext = memoryview(self.host.pool.get(n + TAG_SIZE))[: n + TAG_SIZE]
+        ciphertext = self._pooled_ciphertext(len(body) if type(body) is not memoryview else body.nbytes)
+        if ciphertext is not None:
             self._send.encrypt_into(header, body, ciphertext)  # type: ignore[union-attr]
         else:
             ciphertext = self._send.encrypt(header, body)  # type: ignore[union-attr]
@@ -483,17 +481,23 @@ class Connection(asyncio.BufferedProtocol):
         machines, see ``dht.sealer``) so the loop moves other frames meanwhile. Returns once
         ``body`` has been read: the caller may reuse it then."""
         pool = self.host.sealer
-        n = body.nbytes
-        if pool is None or n + TAG_SIZE < POOLED_FRAME_MIN or n > MAX_FRAME_BODY or not self.host.pool.keep:
+        self._check_open()
+        ciphertext = self._pooled_ciphertext(body.nbytes) if pool is not None else None
+        if ciphertext is None:  # inline: no pool, or a frame too small (or too big) to pool
             self.send_frame(kind, ident, body)
             return
-        self._check_open()
         header = pack_header(kind, ident)
-        ciphertext = memoryview(self.host.pool.get(n + TAG_SIZE))[: n + TAG_SIZE]
         job = self._send.encrypt_job(header, body, ciphertext)  # type: ignore[union-attr]
-        await self._outq.seal(pool, LENGTH.pack(HEADER_SIZE + n + TAG_SIZE) + header, ciphertext, job)
+        await self._outq.seal(pool, LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header, ciphertext, job)
         if self._closed:
             raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
+
+    def _pooled_ciphertext(self, n: int) -> memoryview | None:
+        """A pooled buffer for the ciphertext of an ``n``-byte body, reused only after the
+        transport has let go of it; None for frames too small or too big to pool."""
+        if n + TAG_SIZE >= POOLED_FRAME_MIN and n <= MAX_FRAME_BODY and self.host.pool.keep:
+            return memoryview(self.host.pool.get(n + TAG_SIZE))[: n + TAG_SIZE]
+        return None
 
     def _check_open(self) -> None:
         # uvloop raises RuntimeError on a write to a closing socket, before connection_lost runs.

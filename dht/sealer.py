@@ -66,9 +66,9 @@ class Sealed:
 
     __slots__ = ("prefix", "ciphertext", "job", "future")
 
-    def __init__(self, prefix: bytes, ciphertext, job: Callable[[], None] | None = None,
-                 future: concurrent.futures.Future | None = None):
-        self.prefix, self.ciphertext, self.job, self.future = prefix, ciphertext, job, future
+    def __init__(self, prefix: bytes, ciphertext, job: Callable[[], None] | None = None):
+        self.prefix, self.ciphertext, self.job = prefix, ciphertext, job
+        self.future: concurrent.futures.Future | None = None
 
     @property
     def ready(self) -> bool:

@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from dht.limits import LogThrottle
+
 from ..averaging import AllReduceConfig, Averager, StepResult
 from ..averaging.robust import check_aggregation
 from ..background import DHT
@@ -242,10 +244,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._sps = 0.0
         self._last_step_start: float | None = None
         self._paused = 0.0  # seconds of this step spent waiting for averaging
-        # failed state loads: the last one logged as a warning, and how many since went unlogged
-        # (a peer ahead that serves nothing, e.g. in client mode, makes every step try again)
-        self._load_warned_at = -float("inf")
-        self._load_failures_quiet = 0
+        # one warning per _LOAD_WARN_EVERY about failed state loads, counting those held back (a
+        # peer ahead that serves nothing, e.g. in client mode, makes every step try again)
+        self._load_warnings = LogThrottle(_LOAD_WARN_EVERY)
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
         self._state_lock = threading.Lock()  # held while parameters change (snapshots wait on it)
@@ -672,15 +673,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
             if result is not None:  # fetched, but it does not fit us: not a state to follow either
                 self.tracker.ignore(list(result.contributors))
-            now = time.monotonic()
-            if now - self._load_warned_at >= _LOAD_WARN_EVERY:
-                quiet = self._load_failures_quiet
+            quiet = self._load_warnings.allow("state load", time.monotonic())
+            if quiet is not None:
                 more = f" ({quiet} more failed since the last warning)" if quiet else ""
                 log.warning("could not load the swarm's state (%s); continuing from our own at epoch %d%s",
                             e, self.epoch, more)
-                self._load_warned_at, self._load_failures_quiet = now, 0
             else:
-                self._load_failures_quiet += 1
                 log.debug("could not load the swarm's state (%s); continuing from our own at epoch %d", e, self.epoch)
         for acc in self._grad_acc:
             acc.zero_()
