@@ -464,6 +464,51 @@ def test_expected_round_size_counts_delayed_peers_that_reported_the_next_epoch()
         assert DecentralizedOptimizer._expected(fake, same, 4) == 3  # type: ignore[arg-type]
 
 
+def test_a_peer_about_to_skip_a_round_looks_at_the_swarm_again_first():
+    """The view is up to a refresh period old. With epochs of a few ms, the partner that just
+    averaged epoch 3 with us could still report epoch 2: it looked like a peer catching up, we
+    skipped round 4 and left it waiting out matchmaking alone (the client-mode CLI test's flake)."""
+    import asyncio
+    import types
+
+    from dht import Identity
+    from p2ptrain.optim.progress import PeerReport, SwarmView
+
+    me, other = (Identity().peer_id for _ in range(2))
+
+    def report(peer, epoch, ready=False):
+        return PeerReport(peer, epoch, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1), ready=ready)
+
+    stale = SwarmView(epoch=4, samples=0, target=64, peers=[report(me, 4)], behind=[report(other, 2)])
+    fresh = SwarmView(epoch=4, samples=0, target=64, peers=[report(me, 4, True), report(other, 4)])
+    refreshes, rounds = [], []
+
+    async def refresh_now():
+        refreshes.append(1)
+        return views.pop(0)
+
+    fake = types.SimpleNamespace(
+        delay_updates=False, mode="sync", matchmaking_timeout=5.0, _paused=0.0,
+        _settled=types.SimpleNamespace(clear=None),
+        tracker=types.SimpleNamespace(refresh_now=refresh_now),
+        averager=types.SimpleNamespace(step=lambda **kw: kw),
+        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro), submit=rounds.append),
+    )
+    fake._expected = lambda view, epoch: DecentralizedOptimizer._expected(fake, view, epoch)
+    views = [fresh]
+    DecentralizedOptimizer._average(fake, 4, 64, stale)  # type: ignore[arg-type]
+    assert refreshes == [1] and fake._last_expected == 2
+    assert [(r["round_id"], r["expected"]) for r in rounds] == [("e4", 2)]
+    # still nobody due after a fresh look (the other peer really is catching up): skip the round
+    views = [stale]
+    assert DecentralizedOptimizer._average(fake, 4, 64, stale).result() is None  # type: ignore[arg-type]
+    assert len(refreshes) == 2 and fake._last_expected == 1 and len(rounds) == 1
+    # alone in the swarm: nothing to look for, no DHT read on every epoch
+    alone = SwarmView(epoch=4, samples=0, target=64, peers=[report(me, 4)])
+    assert DecentralizedOptimizer._average(fake, 4, 64, alone).result() is None  # type: ignore[arg-type]
+    assert len(refreshes) == 2 and len(rounds) == 1
+
+
 def test_failed_state_loads_warn_once_then_count(swarm, caplog, monkeypatch):
     """A peer ahead that serves no state (client mode) makes every step try to load it again:
     one warning, then the failures are counted into the next one instead of flooding the log."""

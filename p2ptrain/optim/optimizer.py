@@ -449,6 +449,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         rather than waiting out the matchmaking deadline on every epoch.
         """
         expected = self._expected(view, epoch)
+        if expected <= 1 and len(view.peers) + len(view.behind) > 1:
+            # Others train, but none looks due for this round. The view is up to a refresh period
+            # old: a peer that finished the previous epoch's round with us since then still
+            # reports the one before, looks like a peer catching up, and going alone here would
+            # leave it waiting out matchmaking in a round nobody comes to (seen with epochs of a
+            # few ms: the rest of the run on two diverging paths). Look again before skipping.
+            t0 = time.perf_counter()
+            view = self._loop.run(self.tracker.refresh_now())
+            self._paused += time.perf_counter() - t0
+            expected = self._expected(view, epoch)
         self._last_expected = expected
         if expected <= 1:
             done: Future[StepResult | None] = Future()
