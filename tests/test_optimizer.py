@@ -400,7 +400,7 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
         return fresh
 
     fake = types.SimpleNamespace(
-        load_state_timeout=10.0,
+        _applied=0, load_state_timeout=10.0,
         state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
         tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend,
                                       refresh_now=refresh_now),
@@ -510,8 +510,8 @@ def test_a_peer_about_to_skip_a_round_looks_at_the_swarm_again_first():
 
 
 def test_failed_state_loads_warn_once_then_count(swarm, caplog, monkeypatch):
-    """A peer ahead that serves no state (client mode) makes every step try to load it again:
-    one warning, then the failures are counted into the next one instead of flooding the log."""
+    """A state load that keeps failing (the peers ahead unreachable, say) is tried again at later
+    steps: one warning, then the failures are counted into the next one instead of flooding the log."""
     import logging
 
     from p2ptrain.checkpoint import StateTransferError
@@ -534,3 +534,77 @@ def test_failed_state_loads_warn_once_then_count(swarm, caplog, monkeypatch):
             assert "(4 more failed since the last warning)" in caplog.text
     finally:
         opt.close()
+
+
+def test_client_mode_peers_ahead_are_left_out_instead_of_stopping_training(caplog):
+    """Peers ahead that are all in client mode serve no state: a load cannot succeed, and trying
+    at every step (each resets the epoch's samples) stopped our training for as long as they
+    stayed ahead. They are left out of the view for a while instead, with one warning."""
+    import logging
+    import types
+
+    from dht import Identity
+    from dht.limits import LogThrottle
+    from p2ptrain.optim.progress import PeerReport, SwarmView
+
+    me, client, server = (Identity().peer_id for _ in range(3))
+
+    def report(peer, epoch, addr=("127.0.0.1", 1)):
+        return PeerReport(peer, epoch, 0, 1.0, 0.0, "s", addr=addr, client=addr is None)
+
+    ignored, loads = [], []
+    fake = types.SimpleNamespace(epoch=4, _load_warnings=LogThrottle(30.0), _load_state_from_peers=loads.append,
+                                 tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend))
+    clients_ahead = SwarmView(epoch=6, samples=0, target=64, peers=[report(client, 6, None)],
+                              behind=[report(me, 4), report(server, 4)])
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.optim"):
+        for _ in range(3):
+            DecentralizedOptimizer._fall_behind(fake, clients_ahead)  # type: ignore[arg-type]
+    assert loads == [] and ignored == [client] * 3
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "client mode" in said[0] and "epoch 6" in said[0], said
+    # a peer ahead that serves its state: load it (the client's state comes with it, or later)
+    both = SwarmView(epoch=6, samples=0, target=64, peers=[report(client, 6, None)],
+                     behind=[report(me, 4), report(server, 5)])
+    DecentralizedOptimizer._fall_behind(fake, both)  # type: ignore[arg-type]
+    assert loads == [both] and len(ignored) == 3
+
+
+def test_state_is_never_loaded_from_peers_behind_us():
+    """A peer that reports fewer updates than our state holds is no provider, even when no
+    better one serves: its state would take us back."""
+    import asyncio
+    import types
+
+    import pytest
+
+    from dht import Identity
+    from p2ptrain.checkpoint import StateTransferError
+    from p2ptrain.optim.progress import PeerReport, SwarmView
+    from p2ptrain.optim.state_sync import StateSync
+
+    me, client, old, level = (Identity().peer_id for _ in range(4))
+
+    def report(peer, epoch, addr=("127.0.0.1", 1)):
+        return PeerReport(peer, epoch, 0, 1.0, 0.0, "s", addr=addr)
+
+    asked = []
+
+    async def fetch(providers, timeout, into=None):
+        asked.append([p.peer for p in providers])
+        return "state"
+
+    fake = types.SimpleNamespace(
+        _applied=5, load_state_timeout=10.0,
+        state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
+        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me)),
+        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
+    )
+    view = SwarmView(epoch=7, samples=0, target=64, peers=[report(client, 7, None)],
+                     behind=[report(old, 3), report(me, 5)])
+    with pytest.raises(StateTransferError, match="no peer at or past our epoch 5"):
+        DecentralizedOptimizer._fetch_state(fake, view)  # type: ignore[arg-type]
+    assert asked == []
+    view.behind.append(report(level, 5))  # as far as we are: theirs may be the swarm's, ours a stray
+    assert DecentralizedOptimizer._fetch_state(fake, view) == "state"  # type: ignore[arg-type]
+    assert asked == [[level]]

@@ -618,7 +618,23 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         return not any(p.epoch == self.epoch and p.peer != me for p in view.behind)
 
     def _fall_behind(self, view: SwarmView) -> None:
-        """The swarm moved past our epoch without us (we missed its rounds): load its state."""
+        """The swarm moved past our epoch without us (we missed its rounds): load its state.
+
+        Unless every peer ahead of us is in client mode: they serve no state, so a load cannot
+        succeed, and trying again at every step (each one resets the epoch's samples) would stop
+        our training for as long as they stay ahead. Leave them out of the view for a while
+        instead, and train on from our own epoch."""
+        me = self.tracker.me.peer
+        ahead = [p for p in (*view.peers, *view.behind) if p.peer != me and p.epoch > self.epoch]
+        if ahead and all(p.addr is None for p in ahead):
+            self.tracker.ignore([p.peer for p in ahead])
+            quiet = self._load_warnings.allow("client ahead", time.monotonic())
+            if quiet is not None:
+                log.warning("%d peer(s) at epoch %d are ahead of us, but in client mode they serve no state to "
+                            "catch up from; training on from our own epoch %d%s", len(ahead),
+                            max(p.epoch for p in ahead), self.epoch,
+                            f" ({quiet} more times since the last warning)" if quiet else "")
+            return
         log.info("the swarm is at epoch %d, we are at %d: loading its state", view.epoch, self.epoch)
         self._load_state_from_peers(view)
 
@@ -717,13 +733,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         and try the next most advanced ones, from a fresh read of the swarm's progress.
 
         Peers whose state we cannot get do not get to set our epoch either: a peer that trained
-        alone and left (its record lingers) must not drag the swarm along."""
+        alone and left (its record lingers) must not drag the swarm along. Peers that report
+        fewer updates than our state holds are no providers: theirs would take us back."""
         deadline = time.monotonic() + self.load_state_timeout
         for attempt in range(attempts):
             me = self.tracker.me.peer
-            providers = self.state_sync.choose([p for p in (*view.peers, *view.behind) if p.peer != me])
+            providers = self.state_sync.choose([p for p in (*view.peers, *view.behind)
+                                                if p.peer != me and p.epoch >= self._applied])
             if not providers:
-                raise StateTransferError("no peer serves it")
+                raise StateTransferError(f"no peer at or past our epoch {self._applied} serves it")
             try:
                 return self._loop.run(self.state_sync.fetch(providers, max(1.0, deadline - time.monotonic()),
                                                             into=into))
