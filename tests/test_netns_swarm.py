@@ -148,6 +148,8 @@ def test_averaging_four_hosts_gives_the_exact_weighted_mean(delay: str | None, n
         ids = [n.send("start", bootstrap=[boot], config=DHT_CONFIG) for n in nodes[1:]]
         for n, i in zip(nodes[1:], ids):
             n.reply(i, 60)
+        for n, i in [(n, n.send("warm")) for n in nodes]:  # torch imported everywhere: they start together
+            n.reply(i, 60)
         ids = [n.send("average", prefix="netns-avg", rank=r, numel=numel, weight=weights[r], expected=4, timeout=40)
                for r, n in enumerate(nodes)]
         results = [n.reply(i, 80) for n, i in zip(nodes, ids)]

@@ -12,6 +12,7 @@ answers ``{"id", "error": "one line"}`` and the node lives on). Commands:
   start    {"bootstrap": [multiaddr], "config": {DHTConfig overrides}} -> {"addr" (None: client), "peer_id"}
   store    {"key", "value", "ttl"} -> {"accepted"}
   get      {"key"} -> {"value", "hops"}
+  warm     {} -> {}   (imports torch and the averaging code; see ``op_warm``)
   average  {"prefix", "rank", "numel", "weight", "expected", "timeout"} -> {"group_size", "weight_total",
            "values": the averaged flat tensor (``worker.flat_input(rank, numel)`` before the round)}
   exit     {} -> {}   (then the node closes and the process exits)
@@ -71,6 +72,16 @@ class _Node:
         found = DHTNode.decode(result.records)
         value = {k: v.value for k, v in found.items()} if isinstance(found, dict) else getattr(found, "value", None)
         return {"value": value, "hops": result.hops}
+
+    async def op_warm(self) -> dict:
+        """Import torch and the averaging code now (a DHT-only node never pays for them). Sent to
+        every node before an ``average`` that starts them together: otherwise each imports at its
+        ``average``, in its event loop, and on a loaded machine the imports' lengths differ by more
+        than matchmaking waits for a late peer (the group formed without the slowest importer)."""
+        import torch  # noqa: F401
+
+        import p2ptrain.averaging  # noqa: F401
+        return {}
 
     async def op_average(self, prefix: str, rank: int, numel: int, weight: float = 1.0,
                          expected: int | None = None, timeout: float = 30.0) -> dict:
