@@ -8,8 +8,9 @@ fault-tolerant. On a 2-core box both members are CPU-bound, so the round time is
 member: the kernel's copies (gloo pays them too), plus what gloo does not do. This script measures
 that work without the rest of p2ptrain: two processes on uvloop, one TCP connection, 4 MiB
 length-prefixed frames written with ``writelines`` and received through a ``BufferedProtocol``, the
-same reduce-scatter + all-gather as the butterfly at N=2 (send the peer's half, add what arrives
-into our half, divide it, send it back, copy the peer's averaged half into place), and nothing
+same reduce-scatter + all-gather as the butterfly at N=2 (send the peer's half, fold what arrives
+into our half as a running mean, one ``lerp`` pass as the owner does, send it back, copy the peer's
+averaged half into place), and nothing
 else: no streams or per-stream flow control (only the socket's own back-pressure), no matchmaking,
 no deadlines, no accounting, no fault tolerance.
 Three variants, each a layer of what the real round does:
@@ -174,13 +175,11 @@ def _member(rank: int, variant: str, numel: int, frame: int, rounds: int, port_q
                     if not bound + max(-float(lo), float(hi)) <= SUM_LIMIT:
                         raise SystemExit("a received contribution holds NaN/inf or would overflow the sum")
                 dst = mine[i : i + x.numel()]
-                torch.add(dst, x, out=dst)
+                torch.lerp(dst, x, 0.5, out=dst)  # the running mean: no division pass before the reply
 
         async def gather_out() -> None:
             for i in range(0, mine.numel(), per):
-                chunk = mine[i : i + per]
-                chunk.div_(2.0)
-                await send(chunk)
+                await send(mine[i : i + per])
 
         async def gather_in() -> None:
             for i in range(0, other.numel(), per):
