@@ -32,9 +32,10 @@ class Limits:
     #: Each stream's receive window: what a sender may have in flight to us. None: 8 MiB, or 32 MiB
     #: where big frames are sealed on threads (``seal_threads``, by default where this process may
     #: use 4 or more CPUs): a sender that may run further ahead keeps them busy. Measured with
-    #: benchmarks/allreduce_bench.py on a 16-core host, N = 2, 256 MB, uncompressed: 0.190-0.195 s
-    #: per round with both, 0.212-0.217 s sealing with 8 MiB windows, 0.223-0.251 s inline with
-    #: either window. On 2 cores a wider window only holds more memory (no faster round).
+    #: benchmarks/allreduce_bench.py on two 16-core hosts, N = 2, 256 MB, uncompressed: 0.190-0.195
+    #: and 0.220-0.238 s per round with both, 0.212-0.217 and 0.225-0.246 s sealing with 8 MiB
+    #: windows, 0.223-0.251 (either window) and 0.257-0.314 s inline (see ``dht.sealer``). On 2
+    #: cores a wider window only holds more memory (no faster round).
     stream_window: int | None = None
     #: Memory a peer can make us hold: every stream it opens may fill its window (``stream_window``)
     #: with data its handler has not read yet, so streams opened by the remote side are capped per
