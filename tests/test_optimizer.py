@@ -576,8 +576,6 @@ def test_state_is_never_loaded_from_peers_behind_us():
     import asyncio
     import types
 
-    import pytest
-
     from dht import Identity
     from p2ptrain.checkpoint import StateTransferError
     from p2ptrain.optim.progress import PeerReport, SwarmView
