@@ -483,7 +483,8 @@ def test_a_peer_about_to_skip_a_round_looks_at_the_swarm_again_first():
     fresh = SwarmView(epoch=4, samples=0, target=64, peers=[report(me, 4, True), report(other, 4)])
     refreshes, rounds = [], []
 
-    async def refresh_now():
+    async def refresh_now(timeout=None):
+        assert timeout is not None and 0 < timeout <= 5  # bounded: a silent DHT must not stall training
         refreshes.append(1)
         return views.pop(0)
 

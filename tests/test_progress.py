@@ -87,3 +87,28 @@ def test_peers_just_past_the_previous_round_count_toward_the_new_epoch():
     # our previous epoch): 0.1 s at 10/s since its report
     assert view.samples == pytest.approx(32 + 50 + 1)
     assert summarize(others, me, NOW, 1000, 10).samples == pytest.approx(32)
+
+
+def test_refresh_now_is_bounded_when_the_dht_does_not_answer():
+    """A peer about to skip a round reads the progress again first; a DHT that does not answer
+    must leave it with the view it had after ``timeout``, not stall its training."""
+    import asyncio
+    import types
+
+    from p2ptrain.optim.progress import ProgressTracker
+
+    async def silent(*args, **kwargs):
+        await asyncio.Event().wait()  # never answers
+
+    node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id, store=silent,
+                                 lookup_value=silent, owned=lambda name: name.encode())
+
+    async def main():
+        tracker = ProgressTracker(node, "run", "schema", target=64)
+        before = tracker.view
+        t0 = asyncio.get_running_loop().time()
+        view = await tracker.refresh_now(timeout=0.05)
+        return view, before, asyncio.get_running_loop().time() - t0
+
+    view, before, took = asyncio.run(main())
+    assert view is before and took < 2.0

@@ -65,6 +65,9 @@ from .warmup import warmed_step
 log = logging.getLogger("p2ptrain.optim")
 #: seconds between two warnings about failed state loads (the ones between go to DEBUG, counted)
 _LOAD_WARN_EVERY = 30.0
+#: seconds the training thread waits for a fresh read of the swarm's progress before skipping a
+#: round that others may come to (a DHT read takes a few ms on a LAN, a few hundred on the internet)
+_FRESH_LOOK = 2.0
 
 _MODES = ("sync", "diloco")
 
@@ -454,9 +457,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             # old: a peer that finished the previous epoch's round with us since then still
             # reports the one before, looks like a peer catching up, and going alone here would
             # leave it waiting out matchmaking in a round nobody comes to (seen with epochs of a
-            # few ms: the rest of the run on two diverging paths). Look again before skipping.
+            # few ms: the rest of the run on two diverging paths). Look again before skipping
+            # (bounded: a DHT that does not answer leaves us with the view we had).
             t0 = time.perf_counter()
-            view = self._loop.run(self.tracker.refresh_now())
+            view = self._loop.run(self.tracker.refresh_now(timeout=_FRESH_LOOK))
             self._paused += time.perf_counter() - t0
             expected = self._expected(view, epoch)
         self._last_expected = expected

@@ -257,9 +257,14 @@ class ProgressTracker:
 
     # ---------------------------------------------------------------- loop side
 
-    async def refresh_now(self) -> SwarmView:
-        """Publish and read right now (e.g. before deciding to download state)."""
-        await self._refresh()
+    async def refresh_now(self, timeout: float | None = None) -> SwarmView:
+        """Publish and read right now (e.g. before deciding to download state). ``timeout``: at
+        most that many seconds, after which the view is the one read last."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._refresh()
+        except TimeoutError:
+            log.debug("progress refresh took longer than %.1f s; using the last view", timeout)
         return self.view
 
     async def wait_fresh(self, timeout: float) -> SwarmView:
