@@ -10,9 +10,8 @@ that work without the rest of p2ptrain: two processes on uvloop, one TCP connect
 length-prefixed frames written with ``writelines`` and received through a ``BufferedProtocol``, the
 same reduce-scatter + all-gather as the butterfly at N=2 (send the peer's half, fold what arrives
 into our half as a running mean, one ``lerp`` pass as the owner does, send it back, copy the peer's
-averaged half into place), and nothing
-else: no streams or per-stream flow control (only the socket's own back-pressure), no matchmaking,
-no deadlines, no accounting, no fault tolerance.
+averaged half into place), and nothing else: no streams or per-stream flow control (only the
+socket's own back-pressure), no matchmaking, no deadlines, no accounting, no fault tolerance.
 Three variants, each a layer of what the real round does:
 
 * ``plain``: frames as they are (no cipher, no checks): close to what gloo's ring does.

@@ -39,13 +39,13 @@ class Limits:
     stream_window: int | None = None
     #: Memory a peer can make us hold: every stream it opens may fill its window (``stream_window``)
     #: with data its handler has not read yet, so streams opened by the remote side are capped per
-    #: connection (16 x 8 MiB = 128 MiB per peer, 512 MiB with 32 MiB windows, with at most
-    #: 64 x 1 MiB RPC bodies in flight) and,
-    #: summed over all connections, to ``max_inbound_stream_memory`` of windows (None: 128 windows,
-    #: 1 GiB with 8 MiB windows, 4 GiB on the many-core hosts that get 32 MiB ones, so that an
-    #: averaging group may still have over 100 members). Past either cap a new stream is reset with
-    #: a reason ("too many streams", "busy") and the streams already open go on. An averaging
-    #: round opens 1-2 streams per peer pair.
+    #: connection (16 x 8 MiB = 128 MiB per peer, 512 MiB with 32 MiB windows, with at most 64 x
+    #: 1 MiB RPC bodies in flight) and, summed over all connections, to
+    #: ``max_inbound_stream_memory`` of windows (None: 128 windows, 1 GiB with 8 MiB windows, 4 GiB
+    #: on the many-core hosts that get 32 MiB ones, so that an averaging group may still have over
+    #: 100 members). Past either cap a new stream is reset with a reason ("too many streams",
+    #: "busy") and the streams already open go on. An averaging round opens 1-2 streams per peer
+    #: pair.
     max_inbound_streams: int = 16
     max_inbound_stream_memory: int | None = None
     #: A peer whose streams were refused for capacity this many times is disconnected: each

@@ -247,8 +247,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._sps = 0.0
         self._last_step_start: float | None = None
         self._paused = 0.0  # seconds of this step spent waiting for averaging
-        # one warning per _LOAD_WARN_EVERY about failed state loads, counting those held back (a
-        # peer ahead that serves nothing, e.g. in client mode, makes every step try again)
+        # one warning per _LOAD_WARN_EVERY and kind about state we cannot load (a load that keeps
+        # failing, client-mode peers ahead), counting those held back
         self._load_warnings = LogThrottle(_LOAD_WARN_EVERY)
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
