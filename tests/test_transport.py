@@ -1148,9 +1148,15 @@ async def test_writer_blocked_on_a_full_socket_wakes_when_the_connection_dies(ma
         conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
         stream = await conn.open_stream("stuck")
         await started.wait()
+        # A hung peer: its process stops reading the socket altogether. (Only ignoring the stream
+        # is not that: b's connection would go on reading, see the stream overrun its window -- our
+        # credit is faked below -- and close the connection itself before the test saw a full socket.)
+        for c in list(b._all):
+            c._transport.pause_reading()
         stream._send_credit = 1 << 40  # held by the socket, not by flow-control credit
         writer = asyncio.ensure_future(stream.write(bytes(256 << 20), timeout=60))
         while conn._write_ok.is_set():  # until the socket buffers fill and asyncio pauses us
+            assert not writer.done(), writer.exception()
             await asyncio.sleep(0.01)
         t0 = time.monotonic()
         for c in list(b._all):
