@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
-from typing import Callable
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import pytest
 
@@ -61,3 +69,91 @@ def _isolated_data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
     earlier test filled, through which a test expecting a dead bootstrap to fail could join
     another test's live peer instead."""
     monkeypatch.setenv("P2PTRAIN_DATA_DIR", str(tmp_path_factory.mktemp("data")))
+
+
+class PeerProcess:
+    """One ``p2ptrain peer --json`` process, driven as a user would: a thread turns its stdout into
+    events, another keeps its stderr (both pipes are always drained, so a chatty peer never blocks
+    on a full pipe)."""
+
+    def __init__(self, args: list[str], *, name: str = "peer", cwd: Any = None, env: dict[str, str] | None = None):
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "peer", "--json", *args], cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []  # events a wait_for took off the queue
+        self.latest: dict[str, dict[str, Any]] = {}  # the newest event of each kind, waited for or not
+        self._stderr: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and "event" in event:
+                self.latest[event["event"]] = event
+                self.events.put(event)
+
+    def errors(self) -> str:
+        """The end of the peer's stderr, for assertion messages."""
+        return "".join(self._stderr)[-2000:]
+
+    def wait_for(self, what: str | Callable[[dict[str, Any]], bool], timeout: float = 60) -> dict[str, Any]:
+        """The next event of kind ``what`` (or matching the predicate ``what``); fails at once if the
+        process exits without one, else after ``timeout`` s."""
+        matches = (lambda e: e["event"] == what) if isinstance(what, str) else what
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                event = self.events.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    self._reader.join(5)  # its last lines may still be in the pipe: read them first
+                    if self.events.empty():
+                        break
+                continue
+            self.seen.append(event)
+            if matches(event):
+                return event
+        rc = self.proc.poll()
+        why = f"exited with code {rc} before a matching event" if rc is not None else f"no matching event within {timeout} s"
+        raise AssertionError(f"{self.name} (pid {self.proc.pid}): {why}; last events {self.seen[-3:]}; stderr {self.errors()}")
+
+    def done(self, timeout: float) -> dict[str, Any]:
+        """The ``done`` event, and a clean exit after it."""
+        event = self.wait_for("done", timeout)
+        assert self.proc.wait(timeout=30) == 0, self.errors()
+        return event
+
+    def stop(self) -> int:
+        """Ctrl+C, as a user would; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def peer_process() -> Iterator[Callable[..., PeerProcess]]:
+    """Start ``p2ptrain peer --json`` processes (``peer_process(*args, name=, cwd=, env=)``); every one
+    is killed at the end of the test, and none may outlive it."""
+    before = _child_pids()
+    started: list[PeerProcess] = []
+
+    def start(*args: str, **kw: Any) -> PeerProcess:
+        started.append(PeerProcess(list(args), **kw))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+    assert _child_pids() <= before, "a peer process outlived the test"

@@ -10,14 +10,6 @@ Events come from each peer's JSON lines; every wait is bounded; every process is
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import queue
-import subprocess
-import sys
-import threading
-import time
-from typing import Any
 
 import pytest
 
@@ -29,43 +21,6 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 EVERY = 4
 
 
-class Peer:
-    def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "peer", "--json", "--threads", "1", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                self.events.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-
-    def wait_for(self, predicate, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                event = self.events.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                if self.proc.poll() is not None and self.events.empty():
-                    break
-                continue
-            if predicate(event):
-                return event
-        raise AssertionError(f"peer {self.proc.pid}: no matching event within {timeout} s (exit code "
-                             f"{self.proc.poll()}); stderr {''.join(self.stderr)[-2000:]}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
 def params_digest(store: CheckpointStore, manifest_id: bytes) -> str:
     """What ``run._digest`` prints for a model holding the checkpoint's parameters."""
     state = restore(*store.load(manifest_id))
@@ -75,52 +30,44 @@ def params_digest(store: CheckpointStore, manifest_id: bytes) -> str:
     return h.hexdigest()
 
 
-def test_full_swarm_restart_resumes_at_the_saved_epoch(tmp_path, child_pids):
-    before = child_pids()
+def test_full_swarm_restart_resumes_at_the_saved_epoch(tmp_path, peer_process):
     dirs = [str(tmp_path / "d0"), str(tmp_path / "d1")]
     common = ("--checkpoint-every", str(EVERY), "--compute-delay", "0.02")
-    started: list[Peer] = []
 
-    def peer(*args: str) -> Peer:
-        started.append(Peer(*args))
-        return started[-1]
+    def peer(*args: str):
+        return peer_process("--threads", "1", *args)
 
-    try:
-        # ---- the first swarm trains until both peers have written a checkpoint, then dies at once
-        first = peer("--data-dir", dirs[0], "--data-seed", "0", "--wait-peers", "2", "--epochs", "500", *common)
-        addr = first.wait_for(lambda e: e["event"] == "started", 60)["multiaddrs"][0]
-        second = peer("--data-dir", dirs[1], "--bootstrap", addr, "--data-seed", "1", "--wait-peers", "2",
-                      "--epochs", "500", *common)
-        for p in (first, second):  # with two peers both are writers (two per checkpoint)
-            p.wait_for(lambda e: e["event"] == "progress" and (e["checkpoint_epoch"] or 0) >= EVERY, 120)
-        for p in (first, second):
-            p.kill()
-        stores = [CheckpointStore(d) for d in dirs]
-        latest = [s.latest(s.list()[0].run_id) for s in stores]
-        assert all(i is not None and i.epoch % EVERY == 0 and i.epoch >= EVERY for i in latest), latest
-        newest = max(i.epoch for i in latest)
+    # ---- the first swarm trains until both peers have written a checkpoint, then dies at once
+    first = peer("--data-dir", dirs[0], "--data-seed", "0", "--wait-peers", "2", "--epochs", "500", *common)
+    addr = first.wait_for(lambda e: e["event"] == "started", 60)["multiaddrs"][0]
+    second = peer("--data-dir", dirs[1], "--bootstrap", addr, "--data-seed", "1", "--wait-peers", "2",
+                  "--epochs", "500", *common)
+    for p in (first, second):  # with two peers both are writers (two per checkpoint)
+        p.wait_for(lambda e: e["event"] == "progress" and (e["checkpoint_epoch"] or 0) >= EVERY, 120)
+    for p in (first, second):
+        p.kill()
+    stores = [CheckpointStore(d) for d in dirs]
+    latest = [s.latest(s.list()[0].run_id) for s in stores]
+    assert all(i is not None and i.epoch % EVERY == 0 and i.epoch >= EVERY for i in latest), latest
+    newest = max(i.epoch for i in latest)
 
-        # ---- a new swarm from the same data directories: new processes, new identities, new DHT
-        target = str(newest + 3)
-        a = peer("--data-dir", dirs[0], "--data-seed", "0", "--wait-peers", "2", "--epochs", target, *common)
-        a_start = a.wait_for(lambda e: e["event"] == "started", 60)
-        assert a_start["epoch"] == a_start["resumed_epoch"] == latest[0].epoch, a_start
-        assert a_start["state_loads"] == 0
-        assert a_start["params_digest"] == params_digest(stores[0], latest[0].manifest_id)
-        b = peer("--data-dir", dirs[1], "--bootstrap", a_start["multiaddrs"][0], "--data-seed", "1",
-                 "--wait-peers", "2", "--epochs", target, *common)
-        b_start = b.wait_for(lambda e: e["event"] == "started", 60)
-        assert b_start["epoch"] == newest, b_start  # its own checkpoint, or the live peer's newer state
-        if latest[1].epoch >= latest[0].epoch:
-            assert b_start["resumed_epoch"] == latest[1].epoch
-            assert b_start["params_digest"] == params_digest(stores[1], latest[1].manifest_id)
-        else:
-            assert b_start["state_loads"] == 1 and b_start["resumed_epoch"] is None
-        for p, start in ((a, a_start), (b, b_start)):
-            done = p.wait_for(lambda e: e["event"] == "done", 120)
-            assert done["epoch"] == int(target) and done["epochs_trained"] == int(target) - start["epoch"], done
-            assert p.proc.wait(timeout=30) == 0, "".join(p.stderr)[-2000:]
-    finally:
-        for p in started:
-            p.kill()
-    assert child_pids() <= before, "a peer process outlived the test"
+    # ---- a new swarm from the same data directories: new processes, new identities, new DHT
+    target = str(newest + 3)
+    a = peer("--data-dir", dirs[0], "--data-seed", "0", "--wait-peers", "2", "--epochs", target, *common)
+    a_start = a.wait_for(lambda e: e["event"] == "started", 60)
+    assert a_start["epoch"] == a_start["resumed_epoch"] == latest[0].epoch, a_start
+    assert a_start["state_loads"] == 0
+    assert a_start["params_digest"] == params_digest(stores[0], latest[0].manifest_id)
+    b = peer("--data-dir", dirs[1], "--bootstrap", a_start["multiaddrs"][0], "--data-seed", "1",
+             "--wait-peers", "2", "--epochs", target, *common)
+    b_start = b.wait_for(lambda e: e["event"] == "started", 60)
+    assert b_start["epoch"] == newest, b_start  # its own checkpoint, or the live peer's newer state
+    if latest[1].epoch >= latest[0].epoch:
+        assert b_start["resumed_epoch"] == latest[1].epoch
+        assert b_start["params_digest"] == params_digest(stores[1], latest[1].manifest_id)
+    else:
+        assert b_start["state_loads"] == 1 and b_start["resumed_epoch"] is None
+    for p, start in ((a, a_start), (b, b_start)):
+        done = p.wait_for(lambda e: e["event"] == "done", 120)
+        assert done["epoch"] == int(target) and done["epochs_trained"] == int(target) - start["epoch"], done
+        assert p.proc.wait(timeout=30) == 0, p.errors()

@@ -11,15 +11,8 @@ killed at the end whatever happened.
 
 from __future__ import annotations
 
-import json
-import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
-from typing import Any
 
 import pytest
 
@@ -28,69 +21,13 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 ACCURACY = 0.95
 
 
-class Peer:
-    """One ``p2ptrain peer --json`` process and a thread that queues its events."""
-
-    def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "peer", "--json", "--threads", "1", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.seen: list[dict[str, Any]] = []
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                self.events.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-
-    def wait_for(self, predicate, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"peer {self.proc.pid}: no matching event within {timeout} s; "
-                                     f"last events {self.seen[-3:]}, stderr {''.join(self.stderr)[-2000:]}")
-            try:
-                event = self.events.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                continue
-            self.seen.append(event)
-            if predicate(event):
-                return event
-
-    def done(self, timeout: float) -> dict[str, Any]:
-        event = self.wait_for(lambda e: e["event"] == "done", timeout)
-        assert self.proc.wait(timeout=30) == 0, "".join(self.stderr)[-2000:]
-        return event
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
 @pytest.fixture
-def peers(child_pids):
-    before = child_pids()
-    started: list[Peer] = []
-
-    def start(*args: str) -> Peer:
-        peer = Peer(*args)
-        started.append(peer)
-        return peer
-
-    yield start
-    for peer in started:
-        peer.kill()
-    assert child_pids() <= before, "a peer process outlived the test"
+def peers(peer_process):
+    """Start a one-thread peer process (killed at the end of the test)."""
+    return lambda *args: peer_process("--threads", "1", *args)
 
 
-def start_swarm(peers, n: int, *args: str) -> tuple[list[Peer], str]:
+def start_swarm(peers, n: int, *args: str) -> tuple[list, str]:
     first = peers("--data-seed", "0", "--wait-peers", str(n), *args)
     addr = first.wait_for(lambda e: e["event"] == "started", 60)["multiaddrs"][0]
     rest = [peers("--bootstrap", addr, "--data-seed", str(i), "--wait-peers", str(n), *args) for i in range(1, n)]
@@ -123,7 +60,7 @@ def test_churn_a_peer_dies_and_a_new_one_catches_up(peers):
     joiner = peers("--bootstrap", addr, "--data-seed", "9", *args)
     started = joiner.wait_for(lambda e: e["event"] == "started", 60)
     assert started["epoch"] >= 10, "the joiner must start at the swarm's epoch, not from scratch"
-    assert started["state_loads"] == 1, f"the joiner must load the swarm's state first: {''.join(joiner.stderr)}"
+    assert started["state_loads"] == 1, f"the joiner must load the swarm's state first: {joiner.errors()}"
     results = [p.done(timeout=200) for p in [*swarm, joiner]]
     for r in results:
         assert r["epoch"] == 60
@@ -139,4 +76,4 @@ def test_sigint_leaves_cleanly(peers):
     assert peer.proc.wait(timeout=30) == 0
     assert done["epoch"] < 100000
     assert time.monotonic() - t0 < 15
-    assert "Traceback" not in "".join(peer.stderr)
+    assert "Traceback" not in peer.errors()

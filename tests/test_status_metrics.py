@@ -15,13 +15,9 @@ One swarm serves every check (starting peers is what costs time on a small machi
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -33,53 +29,6 @@ CLI = [sys.executable, "-m", "p2ptrain"]
 RUN = "status-test"
 
 pytestmark = pytest.mark.timeout(150)
-
-
-class Peer:
-    """A ``p2ptrain peer --json`` process whose events are collected by a thread."""
-
-    def __init__(self, argv: list[str], cwd, name: str, env: dict[str, str] | None = None):
-        self.name = name
-        self.stderr = open(cwd / f"{name}.err", "w+")
-        self.proc = subprocess.Popen([*CLI, "peer", "--json", *argv], cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, env={**os.environ, **(env or {})})
-        self.events: queue.Queue = queue.Queue()
-        self.latest: dict[str, dict] = {}
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                event = json.loads(line)
-                self.latest[event["event"]] = event
-                self.events.put(event)
-
-    def wait_for(self, kind: str, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                event = self.events.get(timeout=0.5)
-            except queue.Empty:
-                assert self.proc.poll() is None, f"{self.name} exited: {self.errors()}"
-                continue
-            if event["event"] == kind:
-                return event
-        raise AssertionError(f"{self.name}: no {kind!r} event within {timeout} s: {self.errors()}")
-
-    def errors(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read()[-2000:]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout=30)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.stderr.close()
 
 
 def status(*args: str) -> subprocess.Popen:
@@ -105,21 +54,21 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def test_status_metrics_round_log_and_key_file_with_a_running_swarm(tmp_path, child_pids):
+def test_status_metrics_round_log_and_key_file_with_a_running_swarm(tmp_path, child_pids, peer_process):
     before = child_pids()
     boot = subprocess.Popen([*CLI, "dht", "--listen", "/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
-    peers: list[Peer] = []
+    peers = []
     try:
         addr = boot.stdout.readline().strip()
         assert "/p2p/" in addr, addr
         (tmp_path / "a.toml").write_text(
             f'run_id = "{RUN}"\nepochs = 100000\nthreads = 1\ndata_seed = 1\nmetrics_port = 0\n'
             f'metrics_host = "127.0.0.1"\nround_log = "rounds.jsonl"\ncompute_delay = 5.0\nbootstrap = ["{addr}"]\n')
-        a = Peer(["--config", "a.toml"], tmp_path, "a", env={"P2PTRAIN_COMPUTE_DELAY": "0.02"})  # env > file
+        a = peer_process("--config", "a.toml", name="a", cwd=tmp_path, env={"P2PTRAIN_COMPUTE_DELAY": "0.02"})  # env > file
         common = ["--bootstrap", addr, "--run-id", RUN, "--epochs", "100000", "--threads", "1",
                   "--compute-delay", "0.02", "--key-file", "b.key"]
-        b = Peer([*common, "--data-seed", "2"], tmp_path, "b")
+        b = peer_process(*common, "--data-seed", "2", name="b", cwd=tmp_path)
         peers += [a, b]
         started_a, started_b = a.wait_for("started"), b.wait_for("started")
         assert started_a["config"]["compute_delay"] == 0.02 and started_a["config"]["threads"] == 1
@@ -181,7 +130,7 @@ def test_status_metrics_round_log_and_key_file_with_a_running_swarm(tmp_path, ch
         # both leave; B comes back with its key file and keeps its peer id; status shows that A left
         assert a.stop() == 0 and b.stop() == 0, (a.errors(), b.errors())
         left = status("--bootstrap", addr, "--run-id", RUN, "--json")
-        b2 = Peer(common, tmp_path, "b2")
+        b2 = peer_process(*common, name="b2", cwd=tmp_path)
         peers.append(b2)
         assert b2.wait_for("started")["peer_id"] == started_b["peer_id"]
         assert b2.stop() == 0, b2.errors()
