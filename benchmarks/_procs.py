@@ -75,8 +75,13 @@ class Children:
         if exc_type is None and not self.keep_logs:  # kept when something went wrong
             shutil.rmtree(self.logdir, ignore_errors=True)
 
-    def spawn(self, name: str, argv: list[str], env: dict | None = None, stdin: bool = False) -> Child:
+    def spawn(self, name: str, argv: list[str], env: dict | None = None, stdin: bool = False,
+              wrap: Callable[[list[str]], list[str]] | None = None) -> Child:
+        """Start ``argv`` (``wrap`` may turn it into another command line first, e.g. a test bed
+        host's ``ip netns exec``, which execs in place: the child is still the process itself)."""
         log_path = os.path.join(self.logdir, f"{name}.log")
+        if wrap is not None:
+            argv = list(wrap(argv))
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in [REPO, env.get("PYTHONPATH", "")] if p)
         with open(log_path, "w") as log:

@@ -16,6 +16,12 @@ Swarm samples/s: from the peers' own counters over a steady-state window, from t
 entered epoch ``--skip`` (default 1: the first epoch, start-up included, is over) to the moment it
 entered the last epoch: the sum over peers of (samples processed in the window / its length).
 
+``--netem RATE[,DELAY[,LOSS]]`` (root only; e.g. ``--netem 100mbit,50ms``) runs each swarm peer in a
+network namespace of its own (:class:`p2ptrain.testbed.Testbed`), behind a link shaped to RATE both
+ways with DELAY one way (so DELAY x 2 of RTT between two peers): what a swarm across the internet
+pays per round (matchmaking and all-reduce round trips) shows in the per-round figures. The lone
+baseline has no network to shape and runs as it does without the option.
+
 Targets (issue): sync >= 90% of N x baseline, diloco >= 95%. For each mode the table decomposes the
 loss: compute efficiency (a peer's samples/s while outside ``step()`` pauses vs the baseline; CPU
 contention shows here) and the pause fraction (time spent inside ``step()`` for averaging), then
@@ -26,6 +32,7 @@ the epoch was over, samples per epoch vs the target.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -45,7 +52,7 @@ def _med(xs: list[float]) -> float:
 
 
 def _peer_argv(mode: str, a: argparse.Namespace, target: int, epochs: int, wait: int, boot: str | None,
-               seed: int) -> list[str]:
+               seed: int, listen_ip: str | None = None) -> list[str]:
     argv = [sys.executable, PEER, "peer", "--json", "--example", "digits", "--compute-delay", str(a.compute_delay),
             "--target-batch-size", str(target), "--epochs", str(epochs), "--batch-size", str(a.batch_size),
             "--data-seed", str(seed), "--mode", "diloco" if mode == "diloco" else "sync",
@@ -54,6 +61,8 @@ def _peer_argv(mode: str, a: argparse.Namespace, target: int, epochs: int, wait:
         argv.append("--delay-updates")
     if wait > 1:
         argv += ["--wait-peers", str(wait)]
+    if listen_ip:
+        argv += ["--listen", f"/ip4/{listen_ip}/tcp/0"]
     if boot:
         argv += ["--bootstrap", boot]
     else:
@@ -61,19 +70,27 @@ def _peer_argv(mode: str, a: argparse.Namespace, target: int, epochs: int, wait:
     return argv
 
 
-def run_swarm(mode: str, n: int, a: argparse.Namespace, target: int, epochs: int, timeout: float) -> dict:
+def run_swarm(mode: str, n: int, a: argparse.Namespace, target: int, epochs: int, timeout: float,
+              tb=None) -> dict:
     """Start n peers (peer 0 first, the others bootstrap from it); collect their events until all
-    are done (or ``timeout``); return the per-peer event lists and CPU usage."""
+    are done (or ``timeout``); return the per-peer event lists and CPU usage. With a test bed
+    ``tb``, peer i runs in its host i."""
     load0 = os.getloadavg()[0]
     env = dict(os.environ)
     if a.torch_threads:
         env["OMP_NUM_THREADS"] = str(a.torch_threads)
+
+    def spawn(kids: Children, i: int, boot: str | None) -> None:
+        ip = tb.hosts[i].ip if tb is not None else None
+        wrap = functools.partial(tb.exec_argv, i) if tb is not None else None
+        kids.spawn(f"p{i}", _peer_argv(mode, a, target, epochs, n, boot, i, ip), env=env, wrap=wrap)
+
     with Children(f"util-{mode}") as kids:
-        kids.spawn("p0", _peer_argv(mode, a, target, epochs, n, None, 0), env=env)
+        spawn(kids, 0, None)
         _, _, ev = kids.wait_for(lambda name, e: name == "p0" and e.get("event") == "started", timeout=60)
         boot = ev["multiaddrs"][0]
         for i in range(1, n):
-            kids.spawn(f"p{i}", _peer_argv(mode, a, target, epochs, n, boot, i), env=env)
+            spawn(kids, i, boot)
         names = [f"p{i}" for i in range(n)]
         done: set[str] = set()
         t_end = time.monotonic() + timeout
@@ -298,12 +315,33 @@ def main() -> None:
                          "4 processes share 2 cores)")
     ap.add_argument("--save", metavar="FILE", help="write every peer's raw events of every run here (JSON)")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per swarm run before it is stopped")
+    ap.add_argument("--netem", metavar="RATE[,DELAY[,LOSS]]",
+                    help="each swarm peer in a network namespace of its own, its link shaped to RATE both ways "
+                         "with DELAY one way (e.g. 100mbit,50ms; needs root)")
     a = ap.parse_args()
     sigterm_as_exit()
+    tb = None
+    if a.netem:
+        from p2ptrain.testbed import Testbed, TestbedError
+
+        rate, delay, loss = (a.netem.split(",") + [None, None])[:3]
+        try:
+            tb = Testbed(a.peers, rate=rate or None, delay=delay or None, loss=loss or None)
+        except TestbedError as e:
+            sys.exit(f"--netem: {e}")
+    try:
+        _main(a, tb)
+    finally:
+        if tb is not None:
+            tb.close()
+
+
+def _main(a: argparse.Namespace, tb) -> None:
     t_start = time.monotonic()
     print(f"{loadavg()}; {a.peers} peers, digits MLP, batch {a.batch_size}, compute delay "
           f"{a.compute_delay * 1000:.0f} ms (sleep), sync target {a.target_batch_size}, diloco H={a.local_steps}, "
-          f"torch threads {a.torch_threads or 'default'}",
+          f"torch threads {a.torch_threads or 'default'}"
+          f"{f'; swarm peers in network namespaces: {tb.describe()}' if tb is not None else ''}",
           flush=True)
     plain = plain_loop(a, 4.0)
     print(f"plain torch loop (no p2ptrain): {plain:.0f} samples/s ({loadavg()})", flush=True)
@@ -315,7 +353,7 @@ def main() -> None:
     runs = []
     for mode in a.modes:
         print(f"running {mode} ({loadavg()})...", flush=True)
-        runs.append(run_swarm(mode, a.peers, a, a.target_batch_size, a.epochs, a.timeout))
+        runs.append(run_swarm(mode, a.peers, a, a.target_batch_size, a.epochs, a.timeout, tb))
     b1 = baseline_peer(a)
     if "error" in b1:
         sys.exit(f"baseline failed: {b1['error']}")

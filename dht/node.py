@@ -516,12 +516,16 @@ class DHTNode:
         return owned_name(name.encode(), self.peer_id).decode()
 
     async def store(self, key: str | bytes, value: Any, expiration: float,
-                    subkey: str | None = None) -> int:
+                    subkey: str | None = None, closest: list[Contact] | None = None) -> int:
         """Store ``value`` under ``key`` (or ``key[subkey]``) until the unix time ``expiration``.
 
         Replicates to the k closest peers and republishes until expiry. Returns how many peers
         (this one included) accepted the record; raises InvalidRecord for a record no peer would
         accept (too large, expired, owned by another peer).
+
+        ``closest``: the key's k closest peers as a lookup of the same key just found them (e.g.
+        ``lookup_value(key).closest``): the record goes to them without a lookup of its own, one
+        round trip sooner. Republishing looks them up afresh.
         """
         kb = _key_bytes(key)
         sb = subkey.encode() if subkey is not None else None
@@ -534,10 +538,11 @@ class DHTNode:
         validate_record(record, time.time(), self.storage.max_value_size, self.storage.max_key_size,
                         self.storage.max_ttl)
         self._originated[(kb, sb)] = record
-        return await self._replicate([record])
+        return await self._replicate([record], closest)
 
-    async def _replicate(self, records: list[Record]) -> int:
-        """Send records (all under one key) to the k closest peers and keep a local copy."""
+    async def _replicate(self, records: list[Record], closest: list[Contact] | None = None) -> int:
+        """Send records (all under one key) to the k closest peers (looked up unless given) and
+        keep a local copy."""
         key = records[0].key
         accepted = 0
         try:
@@ -545,7 +550,10 @@ class DHTNode:
                 accepted += 1
         except InvalidRecord:
             pass
-        closest = await self._lookup_nodes(key_id(key))
+        if closest is None:
+            closest = await self._lookup_nodes(key_id(key))
+        else:
+            closest = [c for c in closest if c.peer_id != self.peer_id and c.addr is not None][: self.config.k]
         wire = [r.to_wire() for r in records]
 
         async def send(contact: Contact) -> bool:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from dht import DHTConfig, DHTNode, Identity, RPCError
+from dht import DHTConfig, DHTError, DHTNode, Identity, RPCError
 from p2ptrain.averaging.group import Group, Member
 from p2ptrain.averaging.matchmaking import (
     JOIN_METHOD,
@@ -231,6 +231,38 @@ async def test_join_with_wrong_schema_gets_clear_error(swarm):
                 dict(args, schema=SCHEMA.hash, member=Member(a.peer_id, None).to_wire())):
         with pytest.raises(RPCError):
             await b.host.call(a.peer_id, None, JOIN_METHOD, bad, timeout=2)
+
+
+async def test_a_join_before_the_joiners_entry_is_readable_does_not_freeze_the_leader():
+    """A join can come before the joiner's entry is readable (both leave at once), or from a peer
+    that never registers. The gathering peer must not spin on it: its wait on the join hint
+    returned at once, and with no DHT contacts its reads never yield, so the whole event loop
+    froze until the deadline. Here the joiner is a client-mode peer that never registers."""
+    gatherer = DHTNode(config=FAST)
+    await gatherer.start()  # alone: client-mode peers are not routable, so it has no contact at all
+    stray = DHTNode(config=FAST, listen=None)
+    matchmaker = Matchmaker(gatherer, PREFIX, SCHEMA)
+    try:
+        await stray.start(gatherer.multiaddrs)
+        loop = asyncio.get_running_loop()
+        forming = asyncio.ensure_future(matchmaker.form_group("stray", timeout=2.0))
+        await asyncio.sleep(0.1)
+        args = {"v": 1, "prefix": PREFIX, "schema": SCHEMA.hash, "round": "stray",
+                "member": Member(stray.peer_id, None).to_wire(), "remaining": 1.5}
+        joining = asyncio.ensure_future(stray.host.call(gatherer.peer_id, None, JOIN_METHOD, args, timeout=1.5))
+        gaps, last = [], loop.time()
+        while not forming.done():  # the loop must keep turning while the peer gathers
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+        assert (await forming).size == 1
+        assert max(gaps) < 0.5, f"the event loop stalled for {max(gaps):.2f} s"
+        with pytest.raises(DHTError):  # refused as too late, or timed out at its own deadline
+            await joining
+    finally:
+        await matchmaker.close()
+        await stray.close()
+        await gatherer.close()
 
 
 async def test_client_mode_peer_joins_but_never_leads(swarm):

@@ -6,7 +6,9 @@ One round, seen from one peer (``Matchmaker.form_group``):
    member info (peer id, address or None for client mode, bandwidth), our arrival time and how long
    we wait; and our schema summary under ``{prefix}/avg/schemas/{round}``. The schema hash is in the
    key, so peers with another model or codec never see us as a candidate; the summaries only serve
-   to *explain* such a mismatch (a warning, once per peer, and ``mismatches()``).
+   to *explain* such a mismatch (a warning, once per peer, and ``mismatches()``). The entry goes out
+   in the background, to the holders the first read of step 2 finds: no lookup of its own, and no
+   waiting for it before gathering (a round trip less per round on a slow link).
 2. **Gather.** Read the key every 50 ms, backing off (the first read is a full ``latest`` lookup;
    later ones ask 3 of the holders it found directly), and stop once at least
    ``min_group_size`` peers are present and the set has not grown for the *settle window*
@@ -202,6 +204,7 @@ class _Round:
         self.settle = _MIN_SETTLE  # the last settle window used while gathering
         self.holders: list[Contact] = []  # peers that store the round's key (from the last lookup)
         self.reads = 0
+        self.first_read = asyncio.Event()  # our entry is written once the first read found the holders
 
     def set_state(self, state: str) -> None:
         self.state = state
@@ -364,8 +367,7 @@ class Matchmaker:
         try:
             # A safety net only: every wait below already ends before the deadline.
             async with asyncio.timeout_at(deadline + 0.25):
-                await self._register(rnd, me, timeout, deadline)
-                log.debug("round %s: registered in %.3f s", round_id, loop.time() - started)
+                self._register(rnd, me, timeout, deadline)
                 failed: set[PeerID] = set()
                 while group is None and loop.time() < deadline:
                     view = await self._gather(rnd, me, timeout, deadline, failed, expected)
@@ -399,16 +401,31 @@ class Matchmaker:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _register(self, rnd: _Round, me: Member, timeout: float, deadline: float) -> None:
+    def _register(self, rnd: _Round, me: Member, timeout: float, deadline: float) -> None:
+        """Write our entry for the round, in the background: at the key's holders that our first
+        read finds (that read is a full lookup of the key), so the entry lands one round trip after
+        the read instead of after a lookup of its own. Gathering does not wait for it: we count
+        ourselves in any case, and the others see us once it lands (4 peers on 100 ms RTT links:
+        0.43 s of matchmaking per round before, 0.37 s after; ``benchmarks/utilisation.py --netem``)."""
         now_wall = time.time()
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER
         subkey = self.node.owned(_MEMBER_SUBKEY.decode())
         # The schema summary only explains mismatches: publish it without waiting for it.
         self._spawn(self._publish_summary(rnd, subkey))
+        self._spawn(self._store_entry(rnd, subkey, deadline))
+
+    async def _store_entry(self, rnd: _Round, subkey: str, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         try:
             async with asyncio.timeout_at(deadline):
-                await self.node.store(rnd.key, rnd.entry_value, rnd.entry_expiration, subkey=subkey)
+                await rnd.first_read.wait()
+                if rnd.state == "done" or rnd.entry_value is None:
+                    return  # over before the first read came back: _mark_done writes what is left
+                await self.node.store(rnd.key, rnd.entry_value, rnd.entry_expiration, subkey=subkey,
+                                      closest=rnd.holders or None)
+            log.debug("round %s: registered in %.3f s", rnd.round_id, loop.time() - t0)
         except TimeoutError:
             return
         except DHTError as e:
@@ -480,6 +497,8 @@ class Matchmaker:
         except (TimeoutError, DHTError):
             rnd.holders = []
             return {}
+        finally:
+            rnd.first_read.set()  # our entry may go out now (to the holders this read found, if any)
         elapsed = loop.time() - t0
         self._latency = elapsed if self._latency is None else 0.7 * self._latency + 0.3 * elapsed
         now_wall = time.time()
@@ -604,7 +623,14 @@ class Matchmaker:
                 wake_at = deadline
             delay = max(0.0, min(period, wake_at - now))
             period = min(period * 1.5, _MAX_POLL, max(settle / 2, _FIRST_POLL))
-            await wait_event(rnd.join_hint, delay)
+            if rnd.join_hint.is_set():
+                # A join came but we cannot act on it yet (too few peers seen: the joiner's entry
+                # may still be on its way). Poll at the normal pace: waiting on the hint again would
+                # return at once and spin, and with no DHT contacts a read never yields, so a stray
+                # join froze this peer's event loop until the deadline.
+                await asyncio.sleep(delay)
+            else:
+                await wait_event(rnd.join_hint, delay)
 
     async def _attempt(self, rnd: _Round, me: Member, view: list[Member], timeout: float,
                        deadline: float, failed: set[PeerID]) -> Group | None:
