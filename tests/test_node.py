@@ -52,6 +52,29 @@ async def test_store_get_across_nodes(swarm):
         assert got is not None and got.value == {"x": 42}
 
 
+async def test_store_to_the_holders_a_lookup_of_the_key_just_found(swarm):
+    """``store(closest=...)`` sends to the given holders without a lookup of its own (one round
+    trip less), and every node still finds the record."""
+    make, nodes = swarm
+    await make(12)
+    writer = nodes[5]
+    holders = (await writer.lookup_value("answer2", latest=True)).closest
+    assert holders and writer.peer_id not in {c.peer_id for c in holders}
+    lookups = []
+    real = writer._lookup_nodes
+
+    async def counted(target):
+        lookups.append(target)
+        return await real(target)
+
+    writer._lookup_nodes = counted  # type: ignore[method-assign]
+    accepted = await writer.store("answer2", {"x": 7}, time.time() + 60, closest=holders)
+    assert lookups == [] and accepted == len(holders) + 1  # the holders and our own copy
+    for nd in nodes:
+        got = await nd.get("answer2")
+        assert got is not None and got.value == {"x": 7}
+
+
 async def test_newer_value_wins_and_expiry(swarm):
     make, nodes = swarm
     await make(6)
