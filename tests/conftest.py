@@ -99,9 +99,10 @@ class PeerProcess:
                 self.latest[event["event"]] = event
                 self.events.put(event)
 
-    def errors(self) -> str:
-        """The end of the peer's stderr, for assertion messages."""
-        return "".join(self._stderr)[-2000:]
+    def errors(self, tail: int | None = 2000) -> str:
+        """The peer's stderr: its last ``tail`` characters (for assertion messages), or all of it."""
+        text = "".join(self._stderr)
+        return text if tail is None else text[-tail:]
 
     def wait_for(self, what: str | Callable[[dict[str, Any]], bool], timeout: float = 60) -> dict[str, Any]:
         """The next event of kind ``what`` (or matching the predicate ``what``); fails at once if the

@@ -421,7 +421,7 @@ class Matchmaker:
         try:
             async with asyncio.timeout_at(deadline):
                 await rnd.first_read.wait()
-                if rnd.state == "done" or rnd.entry_value is None:
+                if rnd.state == "done":
                     return  # over before the first read came back: _mark_done writes what is left
                 await self.node.store(rnd.key, rnd.entry_value, rnd.entry_expiration, subkey=subkey,
                                       closest=rnd.holders or None)
