@@ -33,7 +33,8 @@ from dht import ConfigError, Identity, Multiaddr
 
 ENV_PREFIX = "P2PTRAIN_"
 
-_NOT_CONFIGURABLE = {"help", "config", "version"}
+# (logging starts before the file is read: the -v/--log-json given after a command are flags only)
+_NOT_CONFIGURABLE = {"help", "config", "version", "verbose_1", "log_json_1", "verbose_2", "log_json_2"}
 _GROUPS = ({"bootstrap", "bootstrap_file"},)  # keys that are one setting together
 _PATH_KEYS = {"bootstrap_file", "key_file", "save", "round_log", "out", "script", "swarm_key_file", "data_dir",
               "peer_cache"}  # relative to the config file

@@ -102,6 +102,27 @@ def test_garbage_key_file_is_one_line_error(tmp_path):
     assert "not a p2ptrain Ed25519 key" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("argv, verbosity, as_json", [
+    (["peer"], 0, False), (["-v", "peer"], 1, False), (["peer", "-vv"], 2, False),
+    (["-v", "peer", "-v", "--log-json"], 2, True), (["ckpt", "ls", "-v"], 1, False),
+    (["ckpt", "-v", "ls", "-v"], 2, False), (["--log-json", "dht", "get", "k"], 0, True),
+])
+def test_logging_flags_work_before_and_after_the_command(argv, verbosity, as_json):
+    from p2ptrain.cli import build_parser, logging_options
+
+    assert logging_options(build_parser().parse_args(argv)) == (verbosity, as_json)
+
+
+def test_logging_flags_after_the_command_reach_the_logging_setup(tmp_path, monkeypatch):
+    import p2ptrain.cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli, "setup_logging", lambda verbose, as_json: calls.append((verbose, as_json)))
+    assert cli.main(["-v", "ckpt", "ls", "--data-dir", str(tmp_path), "-vv", "--log-json"]) == 0
+    assert calls == [(3, True)]
+    assert "-v, --verbose" in run_cli("peer", "--help").stdout
+
+
 def test_unreachable_bootstrap_fails_within_timeout(tmp_path):
     dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity().peer_id}"
     start = time.monotonic()

@@ -26,7 +26,31 @@ def build_parser() -> argparse.ArgumentParser:
     peer_cmd.add_parser(sub)
     status_cmd.add_parser(sub)
     swarm_cmd.add_parser(sub)
+    for command in sub.choices.values():
+        _add_logging_flags(command, 1)
     return parser
+
+
+def _add_logging_flags(parser: argparse.ArgumentParser, depth: int) -> None:
+    """-v and --log-json also after the command (``p2ptrain peer -v``, ``p2ptrain ckpt ls -v``), where
+    its --help shows them; all the -v count, wherever given. One dest per command depth: argparse
+    copies a subcommand's whole namespace up over its parent's, so a shared dest would lose what
+    the parent counted."""
+    parser.add_argument("-v", "--verbose", dest=f"verbose_{depth}", action="count", default=0,
+                        help="more logging (-vv for debug)")
+    parser.add_argument("--log-json", dest=f"log_json_{depth}", action="store_true",
+                        help="log as JSON lines on stderr")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                _add_logging_flags(nested, depth + 1)
+
+
+def logging_options(args: argparse.Namespace) -> tuple[int, bool]:
+    """(-v count, --log-json) from wherever on the command line they were given."""
+    flags = vars(args)
+    verbose = args.verbose + sum(v for k, v in flags.items() if k.startswith("verbose_"))
+    return verbose, args.log_json or any(v for k, v in flags.items() if k.startswith("log_json_"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    setup_logging(args.verbose, args.log_json)
+    setup_logging(*logging_options(args))
     from dht import ConfigError
 
     try:
