@@ -610,9 +610,8 @@ def main() -> None:
 
     from p2ptrain.testbed import Testbed, TestbedError
 
-    rate, delay, loss = (args.netem.split(",") + [None, None])[:3]
     try:
-        tb = Testbed(max(2, *args.n), rate=rate or None, delay=delay or None, loss=loss or None)
+        tb = Testbed.from_netem(max(2, *args.n), args.netem)
     except TestbedError as e:
         sys.exit(f"--netem: {e}")
     # SIGTERM would skip the finally below: make it an exit, so the namespaces go with us

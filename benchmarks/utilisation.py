@@ -324,9 +324,8 @@ def main() -> None:
     if a.netem:
         from p2ptrain.testbed import Testbed, TestbedError
 
-        rate, delay, loss = (a.netem.split(",") + [None, None])[:3]
         try:
-            tb = Testbed(a.peers, rate=rate or None, delay=delay or None, loss=loss or None)
+            tb = Testbed.from_netem(a.peers, a.netem)
         except TestbedError as e:
             sys.exit(f"--netem: {e}")
     try:

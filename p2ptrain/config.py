@@ -33,8 +33,10 @@ from dht import ConfigError, Identity, Multiaddr
 
 ENV_PREFIX = "P2PTRAIN_"
 
-# (logging starts before the file is read: the -v/--log-json given after a command are flags only)
-_NOT_CONFIGURABLE = {"help", "config", "version", "verbose_1", "log_json_1", "verbose_2", "log_json_2"}
+# verbose_1, log_json_1: -v/--log-json given after a command (cli._add_logging_flags), flags only:
+# logging starts before the file is read. (Only a command's own options are read from the file,
+# so the dests of nested commands, verbose_2..., never reach it.)
+_NOT_CONFIGURABLE = {"help", "config", "version", "verbose_1", "log_json_1"}
 _GROUPS = ({"bootstrap", "bootstrap_file"},)  # keys that are one setting together
 _PATH_KEYS = {"bootstrap_file", "key_file", "save", "round_log", "out", "script", "swarm_key_file", "data_dir",
               "peer_cache"}  # relative to the config file

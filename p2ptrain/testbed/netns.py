@@ -342,6 +342,13 @@ class Testbed:
 
     __test__ = False
 
+    @classmethod
+    def from_netem(cls, n_hosts: int, spec: str) -> Testbed:
+        """A test bed from the benchmarks' ``--netem RATE[,DELAY[,LOSS]]`` (``1gbit``,
+        ``100mbit,50ms``, ``100mbit,,1%``: an empty field is left unshaped)."""
+        rate, delay, loss = (spec.split(",") + [None, None])[:3]
+        return cls(n_hosts, rate=rate or None, delay=delay or None, loss=loss or None)
+
     def __init__(self, n_hosts: int, *, rate: str | None = "1gbit", delay: str | float | None = None,
                  loss: str | float | None = None, prefix: str | None = None, subnet: str | None = None,
                  grace: float = 2.0, no_inbound: Iterable[int] = ()) -> None:
