@@ -665,15 +665,14 @@ class _Round:
             return memoryview(out.numpy()).cast("B")
         else:  # the division rides on the encode (int8 rescales its block scales): no pass of its own
             scale = self.weight / self.wsum[ci]
-        enc = self.gcodec.encode(x, out=out_wire, scale=scale)
+        # hold exactly what the other members will decode (int8: in the encode's own pass)
+        roundtrip = not self.gcodec.lossless and self.count[ci] > 1
+        enc = self.gcodec.encode(x, out=out_wire, scale=scale, decoded=out if roundtrip else None)
         bufs = enc.buffers
         data = bufs[0] if len(bufs) == 1 else torch.cat([t if isinstance(t, torch.Tensor) else
                                                          torch.frombuffer(bytearray(t), dtype=torch.uint8) for t in bufs])
         mv = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)
-        if not self.gcodec.lossless:
-            if self.count[ci] > 1:  # hold exactly what the other members will decode
-                self.gcodec.decode(dict(self.gmeta, numel=b - a), mv, out=out)
-        elif x.data_ptr() != out.data_ptr():  # (an in-place accumulator is ``out`` already)
+        if self.gcodec.lossless and x.data_ptr() != out.data_ptr():  # (an in-place accumulator is ``out`` already)
             out.copy_(x)
         return mv
 

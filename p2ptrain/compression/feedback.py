@@ -49,8 +49,10 @@ class ErrorFeedback(Codec):
 
     # ------------------------------------------------------------------ codec interface
     def encode(self, chunk: torch.Tensor, key: Any = None, *, out: torch.Tensor | None = None,
-               scale: float = 1.0) -> Encoded:
+               scale: float = 1.0, decoded: torch.Tensor | None = None) -> Encoded:
         self._check_chunk(chunk)
+        if decoded is not None:
+            self._check_out(decoded, chunk.numel())
         if scale != 1.0:  # the residual would carry scaled and unscaled values mixed
             raise ValueError("ErrorFeedback encodes unscaled chunks only (scale must be 1)")
         out = out_buffer(self, chunk, out)
@@ -64,6 +66,8 @@ class ErrorFeedback(Codec):
         enc = self.codec._encode(r, out)
         enc.meta["dtype"] = dtype_name(chunk.dtype)
         self._subtract_sent(enc, r)
+        if decoded is not None:  # what a receiver gets
+            self.codec.decode(enc.meta, enc.tobytes(), out=decoded)
         return enc
 
     def _subtract_sent(self, enc: Encoded, r: torch.Tensor) -> None:

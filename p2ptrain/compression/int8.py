@@ -18,12 +18,16 @@ Wire layout (the float32 part first so it is 4-byte aligned whenever the buffer 
 
 NaN/inf never needs a separate pass: the per-block absmax propagates NaN and inf, so the check is
 a reduction over ceil(numel/block) scales.
+
+On CPU, float32 work goes to the fused one-pass kernels of :mod:`.kernels` when they are built
+(same wire bytes; torch ops otherwise, and always on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .base import Codec, CompressionError, Encoded, as_uint8, frombuffer, scratch
 
 __all__ = ["Int8Codec"]
@@ -71,7 +75,15 @@ class Int8Codec(Codec):
         return parts
 
     def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
-        # Passes over the chunk: amax + amin (read), x * inv -> float scratch, round in place, cast into
+        return self._encode_into(chunk, out, scale, None)
+
+    def _encode_decoded(self, chunk, out, scale, decoded):
+        return self._encode_into(chunk, out, scale, decoded)
+
+    def _encode_into(self, chunk: torch.Tensor, out: torch.Tensor | None, scale: float,
+                     decoded: torch.Tensor | None) -> Encoded:
+        # With the kernels (CPU): one pass, ``decoded`` written in it too. Without, the passes over
+        # the chunk are: amax + amin (read), x * inv -> float scratch, round in place, cast into
         # q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk); only the wire
         # buffers (scales, q) are allocated. The per-block work is as few small ops as it can be:
         # offloaded, each one is a dispatch that waits for the GIL the event loop's Python holds
@@ -90,6 +102,14 @@ class Int8Codec(Codec):
         wire = out[: 4 * nb + n] if out is not None else torch.empty(4 * nb + n, dtype=torch.uint8, device=dev)
         scales = wire[: 4 * nb].view(torch.float32)
         q = wire[4 * nb :].view(torch.int8)
+        if kernels.AVAILABLE and dev.type == "cpu":  # one pass, the same bytes
+            dec = decoded if decoded is not None and decoded.dtype == torch.float32 else None
+            if not kernels.encode(x, self.block, scale, scales, q, dec):
+                raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
+            enc = Encoded(self._meta(chunk), [as_uint8(wire)])
+            if decoded is not None and dec is None:  # a float16/bfloat16 ``decoded``
+                self._decode_into(enc.meta, memoryview(wire.numpy()), n, decoded)
+            return enc
         tmp = scratch("int8.enc", min(n, self.block * (n // self.block)) or n, torch.float32, dev)
         for start, stop, rows, cols, b0 in self._parts(n):
             xb = x[start:stop].view(rows, cols)
@@ -108,7 +128,10 @@ class Int8Codec(Codec):
             torch.mul(xb, step.reciprocal_().unsqueeze(1), out=t)
             t.round_()
             q[start:stop].view(rows, cols).copy_(t)
-        return Encoded(self._meta(chunk), [as_uint8(wire)])  # from a GPU: one copy of the compressed bytes
+        enc = Encoded(self._meta(chunk), [as_uint8(wire)])  # from a GPU: one copy of the compressed bytes
+        if decoded is not None:
+            self._decode_into(enc.meta, memoryview(enc.buffers[0].numpy()), n, decoded)
+        return enc
 
     # ------------------------------------------------------------------ decode
     def _scales_max(self, scales: torch.Tensor) -> float:
@@ -141,6 +164,9 @@ class Int8Codec(Codec):
         # int8 * float32 would cast q into a fresh float32 temporary: cast straight into ``out``
         # instead, then scale in place (float32 out), or go through the per-thread scratch.
         scales, q = self._unpack(buf, numel, out.device)
+        if kernels.AVAILABLE and out.dtype == torch.float32 and out.device.type == "cpu":
+            kernels.decode(scales, q, self.block, out)
+            return
         f32 = out if out.dtype == torch.float32 else scratch("int8.dec", numel, torch.float32, out.device)
         f32.copy_(q)
         for start, stop, rows, cols, b0 in self._parts(numel):
@@ -152,11 +178,14 @@ class Int8Codec(Codec):
         # check_finite_on_decode off: the caller validated this buffer with add_bound (the scale
         # range is the only way an int8 message decodes to inf or NaN)
         scales, q = self._unpack(buf, numel, acc.device, check=self.check_finite_on_decode)
+        src = acc if base is None else base
+        if kernels.AVAILABLE and acc.dtype == src.dtype == torch.float32 and acc.device.type == "cpu":
+            kernels.decode_add(scales, q, self.block, weight, src, acc)
+            return
         if weight != 1.0:
             scales = scales * weight
         qf = scratch("int8.dec", numel, torch.float32, acc.device)
         qf.copy_(q)  # addcmul_ with an int8 operand would cast it into a fresh temporary
-        src = acc if base is None else base
         for start, stop, rows, cols, b0 in self._parts(numel):
             s = scales[b0 : b0 + rows].unsqueeze(1)
             torch.addcmul(src[start:stop].view(rows, cols), qf[start:stop].view(rows, cols), s,

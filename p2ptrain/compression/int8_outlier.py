@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CompressionError, Encoded, abs_max, as_uint8, frombuffer, scratch
+from .base import Codec, CompressionError, Encoded, abs_max, as_uint8, frombuffer, scratch
 from .int8 import _INF, _TINY, Int8Codec
 
 __all__ = ["Int8OutlierCodec"]
@@ -76,6 +76,9 @@ class Int8OutlierCodec(Int8Codec):
                 frombuffer(buf, torch.uint8, o_pos, nb * k), frombuffer(buf, torch.int8, o_q, numel))
 
     # ------------------------------------------------------------------ encode
+    # Int8Codec's one-pass encode-and-decode is plain int8's: decode our own bytes instead
+    _encode_decoded = Codec._encode_decoded
+
     def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         n, dev, k = chunk.numel(), chunk.device, self.outliers
         x = chunk if chunk.dtype == torch.float32 else scratch("int8.x32", n, torch.float32, dev).copy_(chunk)

@@ -1,0 +1,195 @@
+/* Fused CPU kernels for the blockwise-absmax int8 codec (p2ptrain/compression/int8.py has the
+ * format and p2ptrain/compression/kernels.py the Python side, which validates every argument).
+ *
+ * Why C: in torch ops an int8 encode is five passes over the chunk (amax, amin, multiply, round,
+ * cast) and a decode-add three; in a round those passes, not the socket, are most of an int8
+ * member's time. Here each kernel is one pass over memory, a block (1 KiB of float32) at a time, so
+ * a block's second read comes from L1. Results are bit-identical to the torch path for encode and
+ * decode (the same float32 operations in the same order, no FMA contraction: setup.py passes
+ * -ffp-contract=off); decode-add may differ from torch's addcmul, which fuses its multiply-add on
+ * some CPUs, by one rounding.
+ *
+ * Pointers arrive as integers (tensor.data_ptr()) and every kernel releases the GIL, so the round's
+ * worker thread runs them beside the event loop. On x86-64 with glibc and GCC >= 12 each kernel is
+ * built for three ISA levels and picked at load time (target_clones); elsewhere the compiler's
+ * autovectorisation of the plain loops applies. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _MSC_VER
+#define restrict __restrict
+#define ALWAYS_INLINE __forceinline
+#else
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && defined(__GLIBC__)
+#define MULTI __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MULTI
+#endif
+
+/* independent max lanes: integer max reductions vectorise without reassociating anything */
+#define LANES 16
+#define ABS_BITS 0x7fffffffu
+#define INF_BITS 0x7f800000u
+static const float TINY = 7.888609052210118e-31f; /* 2**-100, int8.py's _TINY */
+static const float MAGIC = 12582912.0f;           /* 1.5 * 2**23 */
+
+/* max |x| as a bit pattern. For non-negative floats the bit patterns order as the values do, and
+ * inf (INF_BITS) and every NaN (above it) order above every finite value: one integer max both
+ * finds the absmax and flags NaN/inf, where float max would have to special-case NaN. */
+static ALWAYS_INLINE uint32_t absmax_bits(const float *restrict x, int64_t n) {
+    const uint32_t *xi = (const uint32_t *)x;
+    uint32_t m[LANES] = {0}, mm = 0;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            uint32_t a = xi[i + l] & ABS_BITS;
+            m[l] = a > m[l] ? a : m[l];
+        }
+    for (; i < n; i++) {
+        uint32_t a = xi[i] & ABS_BITS;
+        mm = a > mm ? a : mm;
+    }
+    for (int l = 0; l < LANES; l++) mm = m[l] > mm ? m[l] : mm;
+    return mm;
+}
+
+/* Encode n values in blocks: scales[b] = (max(absmax_b, TINY) / 127) * mult, q = round(x / step)
+ * as x * (1 / step), ties to even. With dec != NULL also writes what a receiver decodes,
+ * (float)q * scales[b], into dec (which may be x itself: each value is read before it is written).
+ * Returns 1 on success, 0 (with scales/q/dec partly written) if a value is NaN or inf. */
+MULTI static int encode_f32(const float *x, int64_t n, int64_t block, float mult,
+                            float *restrict scales, int8_t *restrict q, float *dec) {
+    int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t s = b * block, len = n - s < block ? n - s : block;
+        uint32_t bits = absmax_bits(x + s, len);
+        if (bits >= INF_BITS) return 0;
+        float absmax;
+        memcpy(&absmax, &bits, 4);
+        float step = (absmax > TINY ? absmax : TINY) / 127.0f;
+        float sc = step * mult;
+        float inv = 1.0f / step;
+        scales[b] = sc;
+        const float *xb = x + s;
+        int8_t *qb = q + s;
+        /* |x * inv| <= 127.5: adding and subtracting 1.5 * 2**23 rounds to the nearest integer,
+         * ties to even (as torch.round), in plain float arithmetic that vectorises on every level */
+        if (dec == NULL) {
+            for (int64_t i = 0; i < len; i++) qb[i] = (int8_t)(int32_t)((xb[i] * inv + MAGIC) - MAGIC);
+        } else {
+            float *db = dec + s;
+            for (int64_t i = 0; i < len; i++) {
+                float r = (xb[i] * inv + MAGIC) - MAGIC;
+                qb[i] = (int8_t)(int32_t)r;
+                db[i] = r * sc; /* r is q exactly */
+            }
+        }
+    }
+    return 1;
+}
+
+/* absmax_bits is inlined into each ISA clone of its callers; this is its own entry point */
+MULTI static uint32_t absmax_bits_all(const float *restrict x, int64_t n) { return absmax_bits(x, n); }
+
+static inline float load_f32(const uint8_t *p) { /* a received buffer's scales may be unaligned */
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+/* out = (float)q * scale, per block */
+MULTI static void decode_f32(const uint8_t *scales, const int8_t *restrict q, int64_t n, int64_t block,
+                             float *restrict out) {
+    int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t s = b * block, len = n - s < block ? n - s : block;
+        float sc = load_f32(scales + 4 * b);
+        const int8_t *qb = q + s;
+        float *ob = out + s;
+        for (int64_t i = 0; i < len; i++) ob[i] = (float)qb[i] * sc;
+    }
+}
+
+/* out = src + (float)q * (scale * weight), per block; src may be out itself */
+MULTI static void decode_add_f32(const uint8_t *scales, const int8_t *restrict q, int64_t n, int64_t block,
+                                 float weight, const float *src, float *out) {
+    int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t s = b * block, len = n - s < block ? n - s : block;
+        float sc = load_f32(scales + 4 * b) * weight;
+        const int8_t *qb = q + s;
+        const float *sb = src + s;
+        float *ob = out + s;
+        for (int64_t i = 0; i < len; i++) ob[i] = sb[i] + (float)qb[i] * sc;
+    }
+}
+
+static PyObject *py_absmax(PyObject *self, PyObject *args) {
+    unsigned long long x;
+    long long n;
+    uint32_t bits;
+    if (!PyArg_ParseTuple(args, "KL", &x, &n)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bits = absmax_bits_all((const float *)(uintptr_t)x, n);
+    Py_END_ALLOW_THREADS
+    if (bits > INF_BITS) return PyFloat_FromDouble(Py_NAN);
+    float f;
+    memcpy(&f, &bits, 4);
+    return PyFloat_FromDouble((double)f);
+}
+
+static PyObject *py_encode(PyObject *self, PyObject *args) {
+    unsigned long long x, scales, q, dec;
+    long long n, block;
+    float mult;
+    int ok;
+    if (!PyArg_ParseTuple(args, "KLLfKKK", &x, &n, &block, &mult, &scales, &q, &dec)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ok = encode_f32((const float *)(uintptr_t)x, n, block, mult, (float *)(uintptr_t)scales,
+                    (int8_t *)(uintptr_t)q, (float *)(uintptr_t)dec);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    unsigned long long scales, q, out;
+    long long n, block;
+    if (!PyArg_ParseTuple(args, "KKLLK", &scales, &q, &n, &block, &out)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    decode_f32((const uint8_t *)(uintptr_t)scales, (const int8_t *)(uintptr_t)q, n, block,
+               (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode_add(PyObject *self, PyObject *args) {
+    unsigned long long scales, q, src, out;
+    long long n, block;
+    float weight;
+    if (!PyArg_ParseTuple(args, "KKLLfKK", &scales, &q, &n, &block, &weight, &src, &out)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    decode_add_f32((const uint8_t *)(uintptr_t)scales, (const int8_t *)(uintptr_t)q, n, block, weight,
+                   (const float *)(uintptr_t)src, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"absmax", py_absmax, METH_VARARGS, "absmax(x_ptr, n) -> max |x| (inf or nan if any)"},
+    {"encode", py_encode, METH_VARARGS,
+     "encode(x_ptr, n, block, mult, scales_ptr, q_ptr, dec_ptr or 0) -> False if NaN/inf"},
+    {"decode", py_decode, METH_VARARGS, "decode(scales_ptr, q_ptr, n, block, out_ptr)"},
+    {"decode_add", py_decode_add, METH_VARARGS, "decode_add(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int8_kernels",
+                                    "Fused int8 codec kernels (private: use p2ptrain.compression.kernels)",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__int8_kernels(void) { return PyModule_Create(&module); }

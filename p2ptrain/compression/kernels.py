@@ -1,0 +1,75 @@
+"""The int8 codec's optional compiled kernels (``_int8_kernels.c``), behind checked wrappers.
+
+Why they exist: on loopback or any link faster than a core can run torch's five-pass int8 encode,
+the codec's memory passes, not the network, are an int8 round's time. Each kernel here is one pass
+(measured in ``benchmarks/allreduce_bench.py`` and README, "Averaging"). The extension is built by
+``pip install`` where a C compiler is present; without it, or with ``P2PT_KERNELS=0`` in the
+environment (to compare, or to rule the kernels out), ``AVAILABLE`` is False and callers use their
+torch path, which encodes and decodes to the same bits.
+
+The C functions take raw addresses; these wrappers are the only callers and check what C cannot:
+device, dtype, contiguity and sizes. Every kernel releases the GIL.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["AVAILABLE", "absmax", "encode", "decode", "decode_add"]
+
+_K = None
+if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off"):
+    try:
+        from . import _int8_kernels as _K  # type: ignore[no-redef]
+    except ImportError:  # not built here (no C compiler at install): the torch paths serve
+        _K = None
+
+#: whether the compiled kernels are loaded (and not switched off with ``P2PT_KERNELS=0``)
+AVAILABLE: bool = _K is not None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True if the kernels are loaded and every tensor is a contiguous float32/int8/uint8 CPU tensor."""
+    return AVAILABLE and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def _need(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() < numel:
+        raise ValueError(f"{what}: need a contiguous CPU {dtype} tensor of >= {numel} values, got "
+                         f"{t.dtype} {t.device} {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+def absmax(x: torch.Tensor) -> float:
+    """max |x| of a contiguous float32 CPU tensor in one pass; inf/nan if it holds inf/NaN."""
+    return _K.absmax(_need(x, torch.float32, 0, "absmax"), x.numel())
+
+
+def encode(x: torch.Tensor, block: int, scale: float, scales: torch.Tensor, q: torch.Tensor,
+           dec: torch.Tensor | None = None) -> bool:
+    """Blockwise int8 encode of float32 ``x`` into ``scales`` (float32, one per block, times
+    ``scale``) and ``q`` (int8); with ``dec``, also what a receiver decodes, in the same pass
+    (``dec`` may be ``x``). False, with the outputs partly written, if ``x`` holds NaN or inf."""
+    n = x.numel()
+    args = (_need(x, torch.float32, n, "encode x"), n, block, scale,
+            _need(scales, torch.float32, -(-n // block), "encode scales"), _need(q, torch.int8, n, "encode q"),
+            0 if dec is None else _need(dec, torch.float32, n, "encode dec"))
+    return _K.encode(*args)
+
+
+def decode(scales: torch.Tensor, q: torch.Tensor, block: int, out: torch.Tensor) -> None:
+    """``out = q * scale`` per block (``out`` float32, ``q.numel()`` values)."""
+    n = q.numel()
+    _K.decode(_need(scales, torch.float32, -(-n // block), "decode scales"), _need(q, torch.int8, n, "decode q"),
+              n, block, _need(out, torch.float32, n, "decode out"))
+
+
+def decode_add(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float, src: torch.Tensor,
+               out: torch.Tensor) -> None:
+    """``out = src + q * (scale * weight)`` per block; ``src`` may be ``out``."""
+    n = q.numel()
+    _K.decode_add(_need(scales, torch.float32, -(-n // block), "decode_add scales"),
+                  _need(q, torch.int8, n, "decode_add q"), n, block, weight,
+                  _need(src, torch.float32, n, "decode_add src"), _need(out, torch.float32, n, "decode_add out"))

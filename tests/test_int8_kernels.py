@@ -1,0 +1,188 @@
+"""The compiled int8 kernels (p2ptrain/compression/_int8_kernels.c) against the torch path they
+replace: the same wire bytes and decoded values, the same NaN/inf refusal, argument checks in the
+wrappers, and the switch that turns them off."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2ptrain.compression import CODECS, CompressionError, Int8Codec, get_codec, kernels
+from p2ptrain.compression.base import abs_max
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+needs_kernels = pytest.mark.skipif(not kernels.AVAILABLE, reason="the int8 kernels are not built here")
+
+
+def test_kernels_are_built_where_a_c_compiler_is():
+    """setup.py marks the extension optional, so a broken build would only warn: where a compiler
+    is present (as in CI), the kernels must have been built and loaded."""
+    if os.environ.get("P2PT_KERNELS", "1") == "0":
+        pytest.skip("P2PT_KERNELS=0 switches the kernels off")
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}) on this machine: the torch path serves")
+    assert kernels.AVAILABLE, "a C compiler is present but p2ptrain.compression._int8_kernels did not build"
+
+
+def test_p2pt_kernels_0_switches_them_off():
+    code = "from p2ptrain.compression import kernels; print(kernels.AVAILABLE)"
+    env = dict(os.environ, P2PT_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def torch_path():
+    """Within it, the codec runs its torch ops instead of the kernels."""
+    return mock.patch.object(kernels, "AVAILABLE", False)
+
+
+@st.composite
+def chunks(draw):
+    n = draw(st.sampled_from([1, 7, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000, 4099]))
+    kind = draw(st.sampled_from(["randn", "zeros", "tiny", "subnormal", "huge", "mixed", "ties"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    if kind == "zeros":
+        x = torch.zeros(n, dtype=torch.float64)
+        if n > 3:
+            x[3] = -0.0
+    elif kind == "tiny":  # below int8's 2**-100 floor
+        x = x * 1e-32
+    elif kind == "subnormal":
+        x = x * 1e-40
+    elif kind == "huge":  # near float32's max: 1 / step must stay a normal float
+        x = (x / x.abs().max().clamp_min(1e-30)) * 3.4e38
+    elif kind == "mixed":
+        x = x * torch.pow(10.0, torch.randint(-30, 30, (n,), generator=g).double())
+    elif kind == "ties":  # values that land on k + 0.5 steps: round half to even must agree
+        x = torch.randint(-254, 255, (n,), generator=g).double() / 2
+        x[0] = 127.0
+    return x.clamp(-3.4e38, 3.4e38).to(torch.float32)
+
+
+@needs_kernels
+@SETTINGS
+@given(x=chunks(), block=st.sampled_from([8, 64, 256, 1000]), scale=st.sampled_from([1.0, 0.5, 1 / 3, 1e-7]))
+def test_encode_and_decode_match_the_torch_path_bit_for_bit(x, block, scale):
+    codec = Int8Codec(block=block)
+    fast = codec.encode(x, scale=scale).tobytes()
+    dec_fast = torch.full_like(x, float("nan"))
+    fused = codec.encode(x.clone(), scale=scale, decoded=dec_fast).tobytes()
+    got = codec.decode(codec._meta(x), fast)
+    with torch_path():
+        slow = codec.encode(x, scale=scale).tobytes()
+        want = codec.decode(codec._meta(x), slow)
+    assert fast == slow
+    assert fused == slow
+    assert torch.equal(got, want)
+    assert torch.equal(dec_fast, want)  # what the owner keeps is what the others decode
+
+
+@needs_kernels
+@SETTINGS
+@given(x=chunks(), weight=st.sampled_from([1.0, 0.25, 3.0, 1e-6]), in_place=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_decode_add_matches_the_torch_path_within_one_rounding(x, weight, in_place, seed):
+    codec = Int8Codec(block=64)
+    enc = codec.encode(x)
+    meta, wire = enc.meta, enc.tobytes()
+    base = torch.randn(x.numel(), generator=torch.Generator().manual_seed(seed)) * float(x.abs().max().clamp_max(1e30))
+    acc = base.clone() if in_place else torch.zeros_like(x)
+    codec.decode_add(meta, wire, acc, weight, None if in_place else base)
+    with torch_path():
+        want = base.clone()
+        codec.decode_add(meta, wire, want, weight)
+    term = codec.decode(meta, wire).double() * torch.tensor(weight, dtype=torch.float32).double()
+    exact = base.double() + term
+    # torch's addcmul may fuse its multiply-add (one rounding fewer): both within two roundings
+    # of the operands' size (the sum itself may cancel to far less)
+    ulp = torch.finfo(torch.float32).eps * (base.double().abs() + term.abs()) + torch.finfo(torch.float32).tiny
+    fits = exact.abs() < torch.finfo(torch.float32).max  # elsewhere both overflow alike
+    for got in (acc, want):
+        assert bool(((got.double() - exact).abs() <= 2 * ulp)[fits].all())
+        assert torch.equal(got[~fits], acc[~fits]) and bool(got[~fits].isinf().all())
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("pos", [0, 255, 256, 1000, 1002])  # first, block end, block start, tail block
+def test_nonfinite_input_is_refused_as_by_the_torch_path(bad, pos):
+    x = torch.randn(1003)
+    x[pos] = bad
+    codec = Int8Codec()
+    with pytest.raises(CompressionError, match="NaN or inf"):
+        codec.encode(x)
+    with pytest.raises(CompressionError, match="NaN or inf"):
+        codec.encode(x, decoded=torch.empty_like(x))
+    assert not abs_max(x) < float("inf")
+    with torch_path():
+        with pytest.raises(CompressionError, match="NaN or inf"):
+            codec.encode(x)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100_003])
+def test_absmax_matches_aminmax(n):
+    x = torch.randn(n) * 1e3
+    lo, hi = torch.aminmax(x)
+    assert kernels.absmax(x) == max(-float(lo), float(hi))
+    x[n // 2] = -float("inf")
+    assert kernels.absmax(x) == float("inf")
+    x[n - 1] = float("nan")
+    assert kernels.absmax(x) != kernels.absmax(x)  # NaN
+    assert kernels.absmax(torch.zeros(n)) == 0.0
+
+
+@needs_kernels
+def test_wrappers_refuse_what_the_c_side_cannot_check():
+    x = torch.randn(1000)
+    scales, q = torch.empty(4), torch.empty(1000, dtype=torch.int8)
+    with pytest.raises(ValueError, match="encode scales"):  # 1000 / 256 needs 4: give 3
+        kernels.encode(x, 256, 1.0, scales[:3], q)
+    with pytest.raises(ValueError, match="encode x"):
+        kernels.encode(x.double(), 256, 1.0, scales, q)
+    with pytest.raises(ValueError, match="encode x"):
+        kernels.encode(torch.randn(2000)[::2], 256, 1.0, scales, q)
+    with pytest.raises(ValueError, match="decode out"):
+        kernels.decode(scales, q, 256, torch.empty(999))
+    with pytest.raises(ValueError, match="decode_add src"):
+        kernels.decode_add(scales, q, 256, 1.0, torch.empty(1000, dtype=torch.float16), torch.empty(1000))
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_encode_decoded_is_what_a_receiver_decodes(name, dtype):
+    """Every codec's ``encode(decoded=)`` (fused for int8, generic for the others, and error
+    feedback's) writes exactly ``decode(encode(x))``, including into the chunk itself."""
+    wrapped = get_codec(name)  # topk comes with error feedback: stateful, so checked on its own
+    codec = getattr(wrapped, "codec", wrapped)
+    x = (torch.randn(3000, generator=torch.Generator().manual_seed(5)) * 5).to(dtype)
+
+    def decode(enc):
+        return codec.decode(enc.meta, enc.tobytes(), out=torch.empty(3000, dtype=dtype))
+
+    want = decode(codec.encode(x.clone()))
+    got = torch.empty_like(x)
+    assert torch.equal(decode(codec.encode(x.clone(), decoded=got)), want)
+    assert torch.equal(got, want)
+    y = x.clone()
+    codec.encode(y, decoded=y)
+    assert torch.equal(y, want)
+    if wrapped is not codec:
+        for _ in range(2):  # the second encode carries the first one's residual
+            enc = wrapped.encode(x, decoded=got)
+            assert torch.equal(got, decode(enc))
+    with pytest.raises(CompressionError, match="out must be"):
+        codec.encode(x, decoded=torch.empty(10))
