@@ -627,8 +627,10 @@ def main() -> None:
 def _run(args: argparse.Namespace) -> None:
     nbytes = args.numel * 4
     link = "" if _NET.tb is None else f"; link: {_NET.tb.describe()}"
-    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member{link}; torch threads per process: {args.threads}",
-          flush=True)
+    from p2ptrain.compression import kernels
+
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member{link}; torch threads per process: {args.threads}; "
+          f"int8 kernels: {'on' if kernels.AVAILABLE else 'off (not built, or P2PT_KERNELS=0)'}", flush=True)
     rows = []
     kills = {}
     for n in args.n:

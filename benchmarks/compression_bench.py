@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from p2ptrain.compression import CODECS, get_codec, iter_chunks
+from p2ptrain.compression import CODECS, get_codec, iter_chunks, kernels
 
 
 def best_time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> float:
@@ -120,7 +120,8 @@ def main(argv=None) -> None:
     gb = args.numel * 4 / 1e9
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={threads}, "
           f"numel={args.numel} ({gb * 1e3:.0f} MB fp32), chunk={args.chunk} ({args.chunk * 4 / 1e6:.1f} MB), "
-          f"best of {args.repeat}, device={device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+          f"best of {args.repeat}, device={device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+          + f"; int8 kernels: {'on' if kernels.AVAILABLE else 'off'} (P2PT_KERNELS=0 for the torch path)")
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.numel, generator=g)
