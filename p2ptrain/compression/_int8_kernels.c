@@ -3,11 +3,11 @@
  *
  * Why C: in torch ops an int8 encode is five passes over the chunk (amax, amin, multiply, round,
  * cast) and a decode-add three; in a round those passes, not the socket, are most of an int8
- * member's time. Here each kernel is one pass over memory, a block (1 KiB of float32) at a time, so
- * a block's second read comes from L1. Results are bit-identical to the torch path for encode and
- * decode (the same float32 operations in the same order, no FMA contraction: setup.py passes
- * -ffp-contract=off); decode-add may differ from torch's addcmul, which fuses its multiply-add on
- * some CPUs, by one rounding.
+ * member's time. Here each kernel is one pass over memory: the encode reads 16 blocks (16 KiB of
+ * float32) for their absmaxes and reads them again from L1 to quantise them. Results are
+ * bit-identical to the torch path for encode and decode (the same float32 operations in the same
+ * order, no FMA contraction: setup.py passes -ffp-contract=off); decode-add may differ from torch's
+ * addcmul, which fuses its multiply-add on some CPUs, by one rounding.
  *
  * Pointers arrive as integers (tensor.data_ptr()) and every kernel releases the GIL, so the round's
  * worker thread runs them beside the event loop. On x86-64 with glibc and GCC >= 12 each kernel is

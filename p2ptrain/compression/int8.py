@@ -77,7 +77,8 @@ class Int8Codec(Codec):
     def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         return self._encode_into(chunk, out, scale, None)
 
-    def _encode_decoded(self, chunk, out, scale, decoded):
+    def _encode_decoded(self, chunk: torch.Tensor, out: torch.Tensor | None, scale: float,
+                        decoded: torch.Tensor) -> Encoded:
         return self._encode_into(chunk, out, scale, decoded)
 
     def _encode_into(self, chunk: torch.Tensor, out: torch.Tensor | None, scale: float,
@@ -103,11 +104,11 @@ class Int8Codec(Codec):
         scales = wire[: 4 * nb].view(torch.float32)
         q = wire[4 * nb :].view(torch.int8)
         if kernels.AVAILABLE and dev.type == "cpu":  # one pass, the same bytes
-            dec = decoded if decoded is not None and decoded.dtype == torch.float32 else None
+            dec = decoded if decoded is not None and decoded.dtype == torch.float32 and decoded.device == dev else None
             if not kernels.encode(x, self.block, scale, scales, q, dec):
                 raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
             enc = Encoded(self._meta(chunk), [as_uint8(wire)])
-            if decoded is not None and dec is None:  # a float16/bfloat16 ``decoded``
+            if decoded is not None and dec is None:  # a float16/bfloat16 (or CUDA) ``decoded``
                 self._decode_into(enc.meta, memoryview(wire.numpy()), n, decoded)
             return enc
         tmp = scratch("int8.enc", min(n, self.block * (n // self.block)) or n, torch.float32, dev)
@@ -179,7 +180,8 @@ class Int8Codec(Codec):
         # range is the only way an int8 message decodes to inf or NaN)
         scales, q = self._unpack(buf, numel, acc.device, check=self.check_finite_on_decode)
         src = acc if base is None else base
-        if kernels.AVAILABLE and acc.dtype == src.dtype == torch.float32 and acc.device.type == "cpu":
+        if (kernels.AVAILABLE and acc.dtype == src.dtype == torch.float32 and acc.device.type == "cpu"
+                and src.is_contiguous()):
             kernels.decode_add(scales, q, self.block, weight, src, acc)
             return
         if weight != 1.0:

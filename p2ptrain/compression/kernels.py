@@ -30,11 +30,6 @@ if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no
 AVAILABLE: bool = _K is not None
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """True if the kernels are loaded and every tensor is a contiguous float32/int8/uint8 CPU tensor."""
-    return AVAILABLE and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-
-
 def _need(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
     if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() < numel:
         raise ValueError(f"{what}: need a contiguous CPU {dtype} tensor of >= {numel} values, got "
