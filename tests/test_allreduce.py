@@ -629,6 +629,36 @@ async def test_lossy_gather_codec_leaves_members_identical(swarm):
         torch.testing.assert_close(flats[0], weighted_mean(xs, ws), atol=4e-3, rtol=1e-3)
 
 
+async def test_nan_beyond_our_own_shard_is_refused_before_anything_is_sent(swarm):
+    """A NaN in what we would send to another owner (int8, whose encode would find it only at
+    that chunk): ``run`` raises before anything goes out, and the others finish without us,
+    finite, with none of our chunks counted anywhere."""
+    from p2ptrain.compression import CompressionError
+
+    async with asyncio.timeout(20):
+        cn = 4096
+        group, _hosts, services = await swarm.group(3, config=FAST)
+        for svc in services:  # how long the others wait for rank 0 to take their streams
+            svc.accept_wait = 1.0
+        numel = 3 * 5 * cn
+        xs, ws = data(3, numel, seed=7)
+        s2, _e2 = partition(numel, group.members)[2]
+        bad = xs[0].clone()
+        bad[s2 + 3 * cn + 7] = float("nan")  # the 4th chunk rank 0 would send to owner 2
+        flats = [bad.clone(), xs[1].clone(), xs[2].clone()]
+        outcome = await asyncio.gather(*(svc.run(group, r, flats[r], ws[r], "int8") for r, svc in enumerate(services)),
+                                       return_exceptions=True)
+        assert isinstance(outcome[0], CompressionError) and "NaN or inf" in str(outcome[0])
+        torch.testing.assert_close(flats[0], bad, rtol=0, atol=0, equal_nan=True)  # untouched
+        for r in (1, 2):
+            res = outcome[r]
+            assert isinstance(res, AllReduceResult), res
+            assert 0 in res.failed
+            assert bool(torch.isfinite(flats[r]).all())
+            assert all(0 not in s.contributors and 0 not in s.partial for s in res.shards)
+            torch.testing.assert_close(flats[r], expected_values(res, xs, ws, r, cn), atol=TOL["int8"], rtol=1e-3)
+
+
 async def test_rejects_bad_arguments(swarm):
     async with asyncio.timeout(10):
         group, _h, services = await swarm.group(2, config=FAST)
