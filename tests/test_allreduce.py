@@ -629,10 +629,12 @@ async def test_lossy_gather_codec_leaves_members_identical(swarm):
         torch.testing.assert_close(flats[0], weighted_mean(xs, ws), atol=4e-3, rtol=1e-3)
 
 
-async def test_nan_beyond_our_own_shard_is_refused_before_anything_is_sent(swarm):
-    """A NaN in what we would send to another owner (int8, whose encode would find it only at
-    that chunk): ``run`` raises before anything goes out, and the others finish without us,
-    finite, with none of our chunks counted anywhere."""
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_nan_beyond_our_own_shard(swarm, codec):
+    """A NaN in what we send to another owner: ``run`` raises either way. ``none`` finds it in its
+    check of the whole input, before anything is sent; ``int8`` checks only our own shard up front
+    and finds the NaN when that chunk is encoded, after earlier chunks went out. The others finish
+    without us, finite, holding what their results say was averaged, and no NaN reaches them."""
     from p2ptrain.compression import CompressionError
 
     async with asyncio.timeout(20):
@@ -644,19 +646,23 @@ async def test_nan_beyond_our_own_shard_is_refused_before_anything_is_sent(swarm
         xs, ws = data(3, numel, seed=7)
         s2, _e2 = partition(numel, group.members)[2]
         bad = xs[0].clone()
-        bad[s2 + 3 * cn + 7] = float("nan")  # the 4th chunk rank 0 would send to owner 2
+        bad[s2 + 3 * cn + 7] = float("nan")  # the 4th chunk rank 0 sends to owner 2
         flats = [bad.clone(), xs[1].clone(), xs[2].clone()]
-        outcome = await asyncio.gather(*(svc.run(group, r, flats[r], ws[r], "int8") for r, svc in enumerate(services)),
+        outcome = await asyncio.gather(*(svc.run(group, r, flats[r], ws[r], codec) for r, svc in enumerate(services)),
                                        return_exceptions=True)
         assert isinstance(outcome[0], CompressionError) and "NaN or inf" in str(outcome[0])
-        torch.testing.assert_close(flats[0], bad, rtol=0, atol=0, equal_nan=True)  # untouched
+        assert ("found while sending" in str(outcome[0])) == (codec == "int8")
+        if codec == "none":
+            torch.testing.assert_close(flats[0], bad, rtol=0, atol=0, equal_nan=True)  # untouched
         for r in (1, 2):
             res = outcome[r]
             assert isinstance(res, AllReduceResult), res
             assert 0 in res.failed
             assert bool(torch.isfinite(flats[r]).all())
-            assert all(0 not in s.contributors and 0 not in s.partial for s in res.shards)
-            torch.testing.assert_close(flats[r], expected_values(res, xs, ws, r, cn), atol=TOL["int8"], rtol=1e-3)
+            torch.testing.assert_close(flats[r], expected_values(res, xs, ws, r, cn), atol=TOL[codec], rtol=1e-3)
+            assert 0 not in res.shards[2].contributors and res.shards[2].partial.get(0, 0) <= 3  # not the NaN chunk
+            if codec == "none":
+                assert all(0 not in s.contributors and 0 not in s.partial for s in res.shards)
 
 
 async def test_rejects_bad_arguments(swarm):

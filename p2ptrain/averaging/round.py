@@ -209,6 +209,10 @@ class _Drop(Exception):
     """A peer broke the protocol: drop it from the round."""
 
 
+class _InputNotFinite(Exception):
+    """Our own input holds NaN/inf, found by the encode of a chunk we were sending."""
+
+
 class _Reader:
     """Exact-size reads over a stream's frames, whatever their boundaries (a remainder is kept).
 
@@ -302,9 +306,11 @@ def _retrieve(fut: asyncio.Future | None) -> None:
 class _Round:
     def __init__(self, svc: AllReduceService, group: Group, rank: int, flat: torch.Tensor, weight: float,
                  codec: Codec, gcodec: Codec, cfg: AllReduceConfig, aggregation: str = "mean",
-                 absmax: float = 0.0):
+                 absmax: float = 0.0, input_checked: bool = True):
         self.svc, self.group, self.rank, self.flat, self.weight, self.cfg = svc, group, rank, flat, weight, cfg
         self.codec, self.gcodec = codec, gcodec
+        # False: ``run`` checked only our own shard, and the encodes of what we send check the rest
+        self.input_checked = input_checked
         self.rmeta, self.gmeta = _base(codec)._meta(_EMPTY), gcodec._meta(_EMPTY)
         self.n = n = flat.numel()
         self.size = group.size
@@ -795,6 +801,8 @@ class _Round:
                 raise _Drop("result longer than the shard")
             res.status = "ok"
         except CompressionError as e:  # our own input does not encode (e.g. beyond fp16 range)
+            if not self.input_checked:  # a NaN/inf that ``run`` left to the encode: end the round
+                raise _InputNotFinite(str(e)) from None
             res.error = f"cannot encode our part: {e}"
         except _Drop as e:
             res.error = f"owner {j} misbehaved: {e}"
@@ -862,6 +870,9 @@ class _Round:
                         sends.append(tg.create_task(self._send_part(j)))
                 if self.is_owner:
                     tg.create_task(self._own_shard())
+        except* _InputNotFinite as eg:  # (the other tasks are cancelled; the service aborts the rest)
+            raise CompressionError(f"flat contains NaN or inf; refusing to average it (found while sending, after "
+                                   f"part of it went out: {eg.exceptions[0]})") from None
         finally:
             unsubscribe()
         total = time.monotonic() - self.t0

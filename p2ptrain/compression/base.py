@@ -159,6 +159,9 @@ class Codec:
     lossless: bool = False
     #: True when ``encode`` writes its wire bytes into ``out`` when given one
     uses_out: bool = False
+    #: True when ``encode`` refuses NaN/inf in the same pass that reads the chunk: the all-reduce
+    #: then checks only the values it keeps (its own shard) before it sends anything
+    encode_checks_finite: bool = False
 
     def __init__(self, *, max_numel: int = DEFAULT_MAX_NUMEL, check_finite_on_decode: bool = True):
         if not (isinstance(max_numel, int) and max_numel >= 0):
