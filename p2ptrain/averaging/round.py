@@ -53,6 +53,10 @@ Failures
   chunks it sent *before* the violation stay in the average (they were individually validated: right
   size, finite, decodable, bounded); everything after is excluded; it gets no reply and is listed in
   ``failed``. Excluding its earlier chunks too would need per-sender accumulators (unbounded memory).
+* our own input holds NaN/inf: ``run`` refuses it before anything is sent; with ``int8``, whose
+  encode checks every chunk it reads, ``run`` checks only our own shard up front, and a NaN/inf in
+  a part we send ends the round when that chunk is encoded (CompressionError): to the others we
+  are a sender that died mid-stream.
 * stalls: every read/write waits at most ``max(stall_timeout, 4 * frame_bytes / min_bandwidth)``
   for progress; an owner stops waiting for senders that have not opened their stream after
   ``join_timeout`` and for any sender at ``reduce_fraction * timeout``; the whole run is capped at
