@@ -2,7 +2,7 @@
 
 The extension is optional: where it cannot be built (no C compiler, an unusual platform) the
 install still succeeds with a warning, and the codec runs its torch path, bit-identical on the wire
-and about 1.5x slower per int8 round (README, "Averaging")."""
+and about 1.7x slower per int8 round on loopback (README, "Averaging")."""
 
 import sys
 

@@ -63,11 +63,10 @@ class ErrorFeedback(Codec):
             self._residuals[key] = r
         else:
             r.add_(chunk)
-        enc = self.codec._encode(r, out)
+        # with ``decoded``: what a receiver gets, written by the inner codec (int8: in its encode's pass)
+        enc = self.codec._encode(r, out) if decoded is None else self.codec._encode_decoded(r, out, 1.0, decoded)
         enc.meta["dtype"] = dtype_name(chunk.dtype)
         self._subtract_sent(enc, r)
-        if decoded is not None:  # what a receiver gets
-            self.codec.decode(enc.meta, enc.tobytes(), out=decoded)
         return enc
 
     def _subtract_sent(self, enc: Encoded, r: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ __all__ = ["Int8Codec"]
 _TINY = 2.0**-100
 _INF = float("inf")
 _MAX_SCALE = torch.finfo(torch.float32).max / 127
+_NONFINITE = "int8: input chunk contains NaN or inf; refusing to encode it"
 
 
 class Int8Codec(Codec):
@@ -84,12 +85,7 @@ class Int8Codec(Codec):
 
     def _encode_into(self, chunk: torch.Tensor, out: torch.Tensor | None, scale: float,
                      decoded: torch.Tensor | None) -> Encoded:
-        # With the kernels (CPU): one pass, ``decoded`` written in it too. Without, the passes over
-        # the chunk are: amax + amin (read), x * inv -> float scratch, round in place, cast into
-        # q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk); only the wire
-        # buffers (scales, q) are allocated. The per-block work is as few small ops as it can be:
-        # offloaded, each one is a dispatch that waits for the GIL the event loop's Python holds
-        # (and, with cryptography before 50, its AES-GCM too).
+        # With the kernels (CPU): one pass, ``decoded`` written in it too; else ``_encode_blocks``.
         n = chunk.numel()
         dev = chunk.device
         if chunk.dtype == torch.float32:
@@ -104,14 +100,27 @@ class Int8Codec(Codec):
         wire = out[: 4 * nb + n] if out is not None else torch.empty(4 * nb + n, dtype=torch.uint8, device=dev)
         scales = wire[: 4 * nb].view(torch.float32)
         q = wire[4 * nb :].view(torch.int8)
+        fused = None  # ``decoded``, where the kernel writes it in the encode's own pass
         if kernels.AVAILABLE and dev.type == "cpu":  # one pass, the same bytes
-            dec = decoded if decoded is not None and decoded.dtype == torch.float32 and decoded.device == dev else None
-            if not kernels.encode(x, self.block, scale, scales, q, dec):
-                raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
-            enc = Encoded(self._meta(chunk), [as_uint8(wire)])
-            if decoded is not None and dec is None:  # a float16/bfloat16 (or CUDA) ``decoded``
-                self._decode_into(enc.meta, memoryview(wire.numpy()), n, decoded)
-            return enc
+            if decoded is not None and decoded.dtype == torch.float32 and decoded.device == dev:
+                fused = decoded
+            if not kernels.encode(x, self.block, scale, scales, q, fused):
+                raise CompressionError(_NONFINITE)
+        else:
+            self._encode_blocks(x, scale, scales, q)
+        enc = Encoded(self._meta(chunk), [as_uint8(wire)])  # from a GPU: one copy of the compressed bytes
+        if decoded is not None and fused is None:  # torch path, or a float16/bfloat16/CUDA ``decoded``
+            self._decode_into(enc.meta, memoryview(enc.buffers[0].numpy()), n, decoded)
+        return enc
+
+    def _encode_blocks(self, x: torch.Tensor, scale: float, scales: torch.Tensor, q: torch.Tensor) -> None:
+        """The torch path of the encode (CUDA, or no kernels): float32 ``x`` into ``scales``, ``q``."""
+        # Passes over the chunk: amax + amin (read), x * inv -> float scratch, round in place, cast
+        # into q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk). The
+        # per-block work is as few small ops as it can be: offloaded, each one is a dispatch that
+        # waits for the GIL the event loop's Python holds (and, with cryptography before 50, its
+        # AES-GCM too).
+        n, dev = x.numel(), x.device
         tmp = scratch("int8.enc", min(n, self.block * (n // self.block)) or n, torch.float32, dev)
         for start, stop, rows, cols, b0 in self._parts(n):
             xb = x[start:stop].view(rows, cols)
@@ -121,7 +130,7 @@ class Int8Codec(Codec):
             hi = torch.amax(xb, dim=1)
             absmax = torch.maximum(hi, torch.amin(xb, dim=1).neg_(), out=hi)
             if not float(absmax.max()) < _INF:  # NaN compares false
-                raise CompressionError("int8: input chunk contains NaN or inf; refusing to encode it")
+                raise CompressionError(_NONFINITE)
             step = absmax.clamp_min_(_TINY).div_(127.0)  # absmax / 127, in [2**-100 / 127, fmax / 127]
             # q is the same for x * scale (scale-invariant): only the block scales take ``scale``
             torch.mul(step, scale, out=scales[b0 : b0 + rows])
@@ -130,10 +139,6 @@ class Int8Codec(Codec):
             torch.mul(xb, step.reciprocal_().unsqueeze(1), out=t)
             t.round_()
             q[start:stop].view(rows, cols).copy_(t)
-        enc = Encoded(self._meta(chunk), [as_uint8(wire)])  # from a GPU: one copy of the compressed bytes
-        if decoded is not None:
-            self._decode_into(enc.meta, memoryview(enc.buffers[0].numpy()), n, decoded)
-        return enc
 
     # ------------------------------------------------------------------ decode
     def _scales_max(self, scales: torch.Tensor) -> float:
