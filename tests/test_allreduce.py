@@ -632,9 +632,9 @@ async def test_lossy_gather_codec_leaves_members_identical(swarm):
 @pytest.mark.parametrize("codec", ["none", "int8"])
 async def test_nan_beyond_our_own_shard(swarm, codec):
     """A NaN in what we send to another owner: ``run`` raises either way. ``none`` finds it in its
-    check of the whole input, before anything is sent; ``int8`` checks only our own shard up front
-    and finds the NaN when that chunk is encoded, after earlier chunks went out. The others finish
-    without us, finite, holding what their results say was averaged, and no NaN reaches them."""
+    check of the whole input, before anything is sent; ``int8`` checks nothing up front and finds
+    the NaN when that chunk is encoded, after earlier chunks went out. The others finish without
+    us, finite, holding what their results say was averaged, and no NaN reaches them."""
     from p2ptrain.compression import CompressionError
 
     async with asyncio.timeout(20):
@@ -651,7 +651,7 @@ async def test_nan_beyond_our_own_shard(swarm, codec):
         outcome = await asyncio.gather(*(svc.run(group, r, flats[r], ws[r], codec) for r, svc in enumerate(services)),
                                        return_exceptions=True)
         assert isinstance(outcome[0], CompressionError) and "NaN or inf" in str(outcome[0])
-        assert ("found while sending" in str(outcome[0])) == (codec == "int8")
+        assert ("found during the round" in str(outcome[0])) == (codec == "int8")
         if codec == "none":
             torch.testing.assert_close(flats[0], bad, rtol=0, atol=0, equal_nan=True)  # untouched
         for r in (1, 2):
@@ -663,6 +663,63 @@ async def test_nan_beyond_our_own_shard(swarm, codec):
             assert 0 not in res.shards[2].contributors and res.shards[2].partial.get(0, 0) <= 3  # not the NaN chunk
             if codec == "none":
                 assert all(0 not in s.contributors and 0 not in s.partial for s in res.shards)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -float("inf"), 3e38])
+async def test_int8_refuses_our_own_shard_where_it_is_first_read(swarm, bad):
+    """With ``int8`` nothing is checked before the round: a NaN/inf in our own shard, or a value
+    whose sum could overflow float32 (3e38), is found by the first contribution's add to that
+    chunk. ``run`` raises; the others finish without our shard (their own values kept there), and
+    nothing of ours that was not finite reaches them."""
+    from p2ptrain.compression import CompressionError
+
+    async with asyncio.timeout(20):
+        cn = 4096
+        group, _hosts, services = await swarm.group(3, config=FAST)
+        numel = 3 * 5 * cn
+        xs, ws = data(3, numel, seed=8)
+        s0, _e0 = partition(numel, group.members)[0]
+        bad_x = xs[0].clone()
+        bad_x[s0 + 2 * cn + 11] = bad  # the 3rd chunk of our own shard
+        flats = [bad_x.clone(), xs[1].clone(), xs[2].clone()]
+        outcome = await asyncio.gather(*(svc.run(group, r, flats[r], ws[r], "int8") for r, svc in enumerate(services)),
+                                       return_exceptions=True)
+        assert isinstance(outcome[0], CompressionError), outcome[0]
+        assert "own shard" in str(outcome[0])
+        assert ("NaN or inf" if bad != 3e38 else "overflow") in str(outcome[0])
+        for r in (1, 2):
+            res = outcome[r]
+            assert isinstance(res, AllReduceResult), res
+            assert 0 in res.failed and res.shards[0].status == "failed" and res.shards[0].averaged == 0
+            assert bool(torch.isfinite(flats[r]).all())
+            torch.testing.assert_close(flats[r], expected_values(res, xs, ws, r, cn), atol=TOL["int8"], rtol=1e-3)
+
+
+class StopsSendingToZero(AllReduceService):
+    """Dies after sending one chunk to owner 0: owner 0's later chunks get no contribution."""
+
+    async def _before_chunk(self, owner: int, index: int) -> None:
+        if owner == 0 and index == 1:
+            for conn in list(self.host._all):
+                conn.close("simulated crash", abort=True)
+            await self.host.close()
+
+
+async def test_int8_refuses_a_nan_in_an_own_chunk_nobody_contributed_to(swarm):
+    """Our own chunk that no contribution read is checked before its reply is encoded: ``run``
+    raises for the NaN instead of reporting a shard that failed to encode."""
+    from p2ptrain.compression import CompressionError
+
+    async with asyncio.timeout(20):
+        cn = 4096
+        group, _hosts, services = await swarm.group(2, config=FAST, service_cls={1: StopsSendingToZero})
+        numel = 2 * 4 * cn
+        xs, ws = data(2, numel, seed=9)
+        xs[0][3 * cn + 5] = float("nan")  # owner 0's 4th chunk: rank 1 died after its 1st
+        outcome = await asyncio.gather(*(svc.run(group, r, xs[r], ws[r], "int8") for r, svc in enumerate(services)),
+                                       return_exceptions=True)
+        assert isinstance(outcome[0], CompressionError), outcome[0]
+        assert "own shard" in str(outcome[0]) and "NaN or inf" in str(outcome[0])
 
 
 async def test_rejects_bad_arguments(swarm):

@@ -116,6 +116,71 @@ def test_decode_add_matches_the_torch_path_within_one_rounding(x, weight, in_pla
 
 
 @needs_kernels
+@SETTINGS
+@given(x=chunks(), base=chunks(), weight=st.sampled_from([1.0, 0.25, 3.0]), in_place=st.booleans())
+def test_decode_add_max_is_decode_add_plus_the_absmax_of_its_base(x, base, weight, in_place):
+    """The fused kernel writes exactly what ``decode_add`` writes and returns ``absmax(base)``, in
+    place or not, whatever the sizes (vector body, tails, partial blocks)."""
+    n = min(x.numel(), base.numel())
+    x, base = x[:n].contiguous(), base[:n].contiguous()
+    codec = Int8Codec(block=64)
+    enc = codec.encode(x)
+    meta, wire = enc.meta, enc.tobytes()
+    want = torch.empty(n)
+    codec.decode_add(meta, wire, want, weight, base)
+    acc = base.clone() if in_place else torch.empty(n)
+    got = codec.decode_add_base(meta, wire, acc, weight, acc if in_place else base)
+    assert torch.equal(acc, want)
+    assert got == kernels.absmax(base)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("pos", [0, 15, 16, 255, 256, 1002])  # first, lane end, lane start, block ends, tail
+def test_decode_add_max_flags_nonfinite_base_values(bad, pos):
+    base = torch.randn(1003)
+    base[pos] = bad
+    q, scales = torch.randint(-127, 128, (1003,), dtype=torch.int8), torch.rand(4)
+    for in_place in (False, True):
+        out = base.clone() if in_place else torch.empty(1003)
+        got = kernels.decode_add_max(scales, q, 256, 1.0, out if in_place else base, out)
+        assert not got < float("inf")
+        assert (got != got) == (bad != bad)  # NaN for a NaN, inf for an inf
+
+
+@needs_kernels
+def test_decode_add_max_refuses_a_partly_overlapping_src():
+    buf = torch.randn(2000)
+    q, scales = torch.zeros(1000, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.decode_add_max(scales, q, 256, 1.0, buf[1:1001], buf[:1000])
+    kernels.decode_add_max(scales, q, 256, 1.0, buf[1000:], buf[:1000])  # disjoint: fine
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_decode_add_base_is_decode_add_and_the_absmax_of_base(name):
+    """Every codec's ``decode_add_base`` (fused for int8, generic for the others) adds as
+    ``decode_add`` does and measures ``base``, NaN/inf included, on either path."""
+    wrapped = get_codec(name)
+    codec = getattr(wrapped, "codec", wrapped)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 5
+    enc = codec.encode(x)
+    meta, wire = enc.meta, enc.tobytes()
+    base = torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 7
+    for ctx in ((torch_path(),) if not kernels.AVAILABLE else (torch_path(), mock.patch.object(kernels, "AVAILABLE", True))):
+        with ctx:
+            want = codec.decode_add(meta, wire, torch.empty(3000), 0.5, base)
+            acc = base.clone()
+            assert codec.decode_add_base(meta, wire, acc, 0.5, acc) == abs_max(base)
+            torch.testing.assert_close(acc, want, rtol=0, atol=1e-5)  # (torch's addcmul may fuse)
+            bad = base.clone()
+            bad[2999] = float("inf")
+            assert codec.decode_add_base(meta, wire, torch.empty(3000), 0.5, bad) == float("inf")
+    with pytest.raises(CompressionError):  # the message is validated as in decode_add
+        codec.decode_add_base(meta, wire[:-1], torch.empty(3000), 0.5, base)
+
+
+@needs_kernels
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("pos", [0, 255, 256, 1000, 1002])  # first, block end, block start, tail block
 def test_nonfinite_input_is_refused_as_by_the_torch_path(bad, pos):

@@ -29,7 +29,7 @@ from dht.transport import Host
 
 from ..compression import Codec, CompressionError, get_codec
 from ..compression.base import abs_max
-from .group import Group, partition
+from .group import Group
 from .robust import check_aggregation, check_codec
 from .round import (
     PROTOCOL,
@@ -209,9 +209,10 @@ class AllReduceService:
         peer did: failures are in the result. ``aggregation``: ``mean`` (streaming, the default)
         or a robust rule of :mod:`.robust`; every member must use the same. Raises ValueError for
         bad arguments, CompressionError if ``flat`` holds NaN/inf (found before anything is sent,
-        except with ``int8``, whose encode checks each chunk it sends: then only our own shard is
-        checked up front, a NaN/inf elsewhere ends the round when its chunk is encoded, the others
-        count us as failed mid-round with the chunks we had sent, and ``flat`` is left as a
+        except with ``int8``, whose encode checks each chunk it sends: then a NaN/inf ends the
+        round where the round first reads it, when its chunk is encoded or, in our own shard, when
+        the first contribution to its chunk is added, as do own values so large that this sum
+        could overflow float32; the others count us as failed mid-round, and ``flat`` is left as a
         cancelled round leaves it), RuntimeError once closed. A
         round cancelled midway leaves ``flat`` part input, part result (and under ``mean`` with a
         ``none`` or ``int8`` reply, an owner sums into its own shard of ``flat``): keep a copy if the
@@ -239,19 +240,16 @@ class AllReduceService:
             raise ValueError(f"rank {my_rank} of group {group.group_id.hex()} is not this host")
         if group.group_id in self._rounds or group.group_id in self._finished:
             raise ValueError(f"group {group.group_id.hex()} already ran on this service; group ids are single-use")
-        # One pass: min/max propagate NaN, and bound our own values for _accumulate. A codec whose
-        # encode refuses NaN/inf in the pass that reads each chunk (int8) makes a separate pass
-        # over what we send redundant: then only our own shard, what we keep and sum into, is
-        # read here (half the input at N = 2, an eighth at N = 8).
-        checked = flat
-        if _base(codec).encode_checks_finite and aggregation == "mean" and flat.numel():
-            s, e = partition(flat.numel(), group.members)[my_rank]
-            checked = flat[s:e]
-        absmax = abs_max(checked) if checked.numel() else 0.0
-        if not absmax < float("inf"):  # NaN compares false
-            raise CompressionError("flat contains NaN or inf; refusing to average it")
-        rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax,
-                     input_checked=checked is flat)
+        # One pass: min/max propagate NaN, and bound our own values for _accumulate. With a codec
+        # whose encode refuses NaN/inf in the pass that reads each chunk (int8), no pass at all:
+        # what we send is checked by its encode, our own shard where the round first reads each
+        # of its chunks (see round.py, "Own values").
+        absmax: float | None = None
+        if not (_base(codec).encode_checks_finite and aggregation == "mean"):
+            absmax = abs_max(flat) if flat.numel() else 0.0
+            if not absmax < float("inf"):  # NaN compares false
+                raise CompressionError("flat contains NaN or inf; refusing to average it")
+        rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax)
         gid = group.group_id
         self._rounds[gid] = rnd
         waiting = self._waiting.pop(gid, None)

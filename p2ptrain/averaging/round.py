@@ -53,14 +53,25 @@ Failures
   chunks it sent *before* the violation stay in the average (they were individually validated: right
   size, finite, decodable, bounded); everything after is excluded; it gets no reply and is listed in
   ``failed``. Excluding its earlier chunks too would need per-sender accumulators (unbounded memory).
-* our own input holds NaN/inf: ``run`` refuses it before anything is sent; with ``int8``, whose
-  encode checks every chunk it reads, ``run`` checks only our own shard up front, and a NaN/inf in
-  a part we send ends the round when that chunk is encoded (CompressionError): to the others we
-  are a sender that died mid-stream.
+* our own input holds NaN/inf: ``run`` refuses it before anything is sent, except with ``int8``
+  (see "Own values"), where it ends the round when found (CompressionError): to the others we are
+  a member that died mid-round.
 * stalls: every read/write waits at most ``max(stall_timeout, 4 * frame_bytes / min_bandwidth)``
   for progress; an owner stops waiting for senders that have not opened their stream after
   ``join_timeout`` and for any sender at ``reduce_fraction * timeout``; the whole run is capped at
   ``timeout``.
+
+Own values
+----------
+``run`` reads the whole input once before the round to refuse NaN/inf and to bound our own values
+(the sum's overflow check below), except with a codec whose encode refuses NaN/inf in the pass
+that reads each chunk (``int8``): then nothing is read up front. What we send is checked by its
+encode; our own shard where the round first reads each of its chunks, the first contribution's
+``decode_add_base``, which measures max |own| in the pass that adds to it (or, for a chunk nobody
+contributed to, a check before its reply is encoded). Until then a chunk's own values count as
+half the sum's limit. A NaN/inf, or own values so large that the first contribution could
+overflow the sum, ends our round with CompressionError, and ``flat`` is left as a cancelled round
+leaves it. Why: at N = 2 the check of our own shard was 7% of an int8 round (256 MB, loopback).
 
 Streams can arrive before the local round for that group is registered (members learn of the group
 at slightly different times): the handler waits up to ``accept_wait`` seconds for ``run`` to start.
@@ -97,7 +108,7 @@ from dht.stream import Stream
 from dht.wire import MAX_FRAME_BODY, pack, unpack
 
 from ..compression import Codec, CompressionError, ErrorFeedback
-from ..compression.base import check_finite, frombuffer
+from ..compression.base import abs_max, check_finite, frombuffer
 from ..compression.float import NoneCodec
 from .group import Group, partition
 from .robust import aggregate
@@ -213,8 +224,9 @@ class _Drop(Exception):
     """A peer broke the protocol: drop it from the round."""
 
 
-class _InputNotFinite(Exception):
-    """Our own input holds NaN/inf, found by the encode of a chunk we were sending."""
+class _InputRefused(Exception):
+    """Our own input cannot be averaged (NaN/inf, found by the encode of a chunk we were sending or
+    where our own shard was first read), ending our round: to the others we are a member that died."""
 
 
 class _Reader:
@@ -310,11 +322,13 @@ def _retrieve(fut: asyncio.Future | None) -> None:
 class _Round:
     def __init__(self, svc: AllReduceService, group: Group, rank: int, flat: torch.Tensor, weight: float,
                  codec: Codec, gcodec: Codec, cfg: AllReduceConfig, aggregation: str = "mean",
-                 absmax: float = 0.0, input_checked: bool = True):
+                 absmax: float | None = 0.0):
         self.svc, self.group, self.rank, self.flat, self.weight, self.cfg = svc, group, rank, flat, weight, cfg
         self.codec, self.gcodec = codec, gcodec
-        # False: ``run`` checked only our own shard, and the encodes of what we send check the rest
-        self.input_checked = input_checked
+        # None: ``run`` did not check ``flat``: the encodes of what we send check it, and our own
+        # shard is checked where it is first read (see "Own values" in the module docstring)
+        self.input_checked = absmax is not None
+        self.refused: _InputRefused | None = None  # our own shard failed that check
         self.rmeta, self.gmeta = _base(codec)._meta(_EMPTY), gcodec._meta(_EMPTY)
         self.n = n = flat.numel()
         self.size = group.size
@@ -374,7 +388,8 @@ class _Round:
             # average is ready when the last one arrives and the reply needs no division pass. A
             # lerp of two values within _SUM_LIMIT cannot overflow; own values beyond it (never,
             # in practice) keep the sum-then-divide path.
-            self.running_mean = self.raw and self.acc_in_place and type(gcodec) is NoneCodec and absmax <= _SUM_LIMIT
+            self.running_mean = (self.raw and self.acc_in_place and type(gcodec) is NoneCodec and absmax is not None
+                                 and absmax <= _SUM_LIMIT)
             if self.robust:
                 # Per-sender chunk buffers: ROBUST_WINDOW slots of [group size, chunk] decoded
                 # float32 values (a sender may store chunk c only once chunk c - ROBUST_WINDOW is
@@ -389,7 +404,9 @@ class _Round:
                 # values cannot make our shard fail (or, summed in place, turn our own values into
                 # inf), and the division needs no finiteness pass. The checks already done
                 # (add_bound) make the decoder's own finiteness pass redundant: ``adder`` skips it.
-                self.bound = [float(absmax)] * len(self.my_chunks)
+                # Own values not measured yet (``absmax`` None) count as half the limit until the
+                # first contribution to their chunk measures them.
+                self.bound = [_SUM_LIMIT / 2 if absmax is None else float(absmax)] * len(self.my_chunks)
                 self.adder = copy.copy(_base(codec))
                 self.adder.check_finite_on_decode = False
         self.combined = 0  # robust: chunks of our shard combined so far (a prefix)
@@ -528,12 +545,29 @@ class _Round:
         if not self.bound[ci] + grow <= _SUM_LIMIT:
             raise CompressionError(f"values up to {grow / ratio:.3g} at weight {inc.weight:.3g} would overflow "
                                    f"the float32 sum")
-        self.adder.decode_add(meta, buf, acc, ratio, base=self.flat[a:b] if self.count[ci] == 1 else None)
-        self.bound[ci] += grow
+        if self.count[ci] > 1:
+            self.adder.decode_add(meta, buf, acc, ratio)
+            self.bound[ci] += grow
+        elif self.input_checked:
+            self.adder.decode_add(meta, buf, acc, ratio, base=self.flat[a:b])
+            self.bound[ci] += grow
+        else:  # our own values, measured in the pass that reads them
+            own = self.adder.decode_add_base(meta, buf, acc, ratio, self.flat[a:b])
+            if not own + grow <= _SUM_LIMIT:  # (NaN compares false)
+                raise _InputRefused(self._own_error(own, a, b, grow))
+            self.bound[ci] = own + grow
         self.wsum[ci] += inc.weight
         self.count[ci] += 1
         inc.done = ci + 1
         return True
+
+    @staticmethod
+    def _own_error(own: float, a: int, b: int, grow: float = 0.0) -> str:
+        where = f"flat[{a}:{b}] (in our own shard)"
+        if not own < float("inf"):
+            return f"{where} contains NaN or inf"
+        return (f"{where} holds values up to {own:.3g}, which the group's float32 sum could overflow (with "
+                f"a contribution of up to {grow:.3g})")
 
     async def serve_sender(self, stream: Stream) -> None:
         try:
@@ -592,6 +626,11 @@ class _Round:
             inc.state = "failed"
             self._fail(inc.rank, f"dropped: {e}")
             stream.reset(str(e)[:200])
+        except _InputRefused as e:  # not the sender's doing: our round ends (``_wait_senders``)
+            inc.state = "failed"
+            if self.refused is None:
+                self.refused = e
+            stream.reset("the owner's own values cannot be averaged")
         except (DHTError, TimeoutError) as e:
             inc.state = "failed"
             self._fail(inc.rank, f"sender failed: {e}")
@@ -607,6 +646,8 @@ class _Round:
         while True:
             # cleared before the checks: a change during an await below (a combine) is not lost
             self.changed.clear()
+            if self.refused is not None:
+                raise self.refused
             if self.robust:
                 await self._combine_ready()
             now = time.monotonic()
@@ -660,6 +701,8 @@ class _Round:
         scale = 1.0
         if self.count[ci] == 1:
             x = out  # only our own contribution: keep the exact local values
+            if not self.input_checked and not abs_max(out) < float("inf"):  # not read by a decode_add_base
+                raise _InputRefused(self._own_error(float("nan"), a, b))
         elif self.robust:  # _combine wrote the aggregate itself, nothing to divide
             if type(self.gcodec) is NoneCodec:
                 check_finite(x, "none: input chunk")
@@ -806,7 +849,7 @@ class _Round:
             res.status = "ok"
         except CompressionError as e:  # our own input does not encode (e.g. beyond fp16 range)
             if not self.input_checked:  # a NaN/inf that ``run`` left to the encode: end the round
-                raise _InputNotFinite(str(e)) from None
+                raise _InputRefused(f"a chunk we were sending: {e}") from None
             res.error = f"cannot encode our part: {e}"
         except _Drop as e:
             res.error = f"owner {j} misbehaved: {e}"
@@ -874,9 +917,9 @@ class _Round:
                         sends.append(tg.create_task(self._send_part(j)))
                 if self.is_owner:
                     tg.create_task(self._own_shard())
-        except* _InputNotFinite as eg:  # (the other tasks are cancelled; the service aborts the rest)
-            raise CompressionError(f"flat contains NaN or inf; refusing to average it (found while sending, after "
-                                   f"part of it went out: {eg.exceptions[0]})") from None
+        except* _InputRefused as eg:  # (the other tasks are cancelled; the service aborts the rest)
+            raise CompressionError(f"flat cannot be averaged; refusing it (found during the round, after part of "
+                                   f"it went out): {eg.exceptions[0]}") from None
         finally:
             unsubscribe()
         total = time.monotonic() - self.t0

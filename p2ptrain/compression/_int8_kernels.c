@@ -148,6 +148,58 @@ MULTI static void decode_add_f32(const uint8_t *scales, const int8_t *restrict q
     }
 }
 
+/* One block of decode_add_max_f32, in place (io) or from src into out (restrict: no overlap), so
+ * that each loop vectorises; an unsigned max reduction may be reordered freely. */
+static ALWAYS_INLINE uint32_t add_max_inplace(float *restrict io, const int8_t *restrict q, int64_t len, float sc,
+                                              uint32_t m) {
+    for (int64_t i = 0; i < len; i++) {
+        float v = io[i];
+        uint32_t a;
+        memcpy(&a, &v, 4);
+        a &= ABS_BITS;
+        m = a > m ? a : m;
+        io[i] = v + (float)q[i] * sc;
+    }
+    return m;
+}
+
+static ALWAYS_INLINE uint32_t add_max_copy(const float *restrict src, float *restrict out, const int8_t *restrict q,
+                                           int64_t len, float sc, uint32_t m) {
+    for (int64_t i = 0; i < len; i++) {
+        float v = src[i];
+        uint32_t a;
+        memcpy(&a, &v, 4);
+        a &= ABS_BITS;
+        m = a > m ? a : m;
+        out[i] = v + (float)q[i] * sc;
+    }
+    return m;
+}
+
+/* decode_add_f32 that also returns max |src| as absmax_bits does, from the loads it makes anyway:
+ * an owner's first contribution to a chunk reads its own values there, and this is their only
+ * check (no separate pass over its shard before the round; see round.py, "Own values"). src is
+ * either out itself or does not overlap it. */
+MULTI static uint32_t decode_add_max_f32(const uint8_t *scales, const int8_t *restrict q, int64_t n, int64_t block,
+                                         float weight, const float *src, float *out) {
+    uint32_t m = 0;
+    int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t o = b * block, len = n - o < block ? n - o : block;
+        float sc = load_f32(scales + 4 * b) * weight;
+        m = src == out ? add_max_inplace(out + o, q + o, len, sc, m)
+                       : add_max_copy(src + o, out + o, q + o, len, sc, m);
+    }
+    return m;
+}
+
+static PyObject *bits_to_float(uint32_t bits) {
+    if (bits > INF_BITS) return PyFloat_FromDouble(Py_NAN);
+    float f;
+    memcpy(&f, &bits, 4);
+    return PyFloat_FromDouble((double)f);
+}
+
 static PyObject *py_absmax(PyObject *self, PyObject *args) {
     unsigned long long x;
     long long n;
@@ -156,10 +208,7 @@ static PyObject *py_absmax(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     bits = absmax_bits_all((const float *)(uintptr_t)x, n);
     Py_END_ALLOW_THREADS
-    if (bits > INF_BITS) return PyFloat_FromDouble(Py_NAN);
-    float f;
-    memcpy(&f, &bits, 4);
-    return PyFloat_FromDouble((double)f);
+    return bits_to_float(bits);
 }
 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
@@ -198,12 +247,27 @@ static PyObject *py_decode_add(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_decode_add_max(PyObject *self, PyObject *args) {
+    unsigned long long scales, q, src, out;
+    long long n, block;
+    float weight;
+    uint32_t bits;
+    if (!PyArg_ParseTuple(args, "KKLLfKK", &scales, &q, &n, &block, &weight, &src, &out)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bits = decode_add_max_f32((const uint8_t *)(uintptr_t)scales, (const int8_t *)(uintptr_t)q, n, block, weight,
+                              (const float *)(uintptr_t)src, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS
+    return bits_to_float(bits);
+}
+
 static PyMethodDef methods[] = {
     {"absmax", py_absmax, METH_VARARGS, "absmax(x_ptr, n) -> max |x| (inf or nan if any)"},
     {"encode", py_encode, METH_VARARGS,
      "encode(x_ptr, n, block, mult, scales_ptr, q_ptr, dec_ptr or 0) -> False if NaN/inf"},
     {"decode", py_decode, METH_VARARGS, "decode(scales_ptr, q_ptr, n, block, out_ptr)"},
     {"decode_add", py_decode_add, METH_VARARGS, "decode_add(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr)"},
+    {"decode_add_max", py_decode_add_max, METH_VARARGS,
+     "decode_add_max(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr) -> max |src| (nan if NaN/inf)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -226,6 +226,24 @@ class Codec:
         that fails validation leaves ``acc`` untouched. With ``base`` (same shape, may be ``acc``
         itself): ``acc = base + weight * decode(...)`` instead, in one pass over memory where the
         codec allows; it starts an accumulator from one's own values without a separate copy."""
+        numel, mv, weight = self._check_add(meta, buffer, acc, weight, base)
+        self._decode_add(meta, mv, numel, acc, weight, base)
+        return acc
+
+    def decode_add_base(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float,
+                        base: torch.Tensor) -> float:
+        """``decode_add(meta, buffer, acc, weight, base=base)``, returning max |base| (inf or NaN if
+        ``base`` holds inf or NaN), measured in the same pass where the codec allows (int8 with its
+        compiled kernels). Why: an all-reduce owner starts each chunk's sum from its own values,
+        and this read is then their only check, instead of a pass over its whole shard before the
+        round. The message is validated first as in ``decode_add``, but ``acc`` is written
+        whatever ``base`` holds: the caller checks the result. ``base`` is ``acc`` itself or does
+        not overlap it."""
+        numel, mv, weight = self._check_add(meta, buffer, acc, weight, base)
+        return self._decode_add_base(meta, mv, numel, acc, weight, base) if numel else 0.0
+
+    def _check_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float,
+                   base: torch.Tensor | None) -> tuple[int, memoryview, float]:
         numel, _dtype, mv = self._validate(meta, buffer)
         self._check_out(acc, numel)
         if base is not None and base.shape != acc.shape:
@@ -233,8 +251,7 @@ class Codec:
         weight = float(weight)
         if not math.isfinite(weight):
             raise CompressionError(f"weight must be finite, got {weight}")
-        self._decode_add(meta, mv, numel, acc, weight, base)
-        return acc
+        return numel, mv, weight
 
     def add_bound(self, meta: Any, buffer: BufferLike) -> float:
         """An upper bound on what ``decode_add(meta, buffer, acc, 1.0)`` can add to any one value of
@@ -280,6 +297,13 @@ class Codec:
         tmp = torch.empty(numel, dtype=torch.float32, device=acc.device)
         self._decode_into(meta, buf, numel, tmp)  # validates before acc is touched
         torch.add(acc if base is None else base, tmp, alpha=weight, out=acc)
+
+    def _decode_add_base(self, meta: dict, buf: memoryview, numel: int, acc: torch.Tensor, weight: float,
+                         base: torch.Tensor) -> float:
+        # generic: measure, then add (two passes; int8 fuses them)
+        m = abs_max(base)
+        self._decode_add(meta, buf, numel, acc, weight, base)
+        return m
 
     def _extra_meta_keys(self) -> dict[str, type]:
         """Codec-specific meta keys and their types (validated to equal this codec's settings)."""

@@ -88,3 +88,7 @@ class ErrorFeedback(Codec):
     def decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0,
                    base: torch.Tensor | None = None) -> torch.Tensor:
         return self.codec.decode_add(meta, buffer, acc, weight, base)
+
+    def decode_add_base(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float,
+                        base: torch.Tensor) -> float:
+        return self.codec.decode_add_base(meta, buffer, acc, weight, base)

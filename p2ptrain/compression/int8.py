@@ -181,6 +181,13 @@ class Int8Codec(Codec):
         if f32 is not out:
             out.copy_(f32)
 
+    def _decode_add_base(self, meta, buf, numel, acc, weight, base):
+        if (kernels.AVAILABLE and acc.dtype == base.dtype == torch.float32 and acc.device.type == "cpu"
+                and base.is_contiguous()):
+            scales, q = self._unpack(buf, numel, acc.device, check=self.check_finite_on_decode)
+            return kernels.decode_add_max(scales, q, self.block, weight, base, acc)
+        return super()._decode_add_base(meta, buf, numel, acc, weight, base)
+
     def _decode_add(self, meta, buf, numel, acc, weight, base):
         # check_finite_on_decode off: the caller validated this buffer with add_bound (the scale
         # range is the only way an int8 message decodes to inf or NaN)

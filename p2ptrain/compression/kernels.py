@@ -17,7 +17,7 @@ import os
 
 import torch
 
-__all__ = ["AVAILABLE", "absmax", "encode", "decode", "decode_add"]
+__all__ = ["AVAILABLE", "absmax", "encode", "decode", "decode_add", "decode_add_max"]
 
 _K = None
 if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off"):
@@ -68,3 +68,18 @@ def decode_add(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float,
     _K.decode_add(_need(scales, torch.float32, -(-n // block), "decode_add scales"),
                   _need(q, torch.int8, n, "decode_add q"), n, block, weight,
                   _need(src, torch.float32, n, "decode_add src"), _need(out, torch.float32, n, "decode_add out"))
+
+
+def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float, src: torch.Tensor,
+                   out: torch.Tensor) -> float:
+    """``decode_add``, returning max |src| (inf or NaN if ``src`` holds inf or NaN) measured in
+    the same pass: ``out`` is written whatever ``src`` holds. ``src`` is ``out`` itself or does
+    not overlap it."""
+    n = q.numel()
+    ps, po = src.data_ptr(), out.data_ptr()
+    if ps != po and ps < po + 4 * n and po < ps + 4 * n:
+        raise ValueError("decode_add_max: src must be out itself or not overlap it")
+    return _K.decode_add_max(_need(scales, torch.float32, -(-n // block), "decode_add scales"),
+                             _need(q, torch.int8, n, "decode_add q"), n, block, weight,
+                             _need(src, torch.float32, n, "decode_add src"),
+                             _need(out, torch.float32, n, "decode_add out"))
