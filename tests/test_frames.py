@@ -50,6 +50,26 @@ def test_pool_sizes_buffers_to_the_frames_and_follows_a_change_of_size():
     assert sorted(len(b) for b in pool._bufs) == [256 << 10, 4 * MiB]
 
 
+def test_pool_gives_frames_of_nearly_the_largest_size_one_size():
+    """A whole received frame, a full frame's plaintext and its ciphertext differ by a few bytes:
+    all get the largest size, so an idle buffer of one serves the others (as three sizes they
+    missed each other and a fresh multi-MiB buffer page-faulted in)."""
+    size = 4 * MiB + 24
+    pool = BufferPool(size, keep=2, granule=64 << 10)
+    plain = pool.get(4 * MiB)
+    assert len(plain) >= size
+    first = id(plain)
+    del plain  # idle now
+    sealed = pool.get(4 * MiB + 16)
+    assert id(sealed) == first  # a ciphertext takes the plaintext's idle buffer
+    del sealed
+    whole = pool.get(size)
+    assert id(whole) == first  # and so does a whole received frame
+    other = pool.get(4 * MiB)  # `whole` is held: a second buffer, of the same size
+    assert other is not whole and len(other) == len(whole)
+    assert len(pool.get(2 * MiB)) == 2 * MiB  # half the largest or less: sized to the request
+
+
 async def _pair(frame_a: int | None = None):
     a, b = Host(Identity()), Host(Identity())
     await a.start()

@@ -267,7 +267,7 @@ static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS, "decode(scales_ptr, q_ptr, n, block, out_ptr)"},
     {"decode_add", py_decode_add, METH_VARARGS, "decode_add(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr)"},
     {"decode_add_max", py_decode_add_max, METH_VARARGS,
-     "decode_add_max(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr) -> max |src| (nan if NaN/inf)"},
+     "decode_add_max(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr) -> max |src| (inf or nan if any)"},
     {NULL, NULL, 0, NULL},
 };
 

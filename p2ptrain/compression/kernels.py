@@ -76,10 +76,9 @@ def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: fl
     the same pass: ``out`` is written whatever ``src`` holds. ``src`` is ``out`` itself or does
     not overlap it."""
     n = q.numel()
-    ps, po = src.data_ptr(), out.data_ptr()
+    args = (_need(scales, torch.float32, -(-n // block), "decode_add scales"), _need(q, torch.int8, n, "decode_add q"),
+            n, block, weight, _need(src, torch.float32, n, "decode_add src"), _need(out, torch.float32, n, "decode_add out"))
+    ps, po = args[5], args[6]
     if ps != po and ps < po + 4 * n and po < ps + 4 * n:
         raise ValueError("decode_add_max: src must be out itself or not overlap it")
-    return _K.decode_add_max(_need(scales, torch.float32, -(-n // block), "decode_add scales"),
-                             _need(q, torch.int8, n, "decode_add q"), n, block, weight,
-                             _need(src, torch.float32, n, "decode_add src"),
-                             _need(out, torch.float32, n, "decode_add out"))
+    return _K.decode_add_max(*args)
