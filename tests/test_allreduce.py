@@ -538,6 +538,46 @@ async def test_hostile_owner_reply_rejected(swarm):
         assert res0.shards[0].status == "ok"
 
 
+async def test_hostile_owner_reply_keeps_what_came_before_the_nan(swarm):
+    """A ``none`` reply with a NaN mid-chunk: the sender takes what came before it (whole chunks,
+    and with the compiled kernels the 16 KiB pieces of that chunk before the NaN, checked and
+    copied in one pass), keeps its local values from there on, and says how many it took."""
+    from p2ptrain.compression import kernels
+
+    async with asyncio.timeout(20):
+        cn = 1 << 16
+        group, _h, services = await swarm.group(2, config=AllReduceConfig(chunk_numel=cn, timeout=10.0))
+        xs, ws = data(2, 4 * cn)
+        flats = [x.clone() for x in xs]
+        from p2ptrain.averaging import allreduce as ar
+
+        orig = ar._Round._finalize
+        sent: dict[int, torch.Tensor] = {}
+
+        def bad_finalize(self, ci, out_wire=None):
+            mv = orig(self, ci, out_wire)
+            if self.rank == 1:
+                t = torch.frombuffer(bytearray(mv), dtype=torch.float32)
+                if ci == 1:
+                    t[10_000] = float("nan")
+                sent[ci] = t
+                return memoryview(t.numpy()).cast("B")
+            return mv
+
+        ar._Round._finalize = bad_finalize
+        try:
+            results = await run_all(group, services, flats, ws)
+        finally:
+            ar._Round._finalize = orig
+        s = results[0].shards[1]
+        assert s.status == "failed" and "result rejected" in s.error and 1 in results[0].failed
+        good = cn + (10_000 // kernels.COPY_PIECE * kernels.COPY_PIECE if kernels.AVAILABLE else 0)
+        assert s.averaged == good
+        got = flats[0][s.start : s.end]
+        assert torch.equal(got[:cn], sent[0]) and torch.equal(got[cn:good], sent[1][: good - cn])
+        assert torch.equal(got[good:], xs[0][s.start + good : s.end])  # local values from the bad piece on
+
+
 # ---------------------------------------------------------------------- memory
 
 

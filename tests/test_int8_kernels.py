@@ -149,6 +149,37 @@ def test_decode_add_max_flags_nonfinite_base_values(bad, pos):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_copy_finite_copies_everything_finite(n):
+    src, dst = torch.randn(n) * 1e30, torch.zeros(n + 3)
+    assert kernels.copy_finite(src, dst) == n
+    assert torch.equal(dst[:n], src) and not dst[n:].any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("pos", [0, 4095, 4096, 8191, 12291])  # piece edges, the short last piece
+def test_copy_finite_stops_at_the_piece_holding_a_nonfinite_value(bad, pos):
+    n = 3 * 4096 + 5
+    src, dst = torch.randn(n), torch.zeros(n)
+    src[pos] = bad
+    done = kernels.copy_finite(src, dst)
+    assert done == pos // kernels.COPY_PIECE * kernels.COPY_PIECE
+    assert torch.equal(dst[:done], src[:done]) and not dst[done:].any()  # nothing of that piece written
+
+
+@needs_kernels
+def test_copy_finite_refuses_overlap_and_wrong_tensors():
+    buf = torch.randn(3000)
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.copy_finite(buf[:2000], buf[1000:])
+    with pytest.raises(ValueError, match="copy_finite dst"):
+        kernels.copy_finite(buf[:1000], torch.empty(999))
+    with pytest.raises(ValueError, match="copy_finite src"):
+        kernels.copy_finite(buf.double(), torch.empty(3000))
+
+
+@needs_kernels
 def test_decode_add_max_refuses_a_partly_overlapping_src():
     buf = torch.randn(2000)
     q, scales = torch.zeros(1000, dtype=torch.int8), torch.ones(4)

@@ -46,6 +46,9 @@ Failures
 * owner dies / resets / stalls: the sender keeps its local values for that shard (the chunks already
   received back stay averaged: ``ShardResult.averaged`` says how many values) and the shard is
   reported ``failed`` with the reason.
+* owner replies with something that fails validation (NaN/inf, too short or long): dropped like a
+  dead owner; the chunks it sent back before stay averaged (with a ``none`` reply, also the 16 KiB
+  pieces of the bad chunk before the first NaN/inf: ``averaged`` counts them).
 * sender dies / stalls: the owner averages over what arrived (per chunk) and sends nothing back to it.
 * hostile sender (malformed header, weight non-finite/<=0/too large, numel or codec mismatch, a chunk
   that fails to decode, finite values whose weighted sum could overflow float32, too little or too
@@ -107,7 +110,7 @@ from dht.identity import PeerID
 from dht.stream import Stream
 from dht.wire import MAX_FRAME_BODY, pack, unpack
 
-from ..compression import Codec, CompressionError, ErrorFeedback
+from ..compression import Codec, CompressionError, ErrorFeedback, kernels
 from ..compression.base import abs_max, check_finite, frombuffer
 from ..compression.float import NoneCodec
 from .group import Group, partition
@@ -227,6 +230,14 @@ class _Drop(Exception):
 class _InputRefused(Exception):
     """Our own input cannot be averaged (NaN/inf, found by the encode of a chunk we were sending or
     where our own shard was first read), ending our round: to the others we are a member that died."""
+
+
+class _PartialResult(CompressionError):
+    """A reply chunk with a NaN/inf after ``done`` good values, which were copied (see ``_decode``)."""
+
+    def __init__(self, done: int):
+        super().__init__(f"none: received values contain NaN or inf (after {done} good values of the chunk)")
+        self.done = done
 
 
 class _Reader:
@@ -362,6 +373,8 @@ class _Round:
         # directly (no per-chunk encode pass, no worker hop) and the owner folds its own weighted
         # values into the first foreign contribution in one pass.
         self.raw = type(codec) is NoneCodec
+        # ``none`` replies: checked and copied into ``flat`` in one pass (see ``_decode``)
+        self.raw_reply = type(gcodec) is NoneCodec and kernels.AVAILABLE
         self.acc_in_place = self.running_mean = False
         if self.is_owner:
             # The accumulator, filled lazily chunk by chunk (in the worker, pipelined with the
@@ -789,6 +802,14 @@ class _Round:
         return self.codec.encode(self.flat[a:b], key=("allreduce", a), out=out_wire).memoryviews()
 
     def _decode(self, a: int, b: int, buf: memoryview) -> None:
+        if self.raw_reply and len(buf) == 4 * (b - a):
+            # 16 KiB at a time, each piece checked before it is written: where the codec's decode
+            # made a check pass and then a copy. A NaN/inf stops it after the pieces before it,
+            # which hold the owner's finite averages like the chunks before them.
+            done = kernels.copy_finite(frombuffer(buf, torch.float32, 0, b - a), self.flat[a:b])
+            if done < b - a:
+                raise _PartialResult(done)
+            return
         self.gcodec.decode(dict(self.gmeta, numel=b - a), buf, out=self.flat[a:b])
 
     async def _send_part(self, j: int) -> ShardResult:
@@ -842,6 +863,8 @@ class _Round:
                 try:
                     await self._compute(self._decode, a, b, data)
                 except CompressionError as e:
+                    if isinstance(e, _PartialResult):
+                        res.averaged = a - a0 + e.done
                     raise _Drop(f"result rejected: {e}") from None
                 res.averaged = b - a0
             if not await reader.at_eof(cfg.stall_timeout):

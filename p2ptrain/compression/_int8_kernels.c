@@ -193,6 +193,20 @@ MULTI static uint32_t decode_add_max_f32(const uint8_t *scales, const int8_t *re
     return m;
 }
 
+/* dst = src 16 KiB at a time, each piece checked for NaN/inf (from L1) before it is written:
+ * returns how many values were copied, n unless a piece holds one. Why here: an uncompressed
+ * all-reduce reply is checked and copied into the caller's tensor in one pass (it was a sum pass,
+ * then a copy); src and dst do not overlap. */
+#define COPY_PIECE 4096
+MULTI static int64_t copy_finite_f32(const float *restrict src, float *restrict dst, int64_t n) {
+    for (int64_t o = 0; o < n; o += COPY_PIECE) {
+        int64_t len = n - o < COPY_PIECE ? n - o : COPY_PIECE;
+        if (absmax_bits(src + o, len) >= INF_BITS) return o;
+        for (int64_t i = 0; i < len; i++) dst[o + i] = src[o + i]; /* (vectorised; memcpy's rep movsb was slower) */
+    }
+    return n;
+}
+
 static PyObject *bits_to_float(uint32_t bits) {
     if (bits > INF_BITS) return PyFloat_FromDouble(Py_NAN);
     float f;
@@ -260,6 +274,16 @@ static PyObject *py_decode_add_max(PyObject *self, PyObject *args) {
     return bits_to_float(bits);
 }
 
+static PyObject *py_copy_finite(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    long long n, done;
+    if (!PyArg_ParseTuple(args, "KKL", &src, &dst, &n)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    done = copy_finite_f32((const float *)(uintptr_t)src, (float *)(uintptr_t)dst, n);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(done);
+}
+
 static PyMethodDef methods[] = {
     {"absmax", py_absmax, METH_VARARGS, "absmax(x_ptr, n) -> max |x| (inf or nan if any)"},
     {"encode", py_encode, METH_VARARGS,
@@ -268,6 +292,8 @@ static PyMethodDef methods[] = {
     {"decode_add", py_decode_add, METH_VARARGS, "decode_add(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr)"},
     {"decode_add_max", py_decode_add_max, METH_VARARGS,
      "decode_add_max(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr) -> max |src| (inf or nan if any)"},
+    {"copy_finite", py_copy_finite, METH_VARARGS,
+     "copy_finite(src_ptr, dst_ptr, n) -> values copied (a multiple of 4096 short of n at the first NaN/inf)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,7 +17,10 @@ import os
 
 import torch
 
-__all__ = ["AVAILABLE", "absmax", "encode", "decode", "decode_add", "decode_add_max"]
+__all__ = ["AVAILABLE", "COPY_PIECE", "absmax", "copy_finite", "encode", "decode", "decode_add", "decode_add_max"]
+
+#: ``copy_finite`` checks and copies this many values at a time
+COPY_PIECE = 4096
 
 _K = None
 if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off"):
@@ -82,3 +85,15 @@ def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: fl
     if ps != po and ps < po + 4 * n and po < ps + 4 * n:
         raise ValueError("decode_add_max: src must be out itself or not overlap it")
     return _K.decode_add_max(*args)
+
+
+def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> int:
+    """``dst[:n] = src`` (float32, not overlapping), ``COPY_PIECE`` values at a time, each piece
+    checked for NaN/inf before it is written: returns how many values were copied, ``n =
+    src.numel()`` unless a piece holds a NaN/inf (then the start of that piece). One pass where a
+    check and a copy were two."""
+    n = src.numel()
+    ps, pd = _need(src, torch.float32, n, "copy_finite src"), _need(dst, torch.float32, n, "copy_finite dst")
+    if ps < pd + 4 * n and pd < ps + 4 * n:
+        raise ValueError("copy_finite: src and dst overlap")
+    return _K.copy_finite(ps, pd, n)
