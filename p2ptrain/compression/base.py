@@ -160,7 +160,8 @@ class Codec:
     #: True when ``encode`` writes its wire bytes into ``out`` when given one
     uses_out: bool = False
     #: True when ``encode`` refuses NaN/inf in the same pass that reads the chunk: the all-reduce
-    #: then checks only the values it keeps (its own shard) before it sends anything
+    #: then reads nothing up front (what it keeps is checked by ``decode_add_base``; see
+    #: averaging/round.py, "Own values")
     encode_checks_finite: bool = False
 
     def __init__(self, *, max_numel: int = DEFAULT_MAX_NUMEL, check_finite_on_decode: bool = True):
