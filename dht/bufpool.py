@@ -28,20 +28,24 @@ class BufferPool:
     Buffers are sized to what is asked (rounded up to ``granule``), not all to the largest frame:
     an int8 all-reduce sends ~1 MiB frames, and with every one of them in a 4 MiB buffer a member
     held 10-11 of them (44 MiB) where ~12 MiB hold the same frames. A request takes an idle buffer
-    of at least its size and at most twice it; when the pool is full, a new size replaces an idle
-    buffer of another size (the traffic changed), so the pool follows the frames in use. Requests
+    of at least its size and at most twice it; when the pool is full, idle buffers of other sizes
+    make room for a new size (the traffic changed), so the pool follows the frames in use. Requests
     over half the largest size all get that size: a whole received frame, a full frame's plaintext
     and its ciphertext differ by a few bytes, and as three sizes they could not use each other's
     idle buffers (in an N = 8 all-reduce a member then allocated a fresh 4 MiB buffer, ~1000 page
-    faults and ~12 ms of CPU, about once a round).
+    faults and ~12 ms of CPU, about once a round). The pool keeps at most ``keep`` buffers and at
+    most ``max_bytes`` of them: a count alone that is enough for the ~1 MiB frames of an int8
+    round would let 4 MiB frames pin four times the memory.
     """
 
-    __slots__ = ("size", "keep", "granule", "_big", "_bufs", "_idle_refs")
+    __slots__ = ("size", "keep", "max_bytes", "granule", "_big", "_bufs", "_bytes", "_idle_refs")
 
-    def __init__(self, size: int, keep: int, granule: int = 64 << 10):
+    def __init__(self, size: int, keep: int, granule: int = 64 << 10, max_bytes: int | None = None):
         self.size = size  # the largest buffer asked for (a whole frame)
+        self.keep = keep  # at most this many buffers kept ...
+        self.max_bytes = max_bytes  # ... and at most this many bytes of them (None: no limit)
+        self._bytes = 0  # what the kept buffers hold
         self._big = -(-size // granule) * granule  # the one size of every buffer over half of it
-        self.keep = keep
         self.granule = granule
         self._bufs: list[bytearray] = [bytearray(0)]
         self._idle_refs = self._refs(0)  # what an unreferenced pooled buffer counts, on this Python
@@ -59,19 +63,24 @@ class BufferPool:
         if 2 * want > self._big:
             want = self._big
         bufs = self._bufs
-        other = -1  # an idle buffer of another size: replaced when the pool is full
         for i in range(len(bufs)):  # (by index: a loop variable would count as a reference)
-            if self._refs(i) <= self._idle_refs:
-                if want <= len(bufs[i]) <= 2 * want:
-                    return bufs[i]
-                if other < 0:
-                    other = i
+            if self._refs(i) <= self._idle_refs and want <= len(bufs[i]) <= 2 * want:
+                return bufs[i]
         buf = bytearray(want)
-        if len(bufs) < self.keep:
+        cap = self.max_bytes if self.max_bytes is not None else float("inf")
+        # Full (by count or bytes): idle buffers, all of other sizes here, make room (the traffic
+        # changed); buffers in use stay.
+        i = len(bufs) - 1
+        while (len(bufs) >= self.keep or self._bytes + want > cap) and i >= 0:
+            if self._refs(i) <= self._idle_refs:
+                self._bytes -= len(bufs[i])
+                del bufs[i]
+            i -= 1
+        if len(bufs) < self.keep and self._bytes + want <= cap:
             bufs.append(buf)
-        elif other >= 0:
-            bufs[other] = buf
+            self._bytes += want
         return buf
 
     def clear(self) -> None:
         self._bufs.clear()
+        self._bytes = 0

@@ -63,11 +63,16 @@ class Limits:
     write_buffer_high: int = 4 << 20
     #: frame buffers (up to 4 MiB each, sized to the frames) a host keeps for reuse by big frames,
     #: received, decrypted or encrypted, shared by all its connections; 0 disables (a connection
-    #: then keeps a receive buffer of its own). An 8-member all-reduce holds ~20-30 at its peak
-    #: (frames queued in 14 streams, both ways, and the ones being received); each pool miss
-    #: costs a zero-filled, page-faulting allocation. Buffers are only allocated when that many
-    #: frames are in flight at once, so a DHT-only node never holds any.
-    buffer_pool: int = 32
+    #: then keeps a receive buffer of its own). An 8-member all-reduce holds ~20-30 4 MiB frames
+    #: at its peak (frames queued in 14 streams, both ways, and the ones being received), and
+    #: more of int8's ~1 MiB ones: with at most 32 kept, an int8 member at N = 8 re-allocated
+    #: 3000-8000 pages a round. Each pool miss costs a zero-filled, page-faulting allocation.
+    #: Buffers are only allocated when that many frames are in flight at once, so a DHT-only
+    #: node never holds any.
+    buffer_pool: int = 128
+    #: ... and at most this many bytes of them in all: 32 whole frames (4 MiB and a header,
+    #: rounded up to the pool's 64 KiB granule), or ~125 of int8's frames
+    buffer_pool_bytes: int = 136 << 20
     #: threads that encrypt big outgoing frames off the event loop (``dht.sealer``); None: 2 where
     #: the process may use 4 or more CPUs, else 0 (inline: on 2 cores a thread only competes with
     #: the loop, N = 2 rounds 0.198 s against 0.170 s inline). ``benchmarks/allreduce_bench.py

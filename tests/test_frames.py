@@ -70,6 +70,22 @@ def test_pool_gives_frames_of_nearly_the_largest_size_one_size():
     assert len(pool.get(2 * MiB)) == 2 * MiB  # half the largest or less: sized to the request
 
 
+def test_pool_keeps_at_most_max_bytes_of_buffers():
+    """Beside the count, a byte budget: many small buffers or a few big ones, not many big ones."""
+    pool = BufferPool(4 * MiB, keep=100, granule=64 << 10, max_bytes=9 * MiB)
+    big = [pool.get() for _ in range(3)]  # all held: three allocations, two fit the budget
+    assert len(pool._bufs) == 2 and all(len(b) == 4 * MiB for b in big)
+    small = [pool.get(MiB) for _ in range(3)]  # no idle buffer: 1 MiB more fits, the rest does not
+    assert len(pool._bufs) == 3 and sum(map(len, pool._bufs)) == 9 * MiB
+    del big, small  # all idle: a small request may now replace an idle big one
+    pool = BufferPool(4 * MiB, keep=100, granule=64 << 10, max_bytes=8 * MiB)
+    held = [pool.get(), pool.get()]
+    del held
+    kept = [pool.get(MiB) for _ in range(8)]  # the first two replace the idle 4 MiB ones
+    assert [len(b) for b in pool._bufs] == [MiB] * 8 and all(any(b is k for k in kept) for b in pool._bufs)
+    assert len(pool.get(MiB)) == MiB and len(pool._bufs) == 8  # a ninth does not fit the budget
+
+
 async def _pair(frame_a: int | None = None):
     a, b = Host(Identity()), Host(Identity())
     await a.start()
