@@ -301,4 +301,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int8_kernels",
                                     "Fused int8 codec kernels (private: use p2ptrain.compression.kernels)",
                                     -1, methods};
 
-PyMODINIT_FUNC PyInit__int8_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__int8_kernels(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "COPY_PIECE", COPY_PIECE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

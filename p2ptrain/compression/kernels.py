@@ -19,9 +19,6 @@ import torch
 
 __all__ = ["AVAILABLE", "COPY_PIECE", "absmax", "copy_finite", "encode", "decode", "decode_add", "decode_add_max"]
 
-#: ``copy_finite`` checks and copies this many values at a time
-COPY_PIECE = 4096
-
 _K = None
 if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off"):
     try:
@@ -31,6 +28,8 @@ if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no
 
 #: whether the compiled kernels are loaded (and not switched off with ``P2PT_KERNELS=0``)
 AVAILABLE: bool = _K is not None
+#: ``copy_finite`` checks and copies this many values at a time (0 without the kernels)
+COPY_PIECE: int = _K.COPY_PIECE if _K is not None else 0
 
 
 def _need(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
