@@ -134,9 +134,15 @@ MULTI static void decode_f32(const uint8_t *scales, const int8_t *restrict q, in
     }
 }
 
-/* out = src + (float)q * (scale * weight), per block; src may be out itself */
-MULTI static void decode_add_f32(const uint8_t *scales, const int8_t *restrict q, int64_t n, int64_t block,
-                                 float weight, const float *src, float *out) {
+/* out = src + (float)q * (scale * weight), per block (src may be out itself), returning max |src|
+ * as absmax_bits does, from the loads it makes anyway: an owner's first contribution to a chunk
+ * reads its own values there, and this is their only check (no separate pass over its shard
+ * before the round; see round.py, "Own values"); other callers drop it. The unsigned max
+ * reduction may be reordered freely, so the loop still vectorises (versioned for aliasing) and
+ * runs as fast as the add alone. */
+MULTI static uint32_t decode_add_max_f32(const uint8_t *scales, const int8_t *restrict q, int64_t n, int64_t block,
+                                         float weight, const float *src, float *out) {
+    uint32_t m = 0;
     int64_t nb = (n + block - 1) / block;
     for (int64_t b = 0; b < nb; b++) {
         int64_t s = b * block, len = n - s < block ? n - s : block;
@@ -144,51 +150,14 @@ MULTI static void decode_add_f32(const uint8_t *scales, const int8_t *restrict q
         const int8_t *qb = q + s;
         const float *sb = src + s;
         float *ob = out + s;
-        for (int64_t i = 0; i < len; i++) ob[i] = sb[i] + (float)qb[i] * sc;
-    }
-}
-
-/* One block of decode_add_max_f32, in place (io) or from src into out (restrict: no overlap), so
- * that each loop vectorises; an unsigned max reduction may be reordered freely. */
-static ALWAYS_INLINE uint32_t add_max_inplace(float *restrict io, const int8_t *restrict q, int64_t len, float sc,
-                                              uint32_t m) {
-    for (int64_t i = 0; i < len; i++) {
-        float v = io[i];
-        uint32_t a;
-        memcpy(&a, &v, 4);
-        a &= ABS_BITS;
-        m = a > m ? a : m;
-        io[i] = v + (float)q[i] * sc;
-    }
-    return m;
-}
-
-static ALWAYS_INLINE uint32_t add_max_copy(const float *restrict src, float *restrict out, const int8_t *restrict q,
-                                           int64_t len, float sc, uint32_t m) {
-    for (int64_t i = 0; i < len; i++) {
-        float v = src[i];
-        uint32_t a;
-        memcpy(&a, &v, 4);
-        a &= ABS_BITS;
-        m = a > m ? a : m;
-        out[i] = v + (float)q[i] * sc;
-    }
-    return m;
-}
-
-/* decode_add_f32 that also returns max |src| as absmax_bits does, from the loads it makes anyway:
- * an owner's first contribution to a chunk reads its own values there, and this is their only
- * check (no separate pass over its shard before the round; see round.py, "Own values"). src is
- * either out itself or does not overlap it. */
-MULTI static uint32_t decode_add_max_f32(const uint8_t *scales, const int8_t *restrict q, int64_t n, int64_t block,
-                                         float weight, const float *src, float *out) {
-    uint32_t m = 0;
-    int64_t nb = (n + block - 1) / block;
-    for (int64_t b = 0; b < nb; b++) {
-        int64_t o = b * block, len = n - o < block ? n - o : block;
-        float sc = load_f32(scales + 4 * b) * weight;
-        m = src == out ? add_max_inplace(out + o, q + o, len, sc, m)
-                       : add_max_copy(src + o, out + o, q + o, len, sc, m);
+        for (int64_t i = 0; i < len; i++) {
+            float v = sb[i];
+            uint32_t a;
+            memcpy(&a, &v, 4);
+            a &= ABS_BITS;
+            m = a > m ? a : m;
+            ob[i] = v + (float)qb[i] * sc;
+        }
     }
     return m;
 }
@@ -253,18 +222,6 @@ static PyObject *py_decode_add(PyObject *self, PyObject *args) {
     unsigned long long scales, q, src, out;
     long long n, block;
     float weight;
-    if (!PyArg_ParseTuple(args, "KKLLfKK", &scales, &q, &n, &block, &weight, &src, &out)) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    decode_add_f32((const uint8_t *)(uintptr_t)scales, (const int8_t *)(uintptr_t)q, n, block, weight,
-                   (const float *)(uintptr_t)src, (float *)(uintptr_t)out);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_decode_add_max(PyObject *self, PyObject *args) {
-    unsigned long long scales, q, src, out;
-    long long n, block;
-    float weight;
     uint32_t bits;
     if (!PyArg_ParseTuple(args, "KKLLfKK", &scales, &q, &n, &block, &weight, &src, &out)) return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -289,9 +246,8 @@ static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS,
      "encode(x_ptr, n, block, mult, scales_ptr, q_ptr, dec_ptr or 0) -> False if NaN/inf"},
     {"decode", py_decode, METH_VARARGS, "decode(scales_ptr, q_ptr, n, block, out_ptr)"},
-    {"decode_add", py_decode_add, METH_VARARGS, "decode_add(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr)"},
-    {"decode_add_max", py_decode_add_max, METH_VARARGS,
-     "decode_add_max(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr) -> max |src| (inf or nan if any)"},
+    {"decode_add", py_decode_add, METH_VARARGS,
+     "decode_add(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr) -> max |src| (inf or nan if any)"},
     {"copy_finite", py_copy_finite, METH_VARARGS,
      "copy_finite(src_ptr, dst_ptr, n) -> values copied (a multiple of 4096 short of n at the first NaN/inf)"},
     {NULL, NULL, 0, NULL},

@@ -181,9 +181,14 @@ class Int8Codec(Codec):
         if f32 is not out:
             out.copy_(f32)
 
+    @staticmethod
+    def _kernel_adds(acc: torch.Tensor, src: torch.Tensor) -> bool:
+        """Whether ``acc = src + ...`` goes to the compiled kernels (CPU float32, contiguous)."""
+        return (kernels.AVAILABLE and acc.dtype == src.dtype == torch.float32 and acc.device.type == "cpu"
+                and src.is_contiguous())
+
     def _decode_add_base(self, meta, buf, numel, acc, weight, base):
-        if (kernels.AVAILABLE and acc.dtype == base.dtype == torch.float32 and acc.device.type == "cpu"
-                and base.is_contiguous()):
+        if self._kernel_adds(acc, base):
             scales, q = self._unpack(buf, numel, acc.device, check=self.check_finite_on_decode)
             return kernels.decode_add_max(scales, q, self.block, weight, base, acc)
         return super()._decode_add_base(meta, buf, numel, acc, weight, base)
@@ -193,8 +198,7 @@ class Int8Codec(Codec):
         # range is the only way an int8 message decodes to inf or NaN)
         scales, q = self._unpack(buf, numel, acc.device, check=self.check_finite_on_decode)
         src = acc if base is None else base
-        if (kernels.AVAILABLE and acc.dtype == src.dtype == torch.float32 and acc.device.type == "cpu"
-                and src.is_contiguous()):
+        if self._kernel_adds(acc, src):
             kernels.decode_add(scales, q, self.block, weight, src, acc)
             return
         if weight != 1.0:

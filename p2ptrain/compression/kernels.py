@@ -39,6 +39,11 @@ def _need(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
     return t.data_ptr()
 
 
+def _overlap(a: int, b: int, nbytes: int) -> bool:
+    """Whether the ``nbytes`` at address ``a`` and those at ``b`` share any byte."""
+    return a < b + nbytes and b < a + nbytes
+
+
 def absmax(x: torch.Tensor) -> float:
     """max |x| of a contiguous float32 CPU tensor in one pass; inf/nan if it holds inf/NaN."""
     return _K.absmax(_need(x, torch.float32, 0, "absmax"), x.numel())
@@ -80,10 +85,9 @@ def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: fl
     n = q.numel()
     args = (_need(scales, torch.float32, -(-n // block), "decode_add scales"), _need(q, torch.int8, n, "decode_add q"),
             n, block, weight, _need(src, torch.float32, n, "decode_add src"), _need(out, torch.float32, n, "decode_add out"))
-    ps, po = args[5], args[6]
-    if ps != po and ps < po + 4 * n and po < ps + 4 * n:
+    if args[5] != args[6] and _overlap(args[5], args[6], 4 * n):
         raise ValueError("decode_add_max: src must be out itself or not overlap it")
-    return _K.decode_add_max(*args)
+    return _K.decode_add(*args)  # (one kernel: ``decode_add`` drops the max it returns)
 
 
 def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> int:
@@ -93,6 +97,6 @@ def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> int:
     check and a copy were two."""
     n = src.numel()
     ps, pd = _need(src, torch.float32, n, "copy_finite src"), _need(dst, torch.float32, n, "copy_finite dst")
-    if ps < pd + 4 * n and pd < ps + 4 * n:
+    if _overlap(ps, pd, 4 * n):
         raise ValueError("copy_finite: src and dst overlap")
     return _K.copy_finite(ps, pd, n)
