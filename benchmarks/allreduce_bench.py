@@ -7,15 +7,16 @@
 For each N it spawns N worker processes that form one group directly (no DHT: the parent collects
 each worker's peer id and port and hands every worker the member list on stdin), runs ``--rounds``
 rounds per codec after ``--warmup`` uncounted ones (every contender gets the same; a barrier through
-the parent before each round; every round starts from the same inputs) and prints seconds per round
-(the slowest member's call to ``run``, its check of the input included; median over rounds), bus
-bandwidth =
+the parent before each round; every round starts from the same inputs). The same members run every
+codec: the warm-up rounds codec by codec, then the measured rounds interleaved, in an order
+reversed every other round (A B, B A, ...), so that a drift of this shared box slows every codec
+alike and "vs none" compares codecs, not minutes. It prints seconds per round (the slowest
+member's call to ``run``, its check of the input included; median over rounds), bus bandwidth =
 2 (N-1)/N * bytes / time, CPU seconds per member per round (user + sys, with minor page faults),
-peak RSS growth over the inputs (the largest member's high-water mark above what it held once its
-tensors were allocated; gloo's in brackets; the same members run every codec in turn, so a later
-codec's figure includes what earlier ones left in the transport's buffer pool: put the codec to
-measure first), and the max error of rank 0's result against the exact average at 4096 sampled
-indices.
+peak RSS growth over the inputs (the largest member's high-water mark within a round, reset before
+each, above what it held once its tensors were allocated; gloo's in brackets; it includes buffers
+that other codecs' rounds left in the transport's buffer pool), and the max error of rank 0's
+result against the exact average at 4096 sampled indices.
 
 Baselines, measured right before each N: raw single-stream loopback TCP (asyncio, two processes,
 1 MiB writes), torch.distributed gloo all_reduce with N processes at the same size (run again after
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import resource
@@ -55,6 +57,28 @@ WARMUP = 1  # rounds each contender runs first, not counted (--warmup)
 def _maxrss_mb() -> float:
     """This process's peak resident memory so far (MB): what a round added shows as its growth."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak_rss() -> None:
+    """Start this process's peak-RSS mark afresh (Linux: 5 to /proc/self/clear_refs), so that
+    ``_peak_rss_mb`` after a round is that round's own peak, whatever ran before it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # (not Linux, or not allowed: the mark then runs from the start, like ru_maxrss)
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident memory (MB) since the last ``_reset_peak_rss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return _maxrss_mb()
 
 
 def _threads() -> int:
@@ -175,35 +199,41 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
         expected = _expected(numel, n, idx)
     orig = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     flat = orig.clone()
-    rss0 = _maxrss_mb()  # the inputs are allocated and touched: what the rounds add shows above this
+    _reset_peak_rss()
+    rss0 = _peak_rss_mb()  # the inputs are allocated and touched: what a round adds shows above this
     print(json.dumps({"ready": True}), flush=True)
     prof = None
     if profile_path:
         import cProfile
 
         prof = cProfile.Profile()
+    codecs = {name: get_codec(name) for name in job["codecs"]}
     try:
-        for ci, name in enumerate(job["codecs"]):
-            codec = get_codec(name)
-            for r in range(job["rounds"]):
-                flat.copy_(orig)
-                await readline()  # barrier: "go"
-                group = Group(f"{name}-{r}".encode(), members)
-                if prof is not None and ci == 0:
-                    prof.enable()
-                c0, f0 = os.times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                start = time.monotonic()
-                res = await svc.run(group, rank, flat, 1.0, codec)
-                end = time.monotonic()
-                c1, f1 = os.times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                if prof is not None and ci == 0:
-                    prof.disable()
-                err = float((flat[idx] - expected).abs().max()) if check else None
-                # t: the caller's time in run(): res.time_total starts after run's check of the input
-                print(json.dumps({"codec": name, "t": end - start, "end": end, "reduce": res.time_reduce,
-                                  "ok": res.ok, "err": err, "failed": {str(k): v for k, v in res.failed.items()},
-                                  "user": c1.user - c0.user, "sys": c1.system - c0.system, "flt": f1 - f0,
-                                  "rss": _maxrss_mb() - rss0}), flush=True)
+        for rnd in itertools.count():
+            flat.copy_(orig)
+            name = (await readline()).strip()  # barrier: "go" with the codec to run; EOF ends
+            if not name:
+                break
+            codec = codecs[name]
+            group = Group(f"{name}-{rnd}".encode(), members)
+            profiling = prof is not None and name == job["codecs"][0]
+            if profiling:
+                prof.enable()
+            _reset_peak_rss()
+            u0 = resource.getrusage(resource.RUSAGE_SELF)  # (microseconds: os.times counts 10 ms ticks)
+            start = time.monotonic()
+            res = await svc.run(group, rank, flat, 1.0, codec)
+            end = time.monotonic()
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            if profiling:
+                prof.disable()
+            err = float((flat[idx] - expected).abs().max()) if check else None
+            # t: the caller's time in run(): res.time_total starts after run's check of the input
+            print(json.dumps({"codec": name, "t": end - start, "end": end, "reduce": res.time_reduce,
+                              "ok": res.ok, "err": err, "failed": {str(k): v for k, v in res.failed.items()},
+                              "user": u1.ru_utime - u0.ru_utime, "sys": u1.ru_stime - u0.ru_stime,
+                              "flt": u1.ru_minflt - u0.ru_minflt,
+                              "rss": _peak_rss_mb() - rss0}), flush=True)
     finally:
         if prof is not None:
             prof.dump_stats(profile_path)
@@ -395,24 +425,34 @@ def _reap(procs: list[subprocess.Popen], timeout: float = 60) -> None:
             p.wait()
 
 
+def _schedule(codecs: list[str], rounds: int) -> list[str]:
+    """The codec of each round: ``WARMUP`` rounds of each codec in turn (the first of a codec
+    allocates its buffers), then the measured rounds interleaved, the order reversed every other
+    round (A B, B A, A B, ...): a drift of this shared box between minutes then slows every codec
+    alike instead of whichever ran last, and their ratio stays a comparison of codecs."""
+    out = [c for c in codecs for _ in range(min(WARMUP, rounds))]
+    for r in range(rounds - WARMUP):
+        out += codecs if r % 2 == 0 else codecs[::-1]
+    return out
+
+
 def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None, chunk: int = 1 << 20,
          offload: str = "auto", check: bool = True, frame: int = 0) -> dict[str, list[dict]]:
-    job = {"numel": numel, "codecs": codecs, "rounds": rounds, "chunk": chunk, "offload": offload,
+    job = {"numel": numel, "codecs": codecs, "chunk": chunk, "offload": offload,
            "check": check, "frame": frame}
     procs = _spawn_ours(n, job, profile)
     try:
         out: dict[str, list[dict]] = {c: [] for c in codecs}
-        for c in codecs:
-            for _ in range(rounds):
-                for p in procs:
-                    p.stdin.write("go\n")
-                    p.stdin.flush()
-                reports = [json.loads(p.stdout.readline()) for p in procs]
-                out[c].append({"t": max(x["t"] for x in reports), "ok": all(x["ok"] for x in reports),
-                               "err": reports[0]["err"], "reduce": max(x["reduce"] for x in reports),
-                               "failed": [x["failed"] for x in reports if x["failed"]],
-                               "cpu": max(x["user"] + x["sys"] for x in reports), "sys": max(x["sys"] for x in reports),
-                               "flt": reports[0]["flt"], "rss": max(x["rss"] for x in reports)})
+        for c in _schedule(codecs, rounds):
+            for p in procs:
+                p.stdin.write(c + "\n")
+                p.stdin.flush()
+            reports = [json.loads(p.stdout.readline()) for p in procs]
+            out[c].append({"t": max(x["t"] for x in reports), "ok": all(x["ok"] for x in reports),
+                           "err": reports[0]["err"], "reduce": max(x["reduce"] for x in reports),
+                           "failed": [x["failed"] for x in reports if x["failed"]],
+                           "cpu": max(x["user"] + x["sys"] for x in reports), "sys": max(x["sys"] for x in reports),
+                           "flt": reports[0]["flt"], "rss": max(x["rss"] for x in reports)})
         return out
     finally:
         _reap(procs)
@@ -423,12 +463,12 @@ def kill_trials(n: int, numel: int, trials: int, kill_after: float, chunk: int, 
     survivor's round returns, one per trial (fresh processes each), library-default deadlines."""
     out = []
     for _ in range(trials):
-        job = {"numel": numel, "codecs": ["none"], "rounds": 1, "chunk": chunk, "offload": offload,
+        job = {"numel": numel, "codecs": ["none"], "chunk": chunk, "offload": offload,
                "check": False, "kill": True}
         procs = _spawn_ours(n, job)
         try:
             for p in procs:
-                p.stdin.write("go\n")
+                p.stdin.write("none\n")
                 p.stdin.flush()
             time.sleep(kill_after)
             victim = procs[-1]

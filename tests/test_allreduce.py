@@ -578,6 +578,36 @@ async def test_hostile_owner_reply_keeps_what_came_before_the_nan(swarm):
         assert torch.equal(got[good:], xs[0][s.start + good : s.end])  # local values from the bad piece on
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_replies_written_with_streaming_stores_are_the_same_bits(swarm, monkeypatch, codec):
+    """Where ``flat`` is larger than the last-level cache, replies are written around the cache
+    (``kernels.stream_worthwhile``): forced on for a small round, the results are bit for bit those
+    of plain stores, and the replies did take the streaming path."""
+    from p2ptrain.compression import kernels
+
+    if not kernels.CAN_STREAM:
+        pytest.skip("no streaming-store kernels on this CPU or install")
+    calls = []
+    for name in ("decode", "copy_finite"):
+        def spy(*args, _f=getattr(kernels, name), _name=name):
+            calls.append((_name, args[-1]))
+            return _f(*args)
+        monkeypatch.setattr(kernels, name, spy)
+    async with asyncio.timeout(20):
+        group, _h, services = await swarm.group(3, config=AllReduceConfig(chunk_numel=4096))
+        xs, ws = data(3, 3 * 10_007 + 5)
+        got = {}
+        for stream in (False, True):
+            monkeypatch.setattr(kernels, "stream_worthwhile", lambda nbytes, _s=stream: _s)
+            calls.clear()
+            flats = [x.clone() for x in xs]
+            g = Group(group.group_id + bytes([stream]), group.members)
+            assert all(r.ok for r in await run_all(g, services, flats, ws, codec))
+            assert calls and {c[1] for c in calls} == {stream}  # every reply went the asked way
+            got[stream] = flats
+        assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
+
+
 # ---------------------------------------------------------------------- memory
 
 

@@ -4,6 +4,7 @@ wrappers, and the switch that turns them off."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -149,23 +150,50 @@ def test_decode_add_max_flags_nonfinite_base_values(bad, pos):
 
 
 @needs_kernels
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("off", [0, 1, 7])  # dst 4, 8 and 32 bytes past a 32-byte boundary
 @pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 3 * 4096 + 5])
-def test_copy_finite_copies_everything_finite(n):
-    src, dst = torch.randn(n) * 1e30, torch.zeros(n + 3)
-    assert kernels.copy_finite(src, dst) == n
-    assert torch.equal(dst[:n], src) and not dst[n:].any()
+def test_copy_finite_copies_everything_finite(n, off, stream):
+    src, buf = torch.randn(n) * 1e30, torch.zeros(n + 11)
+    dst = buf[off:]
+    assert kernels.copy_finite(src, dst, stream) == n
+    assert torch.equal(dst[:n], src) and not dst[n:].any() and not buf[:off].any()
 
 
 @needs_kernels
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("pos", [0, 4095, 4096, 8191, 12291])  # piece edges, the short last piece
-def test_copy_finite_stops_at_the_piece_holding_a_nonfinite_value(bad, pos):
+def test_copy_finite_stops_at_the_piece_holding_a_nonfinite_value(bad, pos, stream):
     n = 3 * 4096 + 5
-    src, dst = torch.randn(n), torch.zeros(n)
+    src, dst = torch.randn(n), torch.zeros(n + 3)[3:]
     src[pos] = bad
-    done = kernels.copy_finite(src, dst)
+    done = kernels.copy_finite(src, dst, stream)
     assert done == pos // kernels.COPY_PIECE * kernels.COPY_PIECE
     assert torch.equal(dst[:done], src[:done]) and not dst[done:].any()  # nothing of that piece written
+
+
+@needs_kernels
+@SETTINGS
+@given(x=chunks(), block=st.sampled_from([8, 64, 256, 1000]), off=st.integers(0, 15))
+def test_streaming_decode_writes_the_same_values(x, block, off):
+    # the streaming twin writes plain stores up to the first 32-byte boundary and after the last
+    # whole vector: every alignment of the output and every block length must come out the same
+    codec = Int8Codec(block=block)
+    enc = codec.encode(x)
+    want = codec.decode(enc.meta, enc.tobytes())
+    streaming = copy.copy(codec)
+    streaming.stream_decoded = True
+    buf = torch.full((x.numel() + 24,), 7.0)
+    got = streaming.decode(enc.meta, enc.tobytes(), out=buf[off : off + x.numel()])
+    assert torch.equal(got, want)
+    assert (buf[:off] == 7).all() and (buf[off + x.numel() :] == 7).all()  # nothing outside out
+
+
+def test_streaming_is_only_worthwhile_beyond_the_last_level_cache():
+    assert kernels.STREAM_MIN_BYTES >= 1 << 20
+    assert not kernels.stream_worthwhile(kernels.STREAM_MIN_BYTES)
+    assert kernels.stream_worthwhile(kernels.STREAM_MIN_BYTES + 1) == kernels.CAN_STREAM
 
 
 @needs_kernels

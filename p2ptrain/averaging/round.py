@@ -375,6 +375,14 @@ class _Round:
         self.raw = type(codec) is NoneCodec
         # ``none`` replies: checked and copied into ``flat`` in one pass (see ``_decode``)
         self.raw_reply = type(gcodec) is NoneCodec and kernels.AVAILABLE
+        # Replies go into ``flat`` and nothing in the round reads them again: where ``flat`` is
+        # larger than the last-level cache they would leave it before the caller reads them, so
+        # they are written around it (streaming stores: no read of each line before its write).
+        self.stream_out = kernels.stream_worthwhile(flat.numel() * flat.element_size())
+        self.gdecoder = gcodec
+        if self.stream_out and not isinstance(gcodec, ErrorFeedback):
+            self.gdecoder = copy.copy(gcodec)
+            self.gdecoder.stream_decoded = True
         self.acc_in_place = self.running_mean = False
         if self.is_owner:
             # The accumulator, filled lazily chunk by chunk (in the worker, pipelined with the
@@ -806,11 +814,11 @@ class _Round:
             # 16 KiB at a time, each piece checked before it is written: where the codec's decode
             # made a check pass and then a copy. A NaN/inf stops it after the pieces before it,
             # which hold the owner's finite averages like the chunks before them.
-            done = kernels.copy_finite(frombuffer(buf, torch.float32, 0, b - a), self.flat[a:b])
+            done = kernels.copy_finite(frombuffer(buf, torch.float32, 0, b - a), self.flat[a:b], self.stream_out)
             if done < b - a:
                 raise _PartialResult(done)
             return
-        self.gcodec.decode(dict(self.gmeta, numel=b - a), buf, out=self.flat[a:b])
+        self.gdecoder.decode(dict(self.gmeta, numel=b - a), buf, out=self.flat[a:b])
 
     async def _send_part(self, j: int) -> ShardResult:
         a0, b0 = self.bounds[j]

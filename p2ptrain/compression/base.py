@@ -163,6 +163,12 @@ class Codec:
     #: then reads nothing up front (what it keeps is checked by ``decode_add_base``; see
     #: averaging/round.py, "Own values")
     encode_checks_finite: bool = False
+    #: A hint, not an option of the format: ``decode`` writes its output with streaming stores,
+    #: around the cache, where the codec has such a kernel (int8 on x86-64). For a caller whose
+    #: output nobody reads again before it would have left the cache anyway (an all-reduce result
+    #: in a tensor larger than the last-level cache: ``kernels.stream_worthwhile``); it saves the
+    #: read of each written line. Set on a copy of the codec (codecs are shared).
+    stream_decoded: bool = False
 
     def __init__(self, *, max_numel: int = DEFAULT_MAX_NUMEL, check_finite_on_decode: bool = True):
         if not (isinstance(max_numel, int) and max_numel >= 0):

@@ -172,7 +172,7 @@ class Int8Codec(Codec):
         # instead, then scale in place (float32 out), or go through the per-thread scratch.
         scales, q = self._unpack(buf, numel, out.device)
         if kernels.AVAILABLE and out.dtype == torch.float32 and out.device.type == "cpu":
-            kernels.decode(scales, q, self.block, out)
+            kernels.decode(scales, q, self.block, out, self.stream_decoded)
             return
         f32 = out if out.dtype == torch.float32 else scratch("int8.dec", numel, torch.float32, out.device)
         f32.copy_(q)

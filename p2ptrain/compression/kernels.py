@@ -17,7 +17,8 @@ import os
 
 import torch
 
-__all__ = ["AVAILABLE", "COPY_PIECE", "absmax", "copy_finite", "encode", "decode", "decode_add", "decode_add_max"]
+__all__ = ["AVAILABLE", "COPY_PIECE", "absmax", "copy_finite", "encode", "decode", "decode_add", "decode_add_max",
+           "stream_worthwhile"]
 
 _K = None
 if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off"):
@@ -30,6 +31,35 @@ if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no
 AVAILABLE: bool = _K is not None
 #: ``copy_finite`` checks and copies this many values at a time (0 without the kernels)
 COPY_PIECE: int = _K.COPY_PIECE if _K is not None else 0
+#: this CPU runs the streaming-store twins of ``decode`` and ``copy_finite`` (x86-64 with AVX2)
+CAN_STREAM: bool = bool(_K.CAN_STREAM) if _K is not None else False
+
+
+def _llc_bytes() -> int:
+    """The size of this CPU's largest cache (Linux sysfs); 32 MiB where it cannot be read."""
+    base, best = "/sys/devices/system/cpu/cpu0/cache", 0
+    try:
+        for d in os.listdir(base):
+            if d.startswith("index"):
+                with open(os.path.join(base, d, "size")) as f:
+                    text = f.read().strip().upper()
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                best = max(best, int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    return best or 32 << 20
+
+
+#: outputs larger than this (the last-level cache) are worth streaming stores (``stream_worthwhile``)
+STREAM_MIN_BYTES: int = _llc_bytes()
+
+
+def stream_worthwhile(nbytes: int) -> bool:
+    """Whether results written into a tensor of ``nbytes`` should go around the cache
+    (``stream=True``): only where the tensor is larger than the last-level cache, so that what is
+    written leaves the cache before anyone reads it again anyway. Smaller tensors keep plain stores:
+    their next reader (the caller's copy back into parameters) finds them in the cache."""
+    return CAN_STREAM and nbytes > STREAM_MIN_BYTES
 
 
 def _need(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
@@ -61,11 +91,12 @@ def encode(x: torch.Tensor, block: int, scale: float, scales: torch.Tensor, q: t
     return _K.encode(*args)
 
 
-def decode(scales: torch.Tensor, q: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    """``out = q * scale`` per block (``out`` float32, ``q.numel()`` values)."""
+def decode(scales: torch.Tensor, q: torch.Tensor, block: int, out: torch.Tensor, stream: bool = False) -> None:
+    """``out = q * scale`` per block (``out`` float32, ``q.numel()`` values); ``stream``: with
+    streaming stores where the CPU has them (see ``stream_worthwhile``), the same values."""
     n = q.numel()
     _K.decode(_need(scales, torch.float32, -(-n // block), "decode scales"), _need(q, torch.int8, n, "decode q"),
-              n, block, _need(out, torch.float32, n, "decode out"))
+              n, block, _need(out, torch.float32, n, "decode out"), stream)
 
 
 def decode_add(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float, src: torch.Tensor,
@@ -90,13 +121,13 @@ def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: fl
     return _K.decode_add(*args)  # (one kernel: ``decode_add`` drops the max it returns)
 
 
-def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> int:
+def copy_finite(src: torch.Tensor, dst: torch.Tensor, stream: bool = False) -> int:
     """``dst[:n] = src`` (float32, not overlapping), ``COPY_PIECE`` values at a time, each piece
     checked for NaN/inf before it is written: returns how many values were copied, ``n =
     src.numel()`` unless a piece holds a NaN/inf (then the start of that piece). One pass where a
-    check and a copy were two."""
+    check and a copy were two. ``stream``: as in ``decode``."""
     n = src.numel()
     ps, pd = _need(src, torch.float32, n, "copy_finite src"), _need(dst, torch.float32, n, "copy_finite dst")
     if _overlap(ps, pd, 4 * n):
         raise ValueError("copy_finite: src and dst overlap")
-    return _K.copy_finite(ps, pd, n)
+    return _K.copy_finite(ps, pd, n, stream)
