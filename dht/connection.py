@@ -297,9 +297,12 @@ class Connection(asyncio.BufferedProtocol):
             self._recv.decrypt_into(header, frame[HEADER_SIZE:], self.host.discard_buffer[:n])
             return
         if kind == Kind.STREAM_DATA and len(frame) >= POOLED_FRAME_MIN and self.host.pool.keep:
-            # decrypted into a pooled buffer; handed on read-only and never reused while viewed
+            # Decrypted in place where the frame has a (pooled) buffer of its own, else into a
+            # pooled buffer; handed on read-only, and never reused while viewed. In place: one
+            # buffer per frame in flight, not two, and its plaintext is written where the
+            # ciphertext was just read (still cached), not into another, cold buffer.
             n = len(frame) - HEADER_SIZE - TAG_SIZE
-            view = memoryview(self.host.pool.get(n))[:n]
+            view = frame[HEADER_SIZE : HEADER_SIZE + n] if not frame.readonly else memoryview(self.host.pool.get(n))[:n]
             self._recv.decrypt_into(header, frame[HEADER_SIZE:], view)
             view = view.toreadonly()
         else:
