@@ -1,8 +1,8 @@
 """One authenticated, encrypted connection to a peer (``Connection``): handshake, frames, RPC, streams.
 
 An asyncio ``BufferedProtocol``: bytes land in the ``FrameReader``'s buffers (a big frame straight
-into a buffer of the host's ``BufferPool``), each frame is decrypted once (big stream frames into
-another pooled buffer, others into fresh bytes) and dispatched. RPC requests run as tasks owned by
+into a buffer of the host's ``BufferPool``), each frame is decrypted once (big stream frames in
+place, in that buffer; others into fresh bytes) and dispatched. RPC requests run as tasks owned by
 the connection (cancelled when the caller sends CANCEL or the connection dies); bulk streams are
 ``stream.Stream`` objects. ``transport.Host`` creates connections and owns what they share (the
 limits, the buffer pool, the handlers); see its module for the rules on untrusted input.

@@ -507,6 +507,37 @@ async def test_stream_header_and_peer(make_host):
         assert await stream.read(timeout=5) is None  # handler returned: EOF
 
 
+async def test_a_big_stream_frame_is_read_from_the_buffer_it_arrived_in(make_host):
+    """Big stream frames are decrypted in place: each chunk a reader holds is a read-only view of
+    the pooled buffer its frame was received into, so the pool lends one buffer per frame held,
+    not a receive buffer and a plaintext buffer."""
+    async with asyncio.timeout(10):
+        a, b = await make_host(), await make_host()
+        held: list[memoryview] = []
+        done = asyncio.get_running_loop().create_future()
+
+        async def hold(stream: Stream):
+            while (chunk := await stream.read(timeout=5)) is not None:
+                held.append(chunk)
+            done.set_result(None)
+
+        b.on_stream("hold", hold)
+        conn = await connect(a, b)
+        stream = await conn.open_stream("hold")
+        payloads = [os.urandom(conn.max_data_body) for _ in range(3)]
+        for p in payloads:
+            await stream.write(p, timeout=5)
+        stream.write_eof()
+        await done
+        assert [bytes(c) for c in held] == payloads and all(c.readonly for c in held)
+        pool = b.pool
+        in_use = [i for i in range(len(pool._bufs)) if pool._refs(i) > pool._idle_refs]
+        assert len(in_use) == 3 and len(pool._bufs) == 3  # no second buffer per frame
+        assert {c.obj is pool._bufs[i] for c, i in zip(held, in_use)} == {True}
+        held.clear()
+        assert all(pool._refs(i) <= pool._idle_refs for i in range(len(pool._bufs)))  # all reusable
+
+
 async def test_slow_consumer_bounds_what_the_writer_sends(make_host):
     async with asyncio.timeout(20):
         window = 1 * MiB
