@@ -608,6 +608,42 @@ async def test_replies_written_with_streaming_stores_are_the_same_bits(swarm, mo
         assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
 
 
+@pytest.mark.parametrize("n", [2, 3])
+async def test_int8_owner_encodes_each_reply_with_the_chunks_last_contribution(swarm, monkeypatch, n):
+    """int8 with the kernels: the contribution that completes one of an owner's chunks is added
+    and the chunk's reply encoded in one pass (``decode_add_encode``), once per chunk; the results
+    are bit for bit those of the add and the encode as two calls (two members: one contribution
+    per chunk, so no arrival order changes a sum's rounding)."""
+    from p2ptrain.compression import Codec, kernels
+    from p2ptrain.compression.int8 import Int8Codec
+
+    if not kernels.AVAILABLE:
+        pytest.skip("the int8 kernels are not built here")
+    calls = []
+    real = kernels.decode_add_encode
+    monkeypatch.setattr(kernels, "decode_add_encode", lambda *a: calls.append(a[1].numel()) or real(*a))
+    async with asyncio.timeout(20):
+        cn = 4096
+        group, _h, services = await swarm.group(n, config=AllReduceConfig(chunk_numel=cn))
+        numel = n * 5 * cn + 77
+        xs, ws = data(n, numel, seed=5)
+        got = []
+        for fused in (True, False):
+            if not fused:  # the generic method: decode_add_base, then encode
+                monkeypatch.setattr(Int8Codec, "decode_add_encode", Codec.decode_add_encode)
+            flats = [x.clone() for x in xs]
+            g = Group(group.group_id + bytes([fused]), group.members)
+            results = await run_all(g, services, flats, ws, "int8")
+            assert all(r.ok for r in results)
+            for r in range(n):
+                torch.testing.assert_close(flats[r], weighted_mean(xs, ws), atol=TOL["int8"], rtol=1e-3)
+            got.append(flats)
+        chunks = sum(-(-(e - s) // cn) for s, e in partition(numel, group.members))
+        assert len(calls) == chunks and sum(calls) == numel  # every chunk once, with its last contribution
+        if n == 2:
+            assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
 # ---------------------------------------------------------------------- memory
 
 
@@ -632,6 +668,8 @@ async def test_memory_is_per_shard(swarm):
 async def test_wire_buffers_are_reused_between_rounds(swarm, codec):
     """Encoded chunks go into two wire buffers per part that the service keeps for the next round
     (fresh ones would page-fault on every chunk), and reuse changes no result."""
+    from p2ptrain.compression import kernels
+
     async with asyncio.timeout(20):
         numel, cn = 1 << 18, 1 << 14
         # two members: one contribution per owner, so no arrival order changes a sum's rounding
@@ -648,8 +686,9 @@ async def test_wire_buffers_are_reused_between_rounds(swarm, codec):
             else:  # same inputs, recycled (dirty) buffers: bit-identical results
                 assert all(torch.equal(a, b) for a, b in zip(first, flats))
             kept.append([sorted(t.data_ptr() for t in svc._wires) for svc in services])
-        # two for the part sent to the other owner + two for the reply of one's own shard
-        assert all(len(k) == 4 for k in kept[0])
+        # two for the part sent to the other owner + two for the reply of one's own shard (int8:
+        # one for the whole shard's replies, each encoded with the chunk's last contribution)
+        assert all(len(k) == (3 if codec == "int8" and kernels.AVAILABLE else 4) for k in kept[0])
         assert kept[0] == kept[1] == kept[2]
 
 
@@ -735,29 +774,31 @@ async def test_nan_beyond_our_own_shard(swarm, codec):
                 assert all(0 not in s.contributors and 0 not in s.partial for s in res.shards)
 
 
+@pytest.mark.parametrize("n", [2, 3])  # 2: the first contribution is the last, added and encoded at once
 @pytest.mark.parametrize("bad", [float("nan"), -float("inf"), 3e38])
-async def test_int8_refuses_our_own_shard_where_it_is_first_read(swarm, bad):
+async def test_int8_refuses_our_own_shard_where_it_is_first_read(swarm, bad, n):
     """With ``int8`` nothing is checked before the round: a NaN/inf in our own shard, or a value
     whose sum could overflow float32 (3e38), is found by the first contribution's add to that
-    chunk. ``run`` raises; the others finish without our shard (their own values kept there), and
-    nothing of ours that was not finite reaches them."""
+    chunk (with two members also the one that encodes the chunk's reply in the same pass). ``run``
+    raises; the others finish without our shard (their own values kept there), and nothing of ours
+    that was not finite reaches them."""
     from p2ptrain.compression import CompressionError
 
     async with asyncio.timeout(20):
         cn = 4096
-        group, _hosts, services = await swarm.group(3, config=FAST)
-        numel = 3 * 5 * cn
-        xs, ws = data(3, numel, seed=8)
+        group, _hosts, services = await swarm.group(n, config=FAST)
+        numel = n * 5 * cn
+        xs, ws = data(n, numel, seed=8)
         s0, _e0 = partition(numel, group.members)[0]
         bad_x = xs[0].clone()
         bad_x[s0 + 2 * cn + 11] = bad  # the 3rd chunk of our own shard
-        flats = [bad_x.clone(), xs[1].clone(), xs[2].clone()]
+        flats = [bad_x.clone()] + [x.clone() for x in xs[1:]]
         outcome = await asyncio.gather(*(svc.run(group, r, flats[r], ws[r], "int8") for r, svc in enumerate(services)),
                                        return_exceptions=True)
         assert isinstance(outcome[0], CompressionError), outcome[0]
         assert "own shard" in str(outcome[0])
         assert ("NaN or inf" if bad != 3e38 else "overflow") in str(outcome[0])
-        for r in (1, 2):
+        for r in range(1, n):
             res = outcome[r]
             assert isinstance(res, AllReduceResult), res
             assert 0 in res.failed and res.shards[0].status == "failed" and res.shards[0].averaged == 0

@@ -150,6 +150,62 @@ def test_decode_add_max_flags_nonfinite_base_values(bad, pos):
 
 
 @needs_kernels
+@SETTINGS
+@given(x=chunks(), base=chunks(), weight=st.sampled_from([1.0, 0.25, 3.0]), in_place=st.booleans(),
+       block=st.sampled_from([8, 64, 256, 1000]), scale=st.sampled_from([1.0, 0.5, 1 / 3]))
+def test_decode_add_encode_is_the_add_then_the_encode(x, base, weight, in_place, block, scale):
+    """The fused add-and-encode writes exactly what ``decode_add_max`` and then ``encode`` (with
+    its decoded copy, in place) write, and returns the same max, whatever the sizes."""
+    n = min(x.numel(), base.numel())
+    x, base = x[:n].contiguous() / 8, base[:n].contiguous() / 4  # (the sum stays finite)
+    codec = Int8Codec(block=block)
+    enc = codec.encode(x)
+    nb = codec.n_blocks(n)
+    scales, q = enc.buffers[0][: 4 * nb].view(torch.float32), enc.buffers[0][4 * nb :].view(torch.int8)
+    want = base.clone()
+    want_max = kernels.decode_add_max(scales, q, block, weight, want, want)
+    want_sc, want_q = torch.empty(nb), torch.empty(n, dtype=torch.int8)
+    assert kernels.encode(want, block, scale, want_sc, want_q, want)
+    acc = base.clone() if in_place else torch.full((n,), float("nan"))
+    got_sc, got_q = torch.empty(nb), torch.empty(n, dtype=torch.int8)
+    got_max, ok = kernels.decode_add_encode(scales, q, block, weight, acc if in_place else base, acc, scale,
+                                            got_sc, got_q)
+    assert ok and got_max == want_max
+    assert torch.equal(acc, want) and torch.equal(got_sc, want_sc) and torch.equal(got_q, want_q)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3.3e38])  # 3.3e38: finite, but the sum is not
+def test_decode_add_encode_reports_a_sum_that_does_not_encode(bad):
+    n, block = 5000, 256
+    codec = Int8Codec(block=block)
+    enc = codec.encode(torch.full((n,), 3e38))
+    nb = codec.n_blocks(n)
+    scales, q = enc.buffers[0][: 4 * nb].view(torch.float32), enc.buffers[0][4 * nb :].view(torch.int8)
+    acc = torch.randn(n)
+    acc[4321] = bad
+    own, ok = kernels.decode_add_encode(scales, q, block, 1.0, acc, acc, 1.0, torch.empty(nb),
+                                        torch.empty(n, dtype=torch.int8))
+    assert not ok
+    assert (own != own) if bad != bad else own == float(torch.tensor(bad))  # every block measured
+
+
+@needs_kernels
+def test_decode_add_encode_refuses_overlaps():
+    n, nb = 4096, 16
+    scales, q, acc = torch.ones(nb), torch.zeros(n, dtype=torch.int8), torch.zeros(n)
+    wire = torch.empty(4 * nb + n, dtype=torch.uint8)
+    sc_out, q_out = wire[: 4 * nb].view(torch.float32), wire[4 * nb :].view(torch.int8)
+    assert kernels.decode_add_encode(scales, q, 256, 1.0, acc, acc, 1.0, sc_out, q_out)[1]  # adjacent: fine
+    shifted = torch.zeros(n + 1)
+    for src, out, so, qo in [(acc, acc, acc[:nb], q_out),  # scales_out inside out
+                             (acc, acc, sc_out, wire[:n].view(torch.int8)),  # q_out over scales_out
+                             (shifted[1:], shifted[:-1], sc_out, q_out)]:  # src partly over out
+        with pytest.raises(ValueError, match="overlap"):
+            kernels.decode_add_encode(scales, q, 256, 1.0, src, out, 1.0, so, qo)
+
+
+@needs_kernels
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("off", [0, 1, 7])  # dst 4, 8 and 32 bytes past a 32-byte boundary
 @pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 3 * 4096 + 5])
@@ -214,6 +270,29 @@ def test_decode_add_max_refuses_a_partly_overlapping_src():
     with pytest.raises(ValueError, match="overlap"):
         kernels.decode_add_max(scales, q, 256, 1.0, buf[1:1001], buf[:1000])
     kernels.decode_add_max(scales, q, 256, 1.0, buf[1000:], buf[:1000])  # disjoint: fine
+
+
+@pytest.mark.parametrize("name", ["int8", "int8-outlier", "fp16", "none"])
+def test_decode_add_encode_is_decode_add_base_then_encode(name):
+    """``decode_add_encode`` (one kernel for int8, the two calls for the others and without the
+    kernels) sums as ``decode_add_base`` does, encodes the sum as ``encode(decoded=)`` does into a
+    prefix of ``out``, and returns the max of what ``acc`` held; the message is validated."""
+    codec = get_codec(name)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 5
+    enc = codec.encode(x)
+    meta, wire = enc.meta, enc.tobytes()
+    base = torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 7
+    for ctx in ((torch_path(),) if not kernels.AVAILABLE else (torch_path(), mock.patch.object(kernels, "AVAILABLE", True))):
+        with ctx:
+            want = base.clone()
+            want_max = codec.decode_add_base(meta, wire, want, 0.5, want)
+            want_wire = codec.encode(want, scale=0.25, decoded=want).tobytes()
+            acc, out = base.clone(), torch.zeros(16000, dtype=torch.uint8)
+            got, got_max = codec.decode_add_encode(meta, wire, acc, 0.5, 0.25, out)
+            assert got_max == want_max and got.data_ptr() == out.data_ptr()
+            assert bytes(got.numpy()) == want_wire and torch.equal(acc, want)
+    with pytest.raises(CompressionError):
+        codec.decode_add_encode(meta, wire[:-1], base.clone(), 0.5, 0.25, torch.zeros(16000, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("name", CODECS)

@@ -170,6 +170,73 @@ MULTI static uint32_t decode_add_max_f32(const uint8_t *scales, const int8_t *re
     return m;
 }
 
+/* An owner's last contribution to a chunk and the chunk's reply in one pass over memory:
+ * decode_add_max_f32 (v = src + q_in * (scale * weight), into out; max |src| into *srcmax), then
+ * encode_f32 of v (scales_out, q_out; the decoded values back into out), group by group, so that v
+ * is quantised from L1 right after it is summed. Why: as two kernels the chunk crossed memory four
+ * times (read src, write v; read v, write what receivers decode), here twice. Bit for bit what the
+ * two kernels write (the same float32 operations in the same order). out may be src. Every group
+ * is summed even after a non-finite one (so *srcmax is the whole chunk's); returns 0 if v holds
+ * NaN/inf (scales_out/q_out then partly written), else 1. */
+MULTI static int decode_add_encode_f32(const uint8_t *scales_in, const int8_t *restrict q_in, int64_t n,
+                                       int64_t block, float weight, const float *src, float *out, float mult,
+                                       float *restrict scales_out, int8_t *restrict q_out, uint32_t *srcmax) {
+    int64_t nb = (n + block - 1) / block;
+    uint32_t m = 0;
+    int ok = 1;
+    for (int64_t g = 0; g < nb; g += GROUP) {
+        int64_t gn = nb - g < GROUP ? nb - g : GROUP;
+        uint32_t bits[GROUP] = {0};
+        float absmax[GROUP], step[GROUP], inv[GROUP], sc[GROUP];
+        uint32_t worst = 0;
+        for (int64_t j = 0; j < gn; j++) {
+            int64_t s = (g + j) * block, len = n - s < block ? n - s : block;
+            float w = load_f32(scales_in + 4 * (g + j)) * weight;
+            const int8_t *qb = q_in + s;
+            const float *sb = src + s;
+            float *ob = out + s;
+            uint32_t bm = 0;
+            for (int64_t i = 0; i < len; i++) {
+                float v = sb[i], r = v + (float)qb[i] * w;
+                uint32_t a, b;
+                memcpy(&a, &v, 4);
+                memcpy(&b, &r, 4);
+                a &= ABS_BITS;
+                b &= ABS_BITS;
+                m = a > m ? a : m;
+                bm = b > bm ? b : bm;
+                ob[i] = r;
+            }
+            bits[j] = bm;
+            worst = bm > worst ? bm : worst;
+        }
+        if (worst >= INF_BITS) {
+            ok = 0;
+            continue;
+        }
+        memcpy(absmax, bits, sizeof(float) * GROUP);
+        for (int j = 0; j < GROUP; j++) {
+            step[j] = (absmax[j] > TINY ? absmax[j] : TINY) / 127.0f;
+            sc[j] = step[j] * mult;
+            inv[j] = 1.0f / step[j];
+        }
+        memcpy(scales_out + g, sc, sizeof(float) * gn);
+        for (int64_t j = 0; j < gn; j++) {
+            int64_t s = (g + j) * block, len = n - s < block ? n - s : block;
+            float *db = out + s;
+            int8_t *qb = q_out + s;
+            float iv = inv[j], c = sc[j];
+            for (int64_t i = 0; i < len; i++) {
+                float r = (db[i] * iv + MAGIC) - MAGIC;
+                qb[i] = (int8_t)(int32_t)r;
+                db[i] = r * c;
+            }
+        }
+    }
+    *srcmax = m;
+    return ok;
+}
+
 /* dst = src 16 KiB at a time, each piece checked for NaN/inf (from L1) before it is written:
  * returns how many values were copied, n unless a piece holds one. Why here: an uncompressed
  * all-reduce reply is checked and copied into the caller's tensor in one pass (it was a sum pass,
@@ -299,6 +366,25 @@ static PyObject *py_decode_add(PyObject *self, PyObject *args) {
     return bits_to_float(bits);
 }
 
+static PyObject *py_decode_add_encode(PyObject *self, PyObject *args) {
+    unsigned long long scales_in, q_in, src, out, scales_out, q_out;
+    long long n, block;
+    float weight, mult;
+    uint32_t bits;
+    int ok;
+    if (!PyArg_ParseTuple(args, "KKLLfKKfKK", &scales_in, &q_in, &n, &block, &weight, &src, &out, &mult,
+                          &scales_out, &q_out))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ok = decode_add_encode_f32((const uint8_t *)(uintptr_t)scales_in, (const int8_t *)(uintptr_t)q_in, n, block,
+                               weight, (const float *)(uintptr_t)src, (float *)(uintptr_t)out, mult,
+                               (float *)(uintptr_t)scales_out, (int8_t *)(uintptr_t)q_out, &bits);
+    Py_END_ALLOW_THREADS
+    PyObject *mx = bits_to_float(bits);
+    if (mx == NULL) return NULL;
+    return Py_BuildValue("(NO)", mx, ok ? Py_True : Py_False);
+}
+
 static PyObject *py_copy_finite(PyObject *self, PyObject *args) {
     unsigned long long src, dst;
     long long n, done;
@@ -323,6 +409,9 @@ static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS, "decode(scales_ptr, q_ptr, n, block, out_ptr, stream=False)"},
     {"decode_add", py_decode_add, METH_VARARGS,
      "decode_add(scales_ptr, q_ptr, n, block, weight, src_ptr, out_ptr) -> max |src| (inf or nan if any)"},
+    {"decode_add_encode", py_decode_add_encode, METH_VARARGS,
+     "decode_add_encode(scales_in_ptr, q_in_ptr, n, block, weight, src_ptr, out_ptr, mult, scales_out_ptr, "
+     "q_out_ptr) -> (max |src|, False if the sum holds NaN/inf)"},
     {"copy_finite", py_copy_finite, METH_VARARGS,
      "copy_finite(src_ptr, dst_ptr, n, stream=False) -> values copied (a multiple of 4096 short of n at the "
      "first NaN/inf)"},

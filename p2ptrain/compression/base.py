@@ -249,6 +249,28 @@ class Codec:
         numel, mv, weight = self._check_add(meta, buffer, acc, weight, base)
         return self._decode_add_base(meta, mv, numel, acc, weight, base) if numel else 0.0
 
+    def decode_add_encode(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float, scale: float,
+                          out: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+        """``decode_add_base(meta, buffer, acc, weight, acc)``, then ``encode(acc, out=out,
+        scale=scale, decoded=acc)``: an all-reduce owner's last contribution to a chunk and the
+        chunk's reply, in one pass over ``acc`` where the codec allows (int8 with its compiled
+        kernels; the same bits as the two calls). Returns (the reply's wire bytes, a prefix of the
+        uint8 ``out``, or None if the sum does not encode (NaN/inf); max |acc| before the add). The
+        message is validated as in ``decode_add``; ``acc`` is written whatever it held: the caller
+        checks the max."""
+        own = self.decode_add_base(meta, buffer, acc, weight, acc)
+        try:
+            enc = self.encode(acc, out=out, scale=scale, decoded=acc)
+        except CompressionError:
+            return None, own
+        bufs = enc.buffers
+        if len(bufs) == 1 and isinstance(bufs[0], torch.Tensor) and bufs[0].data_ptr() == out.data_ptr():
+            return bufs[0], own
+        # a codec that does not encode into ``out`` (``none``'s wire bytes are ``acc`` itself)
+        # (``encode`` checked that ``out`` holds its bytes)
+        wire = torch.frombuffer(bytearray(enc.tobytes()), dtype=torch.uint8)
+        return out[: wire.numel()].copy_(wire), own
+
     def _check_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float,
                    base: torch.Tensor | None) -> tuple[int, memoryview, float]:
         numel, _dtype, mv = self._validate(meta, buffer)

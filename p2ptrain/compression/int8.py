@@ -25,10 +25,12 @@ On CPU, float32 work goes to the fused one-pass kernels of :mod:`.kernels` when 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import kernels
-from .base import Codec, CompressionError, Encoded, as_uint8, frombuffer, scratch
+from .base import BufferLike, Codec, CompressionError, Encoded, as_uint8, frombuffer, scratch
 
 __all__ = ["Int8Codec"]
 
@@ -192,6 +194,22 @@ class Int8Codec(Codec):
             scales, q = self._unpack(buf, numel, acc.device, check=self.check_finite_on_decode)
             return kernels.decode_add_max(scales, q, self.block, weight, base, acc)
         return super()._decode_add_base(meta, buf, numel, acc, weight, base)
+
+    def decode_add_encode(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float, scale: float,
+                          out: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+        # One pass with the kernels (the two calls' bits); subclasses (int8-outlier) have more to
+        # their format than the kernel knows and take the generic two calls.
+        if type(self) is not Int8Codec or not self._kernel_adds(acc, acc):
+            return super().decode_add_encode(meta, buffer, acc, weight, scale, out)
+        numel, mv, weight = self._check_add(meta, buffer, acc, weight, acc)
+        nb = self.n_blocks(numel)
+        wire = out[: 4 * nb + numel]
+        if not numel:
+            return wire, 0.0
+        scales, q = self._unpack(mv, numel, acc.device, check=self.check_finite_on_decode)
+        own, ok = kernels.decode_add_encode(scales, q, self.block, weight, acc, acc, scale,
+                                            wire[: 4 * nb].view(torch.float32), wire[4 * nb :].view(torch.int8))
+        return (wire if ok else None), own
 
     def _decode_add(self, meta, buf, numel, acc, weight, base):
         # check_finite_on_decode off: the caller validated this buffer with add_bound (the scale

@@ -18,7 +18,7 @@ import os
 import torch
 
 __all__ = ["AVAILABLE", "COPY_PIECE", "absmax", "copy_finite", "encode", "decode", "decode_add", "decode_add_max",
-           "stream_worthwhile"]
+           "decode_add_encode", "stream_worthwhile"]
 
 _K = None
 if os.environ.get("P2PT_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off"):
@@ -69,9 +69,10 @@ def _need(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
     return t.data_ptr()
 
 
-def _overlap(a: int, b: int, nbytes: int) -> bool:
-    """Whether the ``nbytes`` at address ``a`` and those at ``b`` share any byte."""
-    return a < b + nbytes and b < a + nbytes
+def _overlap(a: int, b: int, nbytes: int, nbytes_b: int | None = None) -> bool:
+    """Whether the ``nbytes`` at address ``a`` and those at ``b`` (``nbytes_b`` of them if given)
+    share any byte."""
+    return a < b + (nbytes if nbytes_b is None else nbytes_b) and b < a + nbytes
 
 
 def absmax(x: torch.Tensor) -> float:
@@ -119,6 +120,28 @@ def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: fl
     if args[5] != args[6] and _overlap(args[5], args[6], 4 * n):
         raise ValueError("decode_add_max: src must be out itself or not overlap it")
     return _K.decode_add(*args)  # (one kernel: ``decode_add`` drops the max it returns)
+
+
+def decode_add_encode(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float, src: torch.Tensor,
+                      out: torch.Tensor, scale: float, scales_out: torch.Tensor, q_out: torch.Tensor) -> tuple[float, bool]:
+    """``decode_add_max(scales, q, block, weight, src, out)`` and then ``encode(out, block, scale,
+    scales_out, q_out, dec=out)`` in one pass over memory, bit for bit what the two write. Returns
+    (max |src| as ``decode_add_max`` does, whether the sum is finite: False leaves ``scales_out``
+    and ``q_out`` partly written). ``src`` is ``out`` itself or does not overlap it; the outputs
+    overlap neither."""
+    n = q.numel()
+    nb = -(-n // block)
+    args = (_need(scales, torch.float32, nb, "decode_add_encode scales"), _need(q, torch.int8, n, "decode_add_encode q"),
+            n, block, weight, _need(src, torch.float32, n, "decode_add_encode src"),
+            _need(out, torch.float32, n, "decode_add_encode out"), scale,
+            _need(scales_out, torch.float32, nb, "decode_add_encode scales_out"),
+            _need(q_out, torch.int8, n, "decode_add_encode q_out"))
+    src_p, out_p, so_p, qo_p = args[5], args[6], args[8], args[9]
+    if (src_p != out_p and _overlap(src_p, out_p, 4 * n)) or _overlap(so_p, out_p, 4 * nb, 4 * n) or \
+            _overlap(qo_p, out_p, n, 4 * n) or _overlap(so_p, qo_p, 4 * nb, n):
+        raise ValueError("decode_add_encode: src must be out itself or not overlap it, and the outputs must not "
+                         "overlap each other or out")
+    return _K.decode_add_encode(*args)
 
 
 def copy_finite(src: torch.Tensor, dst: torch.Tensor, stream: bool = False) -> int:
