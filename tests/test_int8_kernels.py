@@ -272,17 +272,25 @@ def test_decode_add_max_refuses_a_partly_overlapping_src():
     kernels.decode_add_max(scales, q, 256, 1.0, buf[1000:], buf[:1000])  # disjoint: fine
 
 
+def _message_and_base(codec):
+    """A 3000-value message of ``codec`` (meta, wire bytes) and values to add it to."""
+    enc = codec.encode(torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 5)
+    return enc.meta, enc.tobytes(), torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 7
+
+
+def _both_paths():
+    """The torch path, and the kernels' where they are built."""
+    return (torch_path(),) if not kernels.AVAILABLE else (torch_path(), mock.patch.object(kernels, "AVAILABLE", True))
+
+
 @pytest.mark.parametrize("name", ["int8", "int8-outlier", "fp16", "none"])
 def test_decode_add_encode_is_decode_add_base_then_encode(name):
     """``decode_add_encode`` (one kernel for int8, the two calls for the others and without the
     kernels) sums as ``decode_add_base`` does, encodes the sum as ``encode(decoded=)`` does into a
     prefix of ``out``, and returns the max of what ``acc`` held; the message is validated."""
     codec = get_codec(name)
-    x = torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 5
-    enc = codec.encode(x)
-    meta, wire = enc.meta, enc.tobytes()
-    base = torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 7
-    for ctx in ((torch_path(),) if not kernels.AVAILABLE else (torch_path(), mock.patch.object(kernels, "AVAILABLE", True))):
+    meta, wire, base = _message_and_base(codec)
+    for ctx in _both_paths():
         with ctx:
             want = base.clone()
             want_max = codec.decode_add_base(meta, wire, want, 0.5, want)
@@ -301,11 +309,8 @@ def test_decode_add_base_is_decode_add_and_the_absmax_of_base(name):
     ``decode_add`` does and measures ``base``, NaN/inf included, on either path."""
     wrapped = get_codec(name)
     codec = getattr(wrapped, "codec", wrapped)
-    x = torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 5
-    enc = codec.encode(x)
-    meta, wire = enc.meta, enc.tobytes()
-    base = torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 7
-    for ctx in ((torch_path(),) if not kernels.AVAILABLE else (torch_path(), mock.patch.object(kernels, "AVAILABLE", True))):
+    meta, wire, base = _message_and_base(codec)
+    for ctx in _both_paths():
         with ctx:
             want = codec.decode_add(meta, wire, torch.empty(3000), 0.5, base)
             acc = base.clone()

@@ -66,6 +66,34 @@ static ALWAYS_INLINE uint32_t absmax_bits(const float *restrict x, int64_t n) {
     return mm;
 }
 
+#define GROUP 16 /* blocks whose scales are computed together: 16 KiB of float32 at block 256 */
+
+/* A group's scales from its blocks' absmax bit patterns: sc = step * mult (what is sent), inv =
+ * 1 / step, step = max(absmax, TINY) / 127; the divisions vectorised across the group. */
+static ALWAYS_INLINE void group_scales(const uint32_t *bits, float mult, float *sc, float *inv) {
+    float absmax[GROUP];
+    memcpy(absmax, bits, sizeof(float) * GROUP);
+    for (int j = 0; j < GROUP; j++) {
+        float step = (absmax[j] > TINY ? absmax[j] : TINY) / 127.0f;
+        sc[j] = step * mult;
+        inv[j] = 1.0f / step;
+    }
+}
+
+/* One block: q = round(x * iv), ties to even; with dec, also what a receiver decodes, r * c (dec
+ * may be x: each value is read before it is written). */
+static ALWAYS_INLINE void quantise(const float *x, int64_t len, float iv, float c, int8_t *restrict q, float *dec) {
+    if (dec == NULL) {
+        for (int64_t i = 0; i < len; i++) q[i] = (int8_t)(int32_t)((x[i] * iv + MAGIC) - MAGIC);
+        return;
+    }
+    for (int64_t i = 0; i < len; i++) {
+        float r = (x[i] * iv + MAGIC) - MAGIC;
+        q[i] = (int8_t)(int32_t)r;
+        dec[i] = r * c;
+    }
+}
+
 /* Encode n values in blocks: scales[b] = (max(absmax_b, TINY) / 127) * mult, q = round(x / step)
  * as x * (1 / step), ties to even. With dec != NULL also writes what a receiver decodes,
  * (float)q * scales[b], into dec (which may be x itself: each value is read before it is written).
@@ -77,15 +105,13 @@ static ALWAYS_INLINE uint32_t absmax_bits(const float *restrict x, int64_t n) {
  * 0.28 -> 0.17 ms. |x * inv| <= 127.5: adding and subtracting 1.5 * 2**23 rounds to the nearest
  * integer, ties to even (as torch.round does), in plain float arithmetic that vectorises on every
  * ISA level. */
-#define GROUP 16 /* blocks whose scales are computed together: 16 KiB of float32 at block 256 */
-
 MULTI static int encode_f32(const float *x, int64_t n, int64_t block, float mult,
                             float *restrict scales, int8_t *restrict q, float *dec) {
     int64_t nb = (n + block - 1) / block;
     for (int64_t g = 0; g < nb; g += GROUP) {
         int64_t gn = nb - g < GROUP ? nb - g : GROUP;
         uint32_t bits[GROUP] = {0}; /* lanes past a short last group divide zeros, unused */
-        float absmax[GROUP], step[GROUP], inv[GROUP], sc[GROUP];
+        float inv[GROUP], sc[GROUP];
         uint32_t worst = 0;
         for (int64_t j = 0; j < gn; j++) {
             int64_t s = (g + j) * block, len = n - s < block ? n - s : block;
@@ -93,28 +119,11 @@ MULTI static int encode_f32(const float *x, int64_t n, int64_t block, float mult
             worst = bits[j] > worst ? bits[j] : worst;
         }
         if (worst >= INF_BITS) return 0;
-        memcpy(absmax, bits, sizeof(float) * GROUP);
-        for (int j = 0; j < GROUP; j++) { /* the divisions, vectorised across the group */
-            step[j] = (absmax[j] > TINY ? absmax[j] : TINY) / 127.0f;
-            sc[j] = step[j] * mult;
-            inv[j] = 1.0f / step[j];
-        }
+        group_scales(bits, mult, sc, inv);
         memcpy(scales + g, sc, sizeof(float) * gn);
         for (int64_t j = 0; j < gn; j++) {
             int64_t s = (g + j) * block, len = n - s < block ? n - s : block;
-            const float *xb = x + s;
-            int8_t *qb = q + s;
-            float iv = inv[j], c = sc[j];
-            if (dec == NULL) {
-                for (int64_t i = 0; i < len; i++) qb[i] = (int8_t)(int32_t)((xb[i] * iv + MAGIC) - MAGIC);
-            } else {
-                float *db = dec + s;
-                for (int64_t i = 0; i < len; i++) {
-                    float r = (xb[i] * iv + MAGIC) - MAGIC;
-                    qb[i] = (int8_t)(int32_t)r;
-                    db[i] = r * c;
-                }
-            }
+            quantise(x + s, len, inv[j], sc[j], q + s, dec == NULL ? NULL : dec + s);
         }
     }
     return 1;
@@ -187,7 +196,7 @@ MULTI static int decode_add_encode_f32(const uint8_t *scales_in, const int8_t *r
     for (int64_t g = 0; g < nb; g += GROUP) {
         int64_t gn = nb - g < GROUP ? nb - g : GROUP;
         uint32_t bits[GROUP] = {0};
-        float absmax[GROUP], step[GROUP], inv[GROUP], sc[GROUP];
+        float inv[GROUP], sc[GROUP];
         uint32_t worst = 0;
         for (int64_t j = 0; j < gn; j++) {
             int64_t s = (g + j) * block, len = n - s < block ? n - s : block;
@@ -214,23 +223,11 @@ MULTI static int decode_add_encode_f32(const uint8_t *scales_in, const int8_t *r
             ok = 0;
             continue;
         }
-        memcpy(absmax, bits, sizeof(float) * GROUP);
-        for (int j = 0; j < GROUP; j++) {
-            step[j] = (absmax[j] > TINY ? absmax[j] : TINY) / 127.0f;
-            sc[j] = step[j] * mult;
-            inv[j] = 1.0f / step[j];
-        }
+        group_scales(bits, mult, sc, inv);
         memcpy(scales_out + g, sc, sizeof(float) * gn);
         for (int64_t j = 0; j < gn; j++) {
             int64_t s = (g + j) * block, len = n - s < block ? n - s : block;
-            float *db = out + s;
-            int8_t *qb = q_out + s;
-            float iv = inv[j], c = sc[j];
-            for (int64_t i = 0; i < len; i++) {
-                float r = (db[i] * iv + MAGIC) - MAGIC;
-                qb[i] = (int8_t)(int32_t)r;
-                db[i] = r * c;
-            }
+            quantise(out + s, len, inv[j], sc[j], q_out + s, out + s);
         }
     }
     *srcmax = m;
@@ -255,7 +252,7 @@ MULTI static int64_t copy_finite_f32(const float *restrict src, float *restrict 
  * ownership), so writing a cold output costs two transfers per line; _mm256_stream_ps writes
  * around the cache in one. The right choice when nothing reads the output again before it would
  * have left the cache anyway: a round's decoded result in a tensor larger than the last-level cache
- * (the caller decides: kernels.stream_threshold). Measured here per 32M values decoded: 6.1-7.5 ->
+ * (the caller decides: kernels.stream_worthwhile). Measured here per 32M values decoded: 6.1-7.5 ->
  * 4.5-4.9 ms; a checked 4 MiB copy: 5.3-7.0 -> 3.1-3.4 ms. AVX2 only: the stores, not the lanes,
  * bound these loops (AVX-512 measured the same). Results are the same bits as the plain loops. */
 #ifdef HAVE_STREAM

@@ -266,8 +266,8 @@ class Codec:
         bufs = enc.buffers
         if len(bufs) == 1 and isinstance(bufs[0], torch.Tensor) and bufs[0].data_ptr() == out.data_ptr():
             return bufs[0], own
-        # a codec that does not encode into ``out`` (``none``'s wire bytes are ``acc`` itself)
-        # (``encode`` checked that ``out`` holds its bytes)
+        # a codec that does not encode into ``out`` (``none``'s wire bytes are ``acc`` itself;
+        # ``encode`` checked that ``out`` holds them)
         wire = torch.frombuffer(bytearray(enc.tobytes()), dtype=torch.uint8)
         return out[: wire.numel()].copy_(wire), own
 
