@@ -594,8 +594,9 @@ async def test_replies_written_with_streaming_stores_are_the_same_bits(swarm, mo
             return _f(*args)
         monkeypatch.setattr(kernels, name, spy)
     async with asyncio.timeout(20):
-        group, _h, services = await swarm.group(3, config=AllReduceConfig(chunk_numel=4096))
-        xs, ws = data(3, 3 * 10_007 + 5)
+        # two members: one contribution per owner, so no arrival order changes a sum's rounding
+        group, _h, services = await swarm.group(2, config=AllReduceConfig(chunk_numel=4096))
+        xs, ws = data(2, 2 * 10_007 + 5)
         got = {}
         for stream in (False, True):
             monkeypatch.setattr(kernels, "stream_worthwhile", lambda nbytes, _s=stream: _s)
