@@ -7,16 +7,15 @@
 For each N it spawns N worker processes that form one group directly (no DHT: the parent collects
 each worker's peer id and port and hands every worker the member list on stdin), runs ``--rounds``
 rounds per codec after ``--warmup`` uncounted ones (every contender gets the same; a barrier through
-the parent before each round; every round starts from the same inputs). The same members run every
-codec: the warm-up rounds codec by codec, then the measured rounds interleaved, in an order
-reversed every other round (A B, B A, ...), so that a drift of this shared box slows every codec
-alike and "vs none" compares codecs, not minutes. It prints seconds per round (the slowest
+the parent before each round; every round starts from the same inputs). Each codec has a group of
+members of its own, all alive at once: the warm-up rounds run codec by codec, then the measured
+rounds interleaved, in an order reversed every other round (A B, B A, ...), so that a drift of this
+shared box slows every codec alike and "vs none" compares codecs, not minutes. It prints seconds per round (the slowest
 member's call to ``run``, its check of the input included; median over rounds), bus bandwidth =
 2 (N-1)/N * bytes / time, CPU seconds per member per round (user + sys, with minor page faults),
 peak RSS growth over the inputs (the largest member's high-water mark within a round, reset before
-each, above what it held once its tensors were allocated; gloo's in brackets; it includes buffers
-that other codecs' rounds left in the transport's buffer pool), and the max error of rank 0's
-result against the exact average at 4096 sampled indices.
+each, above what it held once its tensors were allocated; gloo's in brackets), and the max error of
+rank 0's result against the exact average at 4096 sampled indices.
 
 Baselines, measured right before each N: raw single-stream loopback TCP (asyncio, two processes,
 1 MiB writes), torch.distributed gloo all_reduce with N processes at the same size (run again after
@@ -438,12 +437,17 @@ def _schedule(codecs: list[str], rounds: int) -> list[str]:
 
 def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None, chunk: int = 1 << 20,
          offload: str = "auto", check: bool = True, frame: int = 0) -> dict[str, list[dict]]:
-    job = {"numel": numel, "codecs": codecs, "chunk": chunk, "offload": offload,
-           "check": check, "frame": frame}
-    procs = _spawn_ours(n, job, profile)
+    job = {"numel": numel, "chunk": chunk, "offload": offload, "check": check, "frame": frame}
+    # one group of members per codec, all alive at once (the others wait on stdin): a member's
+    # frame buffer pool then holds what its own codec's rounds use, as in a training run, instead
+    # of trading 4 MiB and 1 MiB buffers (and their page faults) at every switch of codec
+    sets: dict[str, list[subprocess.Popen]] = {}
     try:
+        for c in codecs:
+            sets[c] = _spawn_ours(n, dict(job, codecs=[c]), profile if c == codecs[0] else None)
         out: dict[str, list[dict]] = {c: [] for c in codecs}
         for c in _schedule(codecs, rounds):
+            procs = sets[c]
             for p in procs:
                 p.stdin.write(c + "\n")
                 p.stdin.flush()
@@ -455,7 +459,7 @@ def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None
                            "flt": reports[0]["flt"], "rss": max(x["rss"] for x in reports)})
         return out
     finally:
-        _reap(procs)
+        _reap([p for procs in sets.values() for p in procs])
 
 
 def kill_trials(n: int, numel: int, trials: int, kill_after: float, chunk: int, offload: str) -> list[float]:
