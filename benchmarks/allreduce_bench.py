@@ -209,7 +209,6 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     codecs = {name: get_codec(name) for name in job["codecs"]}
     try:
         for rnd in itertools.count():
-            flat.copy_(orig)
             name = (await readline()).strip()  # barrier: "go" with the codec to run; EOF ends
             if not name:
                 break
@@ -233,6 +232,10 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
                               "user": u1.ru_utime - u0.ru_utime, "sys": u1.ru_stime - u0.ru_stime,
                               "flt": u1.ru_minflt - u0.ru_minflt,
                               "rss": _peak_rss_mb() - rss0}), flush=True)
+            # the next round starts from the same inputs; said when done, so that no round of
+            # another group of members (another codec) runs beside this copy
+            flat.copy_(orig)
+            print(json.dumps({"reset": True}), flush=True)
     finally:
         if prof is not None:
             prof.dump_stats(profile_path)
@@ -452,6 +455,7 @@ def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None
                 p.stdin.write(c + "\n")
                 p.stdin.flush()
             reports = [json.loads(p.stdout.readline()) for p in procs]
+            assert all(json.loads(p.stdout.readline()).get("reset") for p in procs)
             out[c].append({"t": max(x["t"] for x in reports), "ok": all(x["ok"] for x in reports),
                            "err": reports[0]["err"], "reduce": max(x["reduce"] for x in reports),
                            "failed": [x["failed"] for x in reports if x["failed"]],
