@@ -10,8 +10,9 @@ rounds per codec after ``--warmup`` uncounted ones (every contender gets the sam
 the parent before each round; every round starts from the same inputs). Each codec has a group of
 members of its own, all alive at once: the warm-up rounds run codec by codec, then the measured
 rounds interleaved, in an order reversed every other round (A B, B A, ...), so that a drift of this
-shared box slows every codec alike and "vs none" compares codecs, not minutes. It prints seconds per round (the slowest
-member's call to ``run``, its check of the input included; median over rounds), bus bandwidth =
+shared box slows every codec alike and "vs none" compares codecs, not minutes. It prints seconds
+per round (the slowest member's call to ``run``, its check of the input included; median over
+rounds), bus bandwidth =
 2 (N-1)/N * bytes / time, CPU seconds per member per round (user + sys, with minor page faults),
 peak RSS growth over the inputs (the largest member's high-water mark within a round, reset before
 each, above what it held once its tensors were allocated; gloo's in brackets), and the max error of
