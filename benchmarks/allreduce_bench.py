@@ -4,11 +4,12 @@
     python benchmarks/allreduce_bench.py --n 2 --numel 16777216 --codecs none int8 --rounds 5 \
         --hivemind-python /tmp/hmvenv/bin/python --kill-trials 3
 
-For each N it spawns N worker processes that form one group directly (no DHT: the parent collects
+For each N and codec it spawns N worker processes that form one group directly (no DHT: the parent collects
 each worker's peer id and port and hands every worker the member list on stdin), runs ``--rounds``
 rounds per codec after ``--warmup`` uncounted ones (every contender gets the same; a barrier through
 the parent before each round; every round starts from the same inputs). Each codec has a group of
-members of its own, all alive at once: the warm-up rounds run codec by codec, then the measured
+members of its own, all alive at once (one group runs every codec where they would not fit in
+memory, and says so): the warm-up rounds run codec by codec, then the measured
 rounds interleaved, in an order reversed every other round (A B, B A, ...), so that a drift of this
 shared box slows every codec alike and "vs none" compares codecs, not minutes. It prints seconds
 per round (the slowest member's call to ``run``, its check of the input included; median over
@@ -442,13 +443,22 @@ def _schedule(codecs: list[str], rounds: int) -> list[str]:
 def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None, chunk: int = 1 << 20,
          offload: str = "auto", check: bool = True, frame: int = 0) -> dict[str, list[dict]]:
     job = {"numel": numel, "chunk": chunk, "offload": offload, "check": check, "frame": frame}
-    # one group of members per codec, all alive at once (the others wait on stdin): a member's
+    # One group of members per codec, all alive at once (the others wait on stdin): a member's
     # frame buffer pool then holds what its own codec's rounds use, as in a training run, instead
-    # of trading 4 MiB and 1 MiB buffers (and their page faults) at every switch of codec
+    # of trading 4 MiB and 1 MiB buffers (and their page faults) at every switch of codec. Where
+    # that many members would not fit in memory (a member holds its input, the copy it resets
+    # from and its buffers), one group runs every codec.
+    need = n * len(codecs) * 3 * numel * 4
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    groups = [[c] for c in codecs] if len(codecs) == 1 or need < 0.7 * avail else [list(codecs)]
+    if len(groups) == 1 and len(codecs) > 1:
+        print(f"N={n}: one group of members runs every codec (a group per codec would need about "
+              f"{need / 1e9:.0f} GB of the {avail / 1e9:.0f} GB free)", flush=True)
     sets: dict[str, list[subprocess.Popen]] = {}
     try:
-        for c in codecs:
-            sets[c] = _spawn_ours(n, dict(job, codecs=[c]), profile if c == codecs[0] else None)
+        for g in groups:
+            procs = _spawn_ours(n, dict(job, codecs=g), profile if codecs[0] in g else None)
+            sets.update((c, procs) for c in g)
         out: dict[str, list[dict]] = {c: [] for c in codecs}
         for c in _schedule(codecs, rounds):
             procs = sets[c]
@@ -464,7 +474,7 @@ def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None
                            "flt": reports[0]["flt"], "rss": max(x["rss"] for x in reports)})
         return out
     finally:
-        _reap([p for procs in sets.values() for p in procs])
+        _reap(list({id(p): p for procs in sets.values() for p in procs}.values()))
 
 
 def kill_trials(n: int, numel: int, trials: int, kill_after: float, chunk: int, offload: str) -> list[float]:
