@@ -454,10 +454,12 @@ def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None
     if len(groups) == 1 and len(codecs) > 1:
         print(f"N={n}: one group of members runs every codec (a group per codec would need about "
               f"{need / 1e9:.0f} GB of the {avail / 1e9:.0f} GB free)", flush=True)
+    spawned: list[subprocess.Popen] = []
     sets: dict[str, list[subprocess.Popen]] = {}
     try:
         for g in groups:
             procs = _spawn_ours(n, dict(job, codecs=g), profile if codecs[0] in g else None)
+            spawned += procs
             sets.update((c, procs) for c in g)
         out: dict[str, list[dict]] = {c: [] for c in codecs}
         for c in _schedule(codecs, rounds):
@@ -474,7 +476,7 @@ def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None
                            "flt": reports[0]["flt"], "rss": max(x["rss"] for x in reports)})
         return out
     finally:
-        _reap(list({id(p): p for procs in sets.values() for p in procs}.values()))
+        _reap(spawned)
 
 
 def kill_trials(n: int, numel: int, trials: int, kill_after: float, chunk: int, offload: str) -> list[float]:

@@ -447,8 +447,8 @@ class _Round:
                 if (kernels.AVAILABLE and self.acc_in_place and type(self.adder) is Int8Codec
                         and type(gcodec) is Int8Codec and self.adder.block == gcodec.block):
                     self.replies = {}
-                    full = self._enc_nbytes(gcodec, min(self.cn, e - s))
-                    self.reply_wire = svc._take_wire(full * len(self.my_chunks))
+                    self.reply_stride = self._enc_nbytes(gcodec, min(self.cn, e - s))  # (one full chunk's)
+                    self.reply_wire = svc._take_wire(self.reply_stride * len(self.my_chunks))
                     self.wires.append(self.reply_wire)
                     self.buffer_bytes += self.reply_wire.numel()
         self.combined = 0  # robust: chunks of our shard combined so far (a prefix)
@@ -585,28 +585,25 @@ class _Round:
         if not self.bound[ci] + grow <= _SUM_LIMIT:
             raise CompressionError(f"values up to {grow / ratio:.3g} at weight {inc.weight:.3g} would overflow "
                                    f"the float32 sum")
-        if self.replies is not None and self.count[ci] == len(self.expected):
-            # the chunk's last contribution: the sum and the reply's encoding in one pass
-            full = self._enc_nbytes(self.gcodec, min(self.cn, self.my_end - self.my_start))
+        last = self.replies is not None and self.count[ci] == len(self.expected)
+        measure = self.count[ci] == 1 and not self.input_checked  # our own values, read in this pass
+        if last:  # the chunk's last contribution: the sum and the reply's encoding in one pass
             wire, own = self.adder.decode_add_encode(meta, buf, acc, ratio, self.weight / (self.wsum[ci] + inc.weight),
-                                                     self.reply_wire[ci * full : (ci + 1) * full])
-            if self.count[ci] == 1 and not self.input_checked and not own + grow <= _SUM_LIMIT:
-                raise _InputRefused(self._own_error(own, a, b, grow))
-            if wire is None:  # (cannot happen: the bound keeps the sum finite)
-                raise CompressionError(f"the average of flat[{a}:{b}] does not encode")
-            self.bound[ci] += grow
-            self.replies[ci] = wire
-        elif self.count[ci] > 1:
-            self.adder.decode_add(meta, buf, acc, ratio)
-            self.bound[ci] += grow
-        elif self.input_checked:
-            self.adder.decode_add(meta, buf, acc, ratio, base=self.flat[a:b])
-            self.bound[ci] += grow
-        else:  # our own values, measured in the pass that reads them
+                                                     self.reply_wire[ci * self.reply_stride : (ci + 1) * self.reply_stride])
+        elif measure:
             own = self.adder.decode_add_base(meta, buf, acc, ratio, self.flat[a:b])
+        else:
+            self.adder.decode_add(meta, buf, acc, ratio, base=self.flat[a:b] if self.count[ci] == 1 else None)
+        if measure:
             if not own + grow <= _SUM_LIMIT:  # (NaN compares false)
                 raise _InputRefused(self._own_error(own, a, b, grow))
             self.bound[ci] = own + grow
+        else:
+            self.bound[ci] += grow
+        if last:
+            if wire is None:  # (cannot happen: the bound keeps the sum finite)
+                raise CompressionError(f"the average of flat[{a}:{b}] does not encode")
+            self.replies[ci] = wire
         self.wsum[ci] += inc.weight
         self.count[ci] += 1
         inc.done = ci + 1

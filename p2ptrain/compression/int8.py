@@ -197,9 +197,8 @@ class Int8Codec(Codec):
 
     def decode_add_encode(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float, scale: float,
                           out: torch.Tensor) -> tuple[torch.Tensor | None, float]:
-        # One pass with the kernels (the two calls' bits); subclasses (int8-outlier) have more to
-        # their format than the kernel knows and take the generic two calls.
-        if type(self) is not Int8Codec or not self._kernel_adds(acc, acc):
+        # one pass with the kernels (the two calls' bits)
+        if not self._kernel_adds(acc, acc):
             return super().decode_add_encode(meta, buffer, acc, weight, scale, out)
         numel, mv, weight = self._check_add(meta, buffer, acc, weight, acc)
         nb = self.n_blocks(numel)
