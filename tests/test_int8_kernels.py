@@ -303,6 +303,26 @@ def test_decode_add_encode_is_decode_add_base_then_encode(name):
         codec.decode_add_encode(meta, wire[:-1], base.clone(), 0.5, 0.25, torch.zeros(16000, dtype=torch.uint8))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["int8", "int8-outlier", "fp16", "none"])
+def test_decode_add_encode_on_a_cuda_accumulator(name):
+    """A GPU ``acc`` takes the generic path (the kernels are host-only): the sum stays on the
+    device, the reply's wire bytes land in the host ``out``, and both match the host's within
+    float rounding (the device's add may fuse differently, so the bytes are compared decoded)."""
+    codec = get_codec(name)
+    meta, wire, base = _message_and_base(codec)
+    want, out_cpu = base.clone(), torch.zeros(16000, dtype=torch.uint8)
+    want_wire, want_max = codec.decode_add_encode(meta, wire, want, 0.5, 0.25, out_cpu)
+    acc, out = base.cuda(), torch.zeros(16000, dtype=torch.uint8)
+    got_wire, got_max = codec.decode_add_encode(meta, wire, acc, 0.5, 0.25, out)
+    assert acc.device.type == "cuda" and got_wire.device.type == "cpu"
+    assert got_wire.data_ptr() == out.data_ptr() and got_max == want_max
+    torch.testing.assert_close(acc.cpu(), want, rtol=0, atol=1e-5)
+    reply_meta = codec.encode(want, scale=0.25, decoded=want.clone()).meta
+    torch.testing.assert_close(codec.decode(reply_meta, bytes(got_wire.numpy())),
+                               codec.decode(reply_meta, bytes(want_wire.numpy())), rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", CODECS)
 def test_decode_add_base_is_decode_add_and_the_absmax_of_base(name):
     """Every codec's ``decode_add_base`` (fused for int8, generic for the others) adds as
