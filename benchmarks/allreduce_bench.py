@@ -52,7 +52,12 @@ import threading
 import time
 
 MiB = 1 << 20
-WARMUP = 1  # rounds each contender runs first, not counted (--warmup)
+#: rounds each contender runs first, not counted (--warmup). Three: a member's frame pool keeps the
+#: buffers of the most frames it has had in flight at once, and that peak is reached over the first
+#: few rounds, each new one a fresh zero-filled 4 MiB buffer (~1000 page faults, ~12 ms of CPU). With
+#: one warm-up round, N = 8 rounds still met new peaks (a median of 338-1041 faults per round in some
+#: runs, 0-1 in others): the noise, not the steady state, decided "x gloo" and "vs none" there.
+WARMUP = 3
 
 
 def _maxrss_mb() -> float:
@@ -593,14 +598,15 @@ _ERR_BOUND = {"none": 1e-5, "fp16": 5e-3, "bf16": 3e-2, "int8": 5e-2, "int8-outl
 
 
 def main() -> None:
+    global WARMUP
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[2, 4, 8], help="group sizes")
     ap.add_argument("--numel", type=int, default=1 << 26, help="float32 values per member (default 64M = 256 MiB)")
     ap.add_argument("--codecs", nargs="+", default=["none", "fp16", "int8", "topk"])
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds (median), after --warmup")
-    ap.add_argument("--warmup", type=int, default=1,
+    ap.add_argument("--warmup", type=int, default=WARMUP,
                     help="rounds run first and not counted, for every contender (ours allocates its "
-                         "reusable buffers in the first round; a training run does thousands)")
+                         "reusable buffers over the first rounds; a training run does thousands)")
     ap.add_argument("--profile", metavar="FILE", help="cProfile rank 0 (first codec, first N) into FILE and print the top")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--no-tcp", action="store_true")
@@ -640,7 +646,6 @@ def main() -> None:
     ap.add_argument("--tcp-send", nargs=3, metavar=("IP", "PORT", "BYTES"), help=argparse.SUPPRESS)
     ap.add_argument("--gloo-worker", metavar="JSON", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    global WARMUP
     WARMUP = max(0, args.warmup)
     os.environ["P2PT_BENCH_THREADS"] = str(max(1, args.threads))
     if args.switch_interval > 0:
