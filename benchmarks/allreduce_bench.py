@@ -473,7 +473,9 @@ def ours(n: int, numel: int, codecs: list[str], rounds: int, profile: str | None
                 p.stdin.write(c + "\n")
                 p.stdin.flush()
             reports = [json.loads(p.stdout.readline()) for p in procs]
-            assert all(json.loads(p.stdout.readline()).get("reset") for p in procs)
+            resets = [json.loads(p.stdout.readline()) for p in procs]  # (read even under python -O)
+            if not all(r.get("reset") for r in resets):
+                raise RuntimeError(f"a member did not report its input reset: {resets}")
             out[c].append({"t": max(x["t"] for x in reports), "ok": all(x["ok"] for x in reports),
                            "err": reports[0]["err"], "reduce": max(x["reduce"] for x in reports),
                            "failed": [x["failed"] for x in reports if x["failed"]],
