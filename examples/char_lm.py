@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     dht = DHT(initial_peers=args.bootstrap or None)  # none given: $P2PTRAIN_BOOTSTRAP, else a new swarm
     opt = DecentralizedOptimizer(
         task.make_optimizer(model.parameters(), lr=args.lr),  # AdamW inside; Nesterov SGD outside
-        dht=dht, run_id="char-lm", mode=args.mode, local_steps=args.local_steps,
+        dht=dht, run_id="char-lm", mode=args.mode, local_steps=args.local_steps, model=model,
         target_batch_size=args.target_batch_size, batch_size_per_step=args.batch_size, compression=args.compression,
     )
 

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     dht = DHT(initial_peers=args.bootstrap or None)  # none given: $P2PTRAIN_BOOTSTRAP, else a new swarm
     opt = DecentralizedOptimizer(
         task.make_optimizer(model.parameters(), lr=args.lr),  # AdamW
-        dht=dht, run_id="digits-mlp", mode=args.mode, target_batch_size=args.target_batch_size,
+        dht=dht, run_id="digits-mlp", mode=args.mode, target_batch_size=args.target_batch_size, model=model,
         batch_size_per_step=args.batch_size, local_steps=args.local_steps, compression=args.compression,
     )
 

@@ -98,7 +98,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             inner_warmup_steps=cfg.inner_warmup_steps, compression=cfg.compression,
             aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
-            checkpoint_dir=cfg.data_dir,
+            checkpoint_dir=cfg.data_dir, model=model,
         )
         if stop.is_set():  # asked to stop while joining (e.g. Ctrl+C during the state download)
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}

@@ -190,6 +190,30 @@ def test_gc_pin_and_unpin(tmp_path):
     one_line_error(ckpt("gc", "--keep", "-1", data=data), 2, "--keep")
 
 
+def test_ls_lists_a_checkpoint_saved_by_two_peers_once_with_both_writers(tmp_path):
+    """Two writers of one epoch save the same state: one checkpoint (one CID), two records."""
+    data = tmp_path / "store"
+    tensors = model_file(tmp_path / "m.safetensors")
+    m, buffer = build_snapshot(tensors)
+    store = CheckpointStore(data)
+    a, b = Identity(), Identity()
+    for who in (a, b):
+        store.save(m, buffer, run_id="r", epoch=4, identity=who)
+    other = quick_save(data, model_file(tmp_path / "n.safetensors", seed=1), "r", 2)
+    listed = json.loads(ckpt("ls", "--json", data=data).stdout)
+    assert [e["cid"] for e in listed] == [store.list()[0].cid, other]
+    assert sorted(listed[0]["writers"]) == sorted([str(a.peer_id), str(b.peer_id)]) and listed[0]["epoch"] == 4
+    assert len(listed[1]["writers"]) == 1
+    table = ckpt("ls", data=data)
+    assert table.returncode == 0 and "2 checkpoints in" in table.stdout, table.stdout
+    assert a.peer_id.short() in table.stdout and b.peer_id.short() in table.stdout
+    verified = ckpt("verify", data=data)
+    assert "ok: 2 checkpoints" in verified.stdout  # the same count as ls
+
+    empty = ckpt("ls", data=tmp_path / "empty")
+    assert empty.returncode == 0 and "no checkpoints in" in empty.stderr and "--data-dir" in empty.stderr
+
+
 STORE_READERS = """
 import sys
 from p2ptrain.cli import main

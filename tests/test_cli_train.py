@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 CLI = [sys.executable, "-m", "p2ptrain"]
 
@@ -79,6 +80,47 @@ def test_swarm_trains_and_writes_the_model(tmp_path, child_pids):
     from safetensors.torch import load_file
 
     assert any(k.endswith("weight") for k in load_file(str(model)))
+    assert child_pids() <= before
+
+
+def test_swarm_saves_one_model_and_keeps_checkpoints_where_ckpt_looks(tmp_path, child_pids):
+    """--save: one file, written by one peer, printed once. --checkpoint-every: the checkpoints go
+    to the default store, the one `p2ptrain ckpt` reads without flags, and the newest exports
+    into a file that the example's model loads (strict) and that computes what the saved model does."""
+    from safetensors.torch import load_file
+
+    from p2ptrain.tasks import get_task
+
+    before = child_pids()
+    env = {k: v for k, v in os.environ.items() if k != "P2PTRAIN_DATA_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # the default store: $XDG_CACHE_HOME/p2ptrain
+    saved = tmp_path / "final.safetensors"
+    out = subprocess.run([*CLI, "swarm", "--peers", "2", "--epochs", "4", "--checkpoint-every", "2", "--save",
+                          str(saved), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=170,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("trained model:") == 1 and str(saved) in out.stdout, out.stdout[-2000:]
+    store = tmp_path / "cache" / "p2ptrain"
+    assert f"checkpoints go to {store}" in out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".safetensors")) == ["final.safetensors"]
+
+    listed = subprocess.run([*CLI, "ckpt", "ls", "--json"], capture_output=True, text=True, timeout=60, env=env)
+    assert listed.returncode == 0, listed.stderr
+    checkpoints = json.loads(listed.stdout)
+    assert checkpoints and checkpoints[0]["epoch"] == 4, checkpoints
+    assert len({c["cid"] for c in checkpoints}) == len(checkpoints)  # each checkpoint once, with its writers
+
+    exported = tmp_path / "exported.safetensors"
+    run = subprocess.run([*CLI, "ckpt", "export", checkpoints[0]["cid"], str(exported)], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert run.returncode == 0 and "note" not in run.stderr, run.stderr
+    task = get_task("digits")
+    from_ckpt, from_save = task.make_model(seed=1), task.make_model(seed=2)
+    from_ckpt.load_state_dict(load_file(str(exported)), strict=True)
+    from_save.load_state_dict(load_file(str(saved)), strict=True)
+    x, _ = next(task.batches(16, seed=0))
+    with torch.no_grad():
+        assert torch.equal(from_ckpt.eval()(x), from_save.eval()(x))
     assert child_pids() <= before
 
 

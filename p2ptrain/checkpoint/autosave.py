@@ -59,13 +59,15 @@ class Checkpointer:
 
     ``server``: the host's StateServer (a trainer's StateSync runs one); checkpoints are served
     by it next to the live state. ``meta``: what must match for a checkpoint to load into this
-    trainer (mode, schema hash), stored in each manifest. ``on_saved(info)``: called from the
-    save thread after each checkpoint this peer wrote.
+    trainer (mode, schema hash), stored in each manifest. ``labels``: stored in each manifest
+    too, never checked (the model's state_dict names, see :mod:`.export`). ``on_saved(info)``:
+    called from the save thread after each checkpoint this peer wrote.
     """
 
     def __init__(self, node: DHTNode, loop: LoopThread, run_id: str, store: CheckpointStore, *,
                  every: int | None, server: StateServer, meta: dict[str, Any], keep: int = 3, writers: int = 2,
-                 ttl: float = 300.0, on_saved: Callable[[CheckpointInfo], None] | None = None):
+                 ttl: float = 300.0, on_saved: Callable[[CheckpointInfo], None] | None = None,
+                 labels: dict[str, Any] | None = None):
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"checkpoint_every must be a positive number of epochs, got {every!r}")
         if type(keep) is not int or keep < 1:
@@ -80,6 +82,7 @@ class Checkpointer:
         self.keep = keep
         self.writers = writers
         self.meta = dict(meta)
+        self.labels = dict(labels or {})
         self.service = CheckpointService(node, store, run_id=run_id, server=server, ttl=ttl)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._future: concurrent.futures.Future | None = None
@@ -155,7 +158,7 @@ class Checkpointer:
         try:
             manifest, buffer = build_snapshot(read, lock=lock)
             epoch = seen["epoch"]
-            manifest = dataclasses.replace(manifest, meta={**self.meta, "epoch": epoch})
+            manifest = dataclasses.replace(manifest, meta={**self.labels, **self.meta, "epoch": epoch})
             info = self.store.save(manifest, buffer, run_id=self.run_id, epoch=epoch, identity=self.node.identity)
             del buffer
             gc = self.store.gc(self.keep)

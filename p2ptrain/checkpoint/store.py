@@ -50,7 +50,6 @@ from .blobs import BlobStore, CorruptBlobError, MissingBlobError, Progress, Stor
 from .cid import CID_COMMON_PREFIX, cid as make_cid, parse_cid
 from .manifest import DIGEST_SIZE, Manifest, ManifestError
 from .record import CheckpointRecord, RecordError
-from .safetensors_io import tensor_names, write_safetensors
 from .tree import torch_dtype
 
 if TYPE_CHECKING:
@@ -319,14 +318,20 @@ class CheckpointStore:
             raise self._chunk_error(manifest, getattr(e, "index", None), e) from None
         return manifest, buffer
 
-    def load_tensors(self, manifest_id: bytes, *, progress: Progress | None = None) -> tuple[Manifest, list[torch.Tensor]]:
+    def load_tensors(self, manifest_id: bytes, *, progress: Progress | None = None,
+                     only: set[int] | None = None) -> tuple[Manifest, list[torch.Tensor | None]]:
         """Like ``load``, but every tensor in its own storage (what a safetensors writer needs:
-        views of one buffer count as shared memory there), chunks verified one at a time."""
+        views of one buffer count as shared memory there), chunks verified one at a time.
+        ``only``: the indices of the tensors wanted (the others are None, their chunks unread)."""
         import torch
 
         manifest = self.manifest(manifest_id)
-        tensors, spans = [], []
-        for e in manifest.tensors:
+        tensors: list[torch.Tensor | None] = []
+        spans = []
+        for k, e in enumerate(manifest.tensors):
+            if only is not None and k not in only:
+                tensors.append(None)
+                continue
             raw = torch.empty(e.nbytes, dtype=torch.uint8)
             tensors.append(raw.view(torch_dtype(e.dtype)).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=torch_dtype(e.dtype)))
             spans.append((e.offset, e.offset + e.nbytes, raw))
@@ -334,10 +339,14 @@ class CheckpointStore:
         first = 0  # tensors before this one end before the current chunk
         for i in range(manifest.num_chunks):
             a, b = manifest.chunk_span(i)
-            chunk = scratch[: b - a]
-            self._read_chunk_into(manifest, i, memoryview(chunk.numpy()))
             while first < len(spans) and spans[first][1] <= a:
                 first += 1
+            if first == len(spans) or spans[first][0] >= b:  # no wanted byte in this chunk
+                if progress is not None:
+                    progress(b, manifest.total_size)
+                continue
+            chunk = scratch[: b - a]
+            self._read_chunk_into(manifest, i, memoryview(chunk.numpy()))
             for start, end, raw in spans[first:]:
                 if start >= b:
                     break
@@ -623,24 +632,14 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ export
 
-    def export(self, manifest_id: bytes, path: str | os.PathLike[str], *, progress: Progress | None = None) -> None:
-        """Write checkpoint ``manifest_id`` as a plain ``.safetensors`` file, atomically.
+    def export(self, manifest_id: bytes, path: str | os.PathLike[str], *, with_optimizer: bool = False,
+               progress: Progress | None = None) -> tuple[int, str | None]:
+        """Write checkpoint ``manifest_id`` as a plain ``.safetensors`` file, atomically, under its
+        model's ``state_dict`` names (optimizer state too, prefixed, ``with_optimizer``); returns
+        (tensors written, a note when it records no names). See :mod:`.export`."""
+        from .export import export_safetensors
 
-        Tensor names are dotted paths in the state (``model.fc1.weight``); the file's metadata
-        holds the checkpoint's CID, run and epoch (and the metadata of an imported file)."""
-        manifest = self.manifest(manifest_id)
-        names = tensor_names(manifest.skeleton)  # fails before reading gigabytes
-        _, tensors = self.load_tensors(manifest_id, progress=progress)
-        metadata: dict[str, str] = {}
-        imported = manifest.meta.get("safetensors_metadata")
-        if isinstance(imported, dict):
-            metadata.update({k: v for k, v in imported.items() if isinstance(k, str) and isinstance(v, str)})
-        metadata["p2ptrain.cid"] = make_cid(manifest_id)
-        infos = self.infos(manifest_id)
-        if infos:
-            metadata["p2ptrain.run_id"] = infos[0].run_id
-            metadata["p2ptrain.epoch"] = str(infos[0].epoch)
-        write_safetensors(path, dict(zip(names, tensors)), metadata)
+        return export_safetensors(self, manifest_id, path, with_optimizer=with_optimizer, progress=progress)
 
 
 def _buffer_view(manifest: Manifest, buffer: torch.Tensor) -> memoryview:

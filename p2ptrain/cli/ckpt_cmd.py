@@ -82,11 +82,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         a.set_defaults(ckpt_func=_pin if name == "pin" else _unpin)
 
     a = actions.add_parser("export", parents=[common], help="write a checkpoint as a plain .safetensors file",
-                           description="Write every tensor of a checkpoint to one .safetensors file (atomically), "
-                           "named by its path in the state: model.fc1.weight, optimizer.state.0.exp_avg. Load "
-                           "it with safetensors.torch.load_file.")
+                           description="Write a checkpoint's model to one .safetensors file (atomically), under "
+                           "the model's state_dict names: model.load_state_dict(safetensors.torch.load_file(OUT)) "
+                           "takes it. A checkpoint that records no names (an older one, or one saved by an "
+                           "optimizer given no model=) is written under its positional names (params.0, ...).")
     a.add_argument("id", metavar="CID", help="CID, hex digest or unique prefix")
     a.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+    a.add_argument("--with-optimizer", action="store_true",
+                   help="also write the optimizer's state, under optimizer. (outer_optimizer. for diloco) and "
+                   "scheduler. prefixes")
     a.set_defaults(ckpt_func=_export)
 
     a = actions.add_parser("get", parents=[common], help="fetch a checkpoint from the swarm into the store",
@@ -273,44 +277,65 @@ def _save(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _by_checkpoint(infos: list[Any]) -> list[list[Any]]:
+    """Records grouped by the checkpoint (manifest) they name, newest first: peers that saved the
+    same state wrote one checkpoint, each signing its own record of it."""
+    groups: dict[bytes, list[Any]] = {}
+    for i in infos:
+        groups.setdefault(i.manifest_id, []).append(i)
+    return list(groups.values())
+
+
+def _joined(values: list[Any]) -> str:
+    return ", ".join(dict.fromkeys(map(str, values)))
+
+
 def _ls(args: argparse.Namespace) -> int:
     store = _store(args)
-    infos = store.list(_run_id(args.run_id) if args.run_id is not None else None)
+    checkpoints = _by_checkpoint(store.list(_run_id(args.run_id) if args.run_id is not None else None))
     if args.json:
-        _print_json([_info_json(i) for i in infos])
+        # run and epoch of the newest record (one state saved under two runs is rare)
+        _print_json([{**{k: v for k, v in _info_json(g[0]).items() if k != "writer"},
+                      "writers": [str(i.writer) for i in g]} for g in checkpoints])
         return EXIT_OK
     bad = store.invalid_records()
     if bad:
         print(f"warning: {len(bad)} record file(s) are not valid records and are ignored; "
               "'p2ptrain ckpt verify' lists them, 'gc' removes them", file=sys.stderr)
-    if not infos:
+    if not checkpoints:
         where = f" of run {args.run_id!r}" if args.run_id else ""
-        print(f"no checkpoints{where} in {store.root}", file=sys.stderr)
+        print(f"no checkpoints{where} in {store.root} (look elsewhere with --data-dir DIR or $P2PTRAIN_DATA_DIR)",
+              file=sys.stderr)
         return EXIT_OK
     from rich.table import Table
 
-    table = Table(title=f"{len(infos)} checkpoint{'s' * (len(infos) != 1)} in {store.root}", title_justify="left")
-    for col in ("cid", "run", "epoch", "size", "created", "writer", "pinned"):
+    table = Table(title=f"{_n(len(checkpoints), 'checkpoint')} in {store.root}", title_justify="left")
+    for col in ("cid", "run", "epoch", "size", "created", "writers", "pinned"):
         table.add_column(col, justify="right" if col in ("epoch", "size") else "left", no_wrap=col == "cid")
-    for i in infos:
-        table.add_row(i.cid, i.run_id, str(i.epoch), _size(i.size), _when(i.created), i.writer.short(),
-                      "yes" if i.pinned else "")
+    for g in checkpoints:
+        table.add_row(g[0].cid, _joined([i.run_id for i in g]), _joined([i.epoch for i in g]), _size(g[0].size),
+                      _when(max(i.created for i in g)), _joined([i.writer.short() for i in g]),
+                      "yes" if g[0].pinned else "")
     _console().print(table)
     return EXIT_OK
 
 
 def _show(args: argparse.Namespace) -> int:
     from ..checkpoint.cid import cid
-    from ..checkpoint.safetensors_io import tensor_names
+    from ..checkpoint.export import export_plan
 
     store = _store(args)
     mid = _resolve(store, args.id)
     infos = store.infos(mid)
     m = store.manifest(mid)
-    try:
-        names = tensor_names(m.skeleton)
+    names = [f"#{i}" for i in range(len(m.tensors))]
+    try:  # what export names them (with --with-optimizer): tied weights under each of their names
+        aliases: dict[int, list[str]] = {}
+        for name, i in export_plan(m, with_optimizer=True)[0]:
+            aliases.setdefault(i, []).append(name)
+        names = [" = ".join(aliases.get(i, [n])) for i, n in enumerate(names)]
     except ValueError:
-        names = [f"#{i}" for i in range(len(m.tensors))]
+        pass
     missing = [i for i in range(m.num_chunks) if not store.blobs.has(m.chunk_digest(i))]
     tensors = [{"name": n, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for n, t in zip(names, m.tensors)]
     records = [{**_info_json(i), "signature": "valid"} for i in infos]
@@ -405,15 +430,16 @@ def _export(args: argparse.Namespace) -> int:
     mid = _resolve(store, args.id)
     with _progress("exporting") as update:
         try:
-            store.export(mid, out, progress=update)
+            count, note = store.export(mid, out, with_optimizer=args.with_optimizer, progress=update)
         except ValueError as e:
             from ..checkpoint.manifest import ManifestError
 
             if isinstance(e, ManifestError):
                 raise
             raise ConfigError(f"cannot export: {e}") from None
-    m = store.manifest(mid)
-    print(f"wrote {out} ({_n(len(m.tensors), 'tensor')}, {_size(out.stat().st_size)})")
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {out} ({_n(count, 'tensor')}, {_size(out.stat().st_size)})")
     return EXIT_OK
 
 

@@ -127,19 +127,25 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
     key_argv = _swarm_key_argv(args)
     boot, addr = _start_bootstrap(events, extra=key_argv)
     children.append(boot)
-    forwarded = training_argv(args) + key_argv
+    # --save goes to peer 0 alone: peers of a finished run hold the same model, one file is enough
+    forwarded = training_argv(argparse.Namespace(**{**vars(args), "save": None})) + key_argv
     if args.threads is None:  # each peer its share of the cores: oversubscribed torch threads cost ~20x
         forwarded += ["--threads", str(max(1, (os.cpu_count() or 1) // args.peers))]
     if args.wait_peers == 0:
         forwarded += ["--wait-peers", str(args.peers)]
-    out = Path(args.out)
-    if args.checkpoint_every is not None and args.data_dir is None:
-        # one store for the local swarm, next to the model: its peers share (and dedupe) the blobs
-        forwarded += ["--data-dir", str((out / "checkpoints").resolve())]
+    save = args.save or str(Path(args.out) / f"{args.example}-model.safetensors")
+    if args.checkpoint_every is not None:
+        # the peers' default store, as for `p2ptrain peer` and `p2ptrain ckpt`: found without flags
+        from ..paths import default_data_dir
+
+        store = Path(args.data_dir).expanduser().resolve() if args.data_dir else default_data_dir().resolve()
+        ls = "p2ptrain ckpt ls" + (f" --data-dir {store}" if store != default_data_dir().resolve() else "")
+        print(f"checkpoints go to {store} ('{ls}' lists them)", file=sys.stderr if args.json else sys.stdout,
+              flush=True)
     for i in range(args.peers):
         argv = [sys.executable, "-m", "p2ptrain", "peer", "--json", "--bootstrap", addr, *forwarded]
-        if i == 0 and not args.save:
-            argv += ["--save", str(out / f"{args.example}-model.safetensors")]
+        if i == 0:
+            argv += ["--save", save]
         if args.data_seed is None:
             argv += ["--data-seed", str(i)]
         children.append(_Child(i, argv, events))

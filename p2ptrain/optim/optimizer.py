@@ -131,6 +131,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     of the swarm, not all) into the store at ``checkpoint_dir`` (default: ``$P2PTRAIN_DATA_DIR`` or
     the user's cache directory), keeping the newest ``checkpoint_keep`` per run. With either set,
     a peer that finds no live peer ahead of it resumes from the newest checkpoint (DHT or disk).
+
+    ``model``: the module whose parameters ``optimizer`` trains (optional). Checkpoints then
+    record its ``state_dict`` names, so ``p2ptrain ckpt export`` writes a file that
+    ``model.load_state_dict`` takes, and hold its other state_dict tensors (buffers such as
+    BatchNorm running stats, frozen parameters) as the saving peer has them, restored on resume.
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         checkpoint_dir: str | Path | None = None,
         checkpoint_keep: int = 3,
         checkpoint_writers: int = 2,
+        model: torch.nn.Module | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -213,6 +219,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         if not self.params:
             raise ValueError("the optimizer has no parameters")
+        # the model's state_dict names (manifest meta of our checkpoints) and its tensors the
+        # optimizer does not train (buffers), which checkpoints hold beside the parameters
+        self._state_names: dict[str, str] = {}
+        self._model_extra: list[torch.Tensor] = []
+        if model is not None:
+            from ..checkpoint.export import module_names
+
+            self._state_names, self._model_extra = module_names(model, self.params,
+                                                                "params" if mode == "sync" else "outer")
 
         get_codec(self.codec)  # a typo fails here, with the list of codecs, before any network starts
         self._owns_dht = dht is None
@@ -285,6 +300,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                     self.dht.node, self._loop, run_id, CheckpointStore(checkpoint_dir), every=checkpoint_every,
                     server=self.state_sync.server, keep=checkpoint_keep, writers=checkpoint_writers,
                     meta={"mode": mode, "schema": self.averager.schema.hash}, on_saved=self._checkpoint_saved,
+                    labels={"state_dict": self._state_names} if self._state_names else None,
                 )
             self._loop.run(self._start())
         except BaseException:
@@ -785,6 +801,19 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                     p.copy_(outer)
             if self.scheduler is not None and "scheduler" in state:
                 self.scheduler.load_state_dict(state["scheduler"])
+            self._load_model_extra(state.get("buffers"))
+
+    def _load_model_extra(self, saved: Any) -> None:
+        """The model's buffers from a checkpoint that holds them (live states do not: each peer
+        keeps its own); one of another model is left out, with a warning."""
+        if saved is None or not self._model_extra:
+            return
+        if not isinstance(saved, list) or [tuple(t.shape) for t in saved if isinstance(t, torch.Tensor)] != [
+                tuple(t.shape) for t in self._model_extra]:
+            log.warning("the checkpoint's model buffers do not fit this model's; keeping ours")
+            return
+        for dst, src in zip(self._model_extra, saved):
+            dst.detach().copy_(src)
 
     # ---- checkpoints
 
@@ -796,7 +825,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             return
         view = self.tracker.estimate()
         live = [p.peer for p in (*view.peers, *view.behind) if not p.client]
-        ck.maybe_save(self._applied, live, self._shared_state, self._state_lock)
+        # forward passes change buffers outside the state lock: copy them here, in the training thread
+        extra = [t.detach().to("cpu", copy=True) for t in self._model_extra]
+        ck.maybe_save(self._applied, live, lambda: self._checkpoint_state(extra), self._state_lock)
+
+    def _checkpoint_state(self, buffers: list[torch.Tensor]) -> tuple[int, dict[str, Any]]:
+        """The shared state, plus the model's buffers when we know the model (called with the lock)."""
+        applied, state = self._shared_state()
+        return applied, {**state, "buffers": buffers} if buffers else state
 
     def _checkpoint_saved(self, info: Any) -> None:  # in the save thread
         self.stats.checkpoints_saved += 1
