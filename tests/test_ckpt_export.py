@@ -4,6 +4,7 @@ checkpoints without names still export (positionally, with a note)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -86,6 +87,13 @@ def test_a_trainers_checkpoint_exports_what_load_state_dict_takes(tmp_path, mode
     prefix = "optimizer.state." if mode == "sync" else "outer_optimizer.state."
     assert extra and all(n.startswith(prefix) for n in extra), sorted(extra)
     assert count == len(names)
+
+    if mode == "sync":  # `ckpt show` names the tensors as export does
+        run = subprocess.run([*CLI, "ckpt", "show", info.cid, "--json", "--data-dir", str(tmp_path / "data")],
+                             capture_output=True, text=True, timeout=60)
+        shown = {t["name"]: t.get("aliases", []) for t in json.loads(run.stdout)["tensors"]}
+        assert shown["emb.weight"] == ["head.weight"] and "bn.running_mean" in shown, shown
+        assert "optimizer.state.0.exp_avg" in shown and not any(n.startswith("params.") for n in shown)
 
 
 def test_resuming_from_a_checkpoint_restores_the_models_buffers(tmp_path):

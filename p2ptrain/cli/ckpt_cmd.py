@@ -328,16 +328,16 @@ def _show(args: argparse.Namespace) -> int:
     mid = _resolve(store, args.id)
     infos = store.infos(mid)
     m = store.manifest(mid)
-    names = [f"#{i}" for i in range(len(m.tensors))]
-    try:  # what export names them (with --with-optimizer): tied weights under each of their names
-        aliases: dict[int, list[str]] = {}
+    # what export names them (with --with-optimizer): a tied weight under each of its names
+    names: dict[int, list[str]] = {}
+    try:
         for name, i in export_plan(m, with_optimizer=True)[0]:
-            aliases.setdefault(i, []).append(name)
-        names = [" = ".join(aliases.get(i, [n])) for i, n in enumerate(names)]
+            names.setdefault(i, []).append(name)
     except ValueError:
         pass
     missing = [i for i in range(m.num_chunks) if not store.blobs.has(m.chunk_digest(i))]
-    tensors = [{"name": n, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for n, t in zip(names, m.tensors)]
+    tensors = [{"name": names.get(i, [f"#{i}"])[0], **({"aliases": names[i][1:]} if len(names.get(i, ())) > 1 else {}),
+                "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for i, t in enumerate(m.tensors)]
     records = [{**_info_json(i), "signature": "valid"} for i in infos]
     if args.json:
         _print_json({"cid": cid(mid), "manifest_id": mid.hex(), "size": m.total_size, "chunk_size": m.chunk_size,
@@ -361,7 +361,8 @@ def _show(args: argparse.Namespace) -> int:
     for col in ("name", "dtype", "shape", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for t in tensors:
-        table.add_row(t["name"], t["dtype"], "×".join(map(str, t["shape"])) or "scalar", f"{t['bytes']:,}")
+        table.add_row(" = ".join([t["name"], *t.get("aliases", [])]), t["dtype"],
+                      "×".join(map(str, t["shape"])) or "scalar", f"{t['bytes']:,}")
     console.print(table)
     return EXIT_OK
 
