@@ -36,8 +36,9 @@ class Net(torch.nn.Module):
         return self.head(self.frozen(self.bn(self.emb(x))))
 
 
-def train(tmp_path, mode: str, seed: int = 0, epochs: int = 4):
-    """A lone peer trains ``Net`` with checkpoints every 2 epochs; returns (model, optimizer stats)."""
+def train(tmp_path, mode: str, seed: int = 0, epochs: int = 4, named: bool = True):
+    """A lone peer trains ``Net`` with checkpoints every 2 epochs; returns (model, optimizer stats).
+    ``named=False``: the optimizer is not told its model (as before checkpoints recorded names)."""
     from p2ptrain import DHT, DecentralizedOptimizer
 
     model = Net(seed)
@@ -46,7 +47,7 @@ def train(tmp_path, mode: str, seed: int = 0, epochs: int = 4):
         opt = DecentralizedOptimizer(
             torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.05), dht=dht,
             run_id=f"export-{mode}", mode=mode, local_steps=2, target_batch_size=16, batch_size_per_step=16,
-            checkpoint_every=2, checkpoint_dir=tmp_path / "data", model=model)
+            checkpoint_every=2, checkpoint_dir=tmp_path / "data", model=model if named else None)
         gen = torch.Generator().manual_seed(1)
         try:
             while opt.epoch < epochs:
@@ -102,6 +103,14 @@ def test_resuming_from_a_checkpoint_restores_the_models_buffers(tmp_path):
     assert stats.resumed_epoch == 4
     for name, t in model.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], t), name
+
+
+def test_a_checkpoint_without_names_or_buffers_still_resumes_a_trainer_given_its_model(tmp_path):
+    model, _ = train(tmp_path, "sync", named=False)
+    resumed, stats = train(tmp_path, "sync", seed=3, epochs=4)
+    assert stats.resumed_epoch == 4
+    assert torch.equal(resumed.emb.weight, model.emb.weight) and torch.equal(resumed.bn.bias, model.bn.bias)
+    assert torch.equal(resumed.bn.running_mean, Net(3).bn.running_mean)  # none saved: its own are kept
 
 
 def test_a_model_the_optimizer_does_not_train_is_refused():
