@@ -4,8 +4,9 @@ Why: a checkpoint's own format (manifest + chunks) is for peers; a person wants 
 ``safetensors.torch.load_file`` (or any safetensors reader) opens. A tensor's name is its dotted
 path in the nested state (``model.fc1.weight``, ``optimizer.state.0.exp_avg``), which is what
 ``state_dict()`` keys already look like, so a model file imported with :func:`read_safetensors`
-exports under the same names. The non-tensor parts of a state (``param_groups``, the epoch) have
-no place in a safetensors file and are left out.
+exports under the same names (a trainer's checkpoint records its model's names instead: see
+:mod:`.export`). The non-tensor parts of a state (``param_groups``, the epoch) have no place in a
+safetensors file and are left out.
 """
 
 from __future__ import annotations
