@@ -37,26 +37,27 @@ OTHER_PREFIX = "p2ptrain"
 
 
 def module_names(model: torch.nn.Module, params: Sequence[torch.Tensor],
-                 prefix: str) -> tuple[dict[str, str], list[torch.Tensor]]:
-    """``(names, extras)`` for a trainer whose state holds ``params`` under ``prefix``: each
+                 prefix: str) -> tuple[dict[str, str], list[str]]:
+    """``(names, extra_keys)`` for a trainer whose state holds ``params`` under ``prefix``: each
     ``model.state_dict()`` key -> its path in the state (``params.0``, ``buffers.0``), and the
-    tensors the state must hold besides the parameters (in ``buffers`` order). Non-tensor
-    entries (a module's ``get_extra_state``) have no place in a checkpoint and are left out.
-    ValueError when a parameter the optimizer trains is not in the model's state_dict."""
+    keys of the tensors the state must hold besides the parameters (in ``buffers`` order; keys,
+    since ``model.to()`` replaces buffer tensors). Non-tensor entries (a module's
+    ``get_extra_state``) have no place in a checkpoint and are left out. ValueError when a
+    parameter the optimizer trains is not in the model's state_dict."""
     import torch
 
     where = {id(p): i for i, p in enumerate(params)}
     names: dict[str, str] = {}
-    extras: list[torch.Tensor] = []
+    extra_keys: list[str] = []
     extra_at: dict[int, int] = {}
     for key, t in model.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             continue
         i = where.get(id(t))
         if i is None:
-            i = extra_at.setdefault(id(t), len(extras))
-            if i == len(extras):
-                extras.append(t)
+            i = extra_at.setdefault(id(t), len(extra_keys))
+            if i == len(extra_keys):
+                extra_keys.append(key)
             names[key] = f"{BUFFERS}.{i}"
         else:
             names[key] = f"{prefix}.{i}"
@@ -65,7 +66,7 @@ def module_names(model: torch.nn.Module, params: Sequence[torch.Tensor],
         if f"{prefix}.{i}" not in named:
             raise ValueError(f"model= must be the module the optimizer trains: the optimizer's parameter {i} "
                              f"(shape {list(p.shape)}) is not in model.state_dict()")
-    return names, extras
+    return names, extra_keys
 
 
 def recorded_names(manifest: Manifest) -> dict[str, int] | None:

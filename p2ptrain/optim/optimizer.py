@@ -221,13 +221,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer has no parameters")
         # the model's state_dict names (manifest meta of our checkpoints) and its tensors the
         # optimizer does not train (buffers), which checkpoints hold beside the parameters
+        self._model = model
         self._state_names: dict[str, str] = {}
-        self._model_extra: list[torch.Tensor] = []
+        self._extra_keys: list[str] = []
         if model is not None:
             from ..checkpoint.export import module_names
 
-            self._state_names, self._model_extra = module_names(model, self.params,
-                                                                "params" if mode == "sync" else "outer")
+            self._state_names, self._extra_keys = module_names(model, self.params,
+                                                               "params" if mode == "sync" else "outer")
 
         get_codec(self.codec)  # a typo fails here, with the list of codecs, before any network starts
         self._owns_dht = dht is None
@@ -806,14 +807,22 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def _load_model_extra(self, saved: Any) -> None:
         """The model's buffers from a checkpoint that holds them (live states do not: each peer
         keeps its own); one of another model is left out, with a warning."""
-        if saved is None or not self._model_extra:
+        ours = self._model_extra() if saved is not None else []
+        if not ours:
             return
         if not isinstance(saved, list) or [tuple(t.shape) for t in saved if isinstance(t, torch.Tensor)] != [
-                tuple(t.shape) for t in self._model_extra]:
+                tuple(t.shape) for t in ours]:
             log.warning("the checkpoint's model buffers do not fit this model's; keeping ours")
             return
-        for dst, src in zip(self._model_extra, saved):
+        for dst, src in zip(ours, saved):
             dst.detach().copy_(src)
+
+    def _model_extra(self) -> list[torch.Tensor]:
+        """The model's state_dict tensors the optimizer does not train, as they are now."""
+        if self._model is None or not self._extra_keys:
+            return []
+        tensors = self._model.state_dict(keep_vars=True)
+        return [tensors[k] for k in self._extra_keys]
 
     # ---- checkpoints
 
@@ -826,7 +835,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         view = self.tracker.estimate()
         live = [p.peer for p in (*view.peers, *view.behind) if not p.client]
         # forward passes change buffers outside the state lock: copy them here, in the training thread
-        extra = [t.detach().to("cpu", copy=True) for t in self._model_extra]
+        extra = [t.detach().to("cpu", copy=True) for t in self._model_extra()]
         ck.maybe_save(self._applied, live, lambda: self._checkpoint_state(extra), self._state_lock)
 
     def _checkpoint_state(self, buffers: list[torch.Tensor]) -> tuple[int, dict[str, Any]]:
