@@ -155,7 +155,8 @@ def test_names_a_manifest_claims_are_checked_against_its_tensors():
     state = {"params": [torch.zeros(2), torch.ones(3)]}
     good, _ = build_snapshot(state, meta={"state_dict": {"a.weight": "params.0", "b.weight": "params.1"}})
     assert export_plan(good) == ([("a.weight", 0), ("b.weight", 1)], None)
-    for bad in ({"a.weight": "params.7"}, {"a.weight": 0}, ["params.0"], {"": "params.0"}):
+    many = {f"k{i}": "params.1" for i in range(9)}  # one tensor, nine copies in the file: not a model
+    for bad in ({"a.weight": "params.7"}, {"a.weight": 0}, ["params.0"], {"": "params.0"}, many):
         m, _ = build_snapshot(state, meta={"state_dict": bad})
         plan, note = export_plan(m)
         assert plan == [("params.0", 0), ("params.1", 1)] and note, bad

@@ -34,6 +34,8 @@ BUFFERS = "buffers"
 OPTIMIZER_PREFIXES = {"inner": "optimizer", "outer_opt": "outer_optimizer", "scheduler": "scheduler"}
 #: prefix of any other tensor of the state that no model name covers (exported on request only)
 OTHER_PREFIX = "p2ptrain"
+#: names one tensor may have (tied weights: BART ties 4 embeddings); more is not a model's claim
+MAX_ALIASES = 8
 
 
 def module_names(model: torch.nn.Module, params: Sequence[torch.Tensor],
@@ -79,11 +81,15 @@ def recorded_names(manifest: Manifest) -> dict[str, int] | None:
         index = {path: i for i, path in enumerate(tensor_names(manifest.skeleton))}
     except ValueError:
         return None
-    out = {}
+    out: dict[str, int] = {}
+    uses: dict[int, int] = {}
     for key, path in names.items():
         if not isinstance(key, str) or not key or not isinstance(path, str) or path not in index:
             return None
-        out[key] = index[path]
+        out[key] = i = index[path]
+        uses[i] = uses.get(i, 0) + 1
+        if uses[i] > MAX_ALIASES:  # each name is a copy in the file: a claim of 1000 would be 1000 copies
+            return None
     return out
 
 
