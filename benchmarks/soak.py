@@ -20,7 +20,7 @@ What it checks, for both runs (``FAIL`` lines and exit code 1 when something is 
 * the final model: every surviving peer saves its model (``--save``) when stopped; the saved files
   are evaluated here, on the task's test set, against ``--target``;
 * the latest checkpoint: ``p2ptrain ckpt verify`` and ``p2ptrain ckpt export`` on it, the export
-  opened with safetensors, and the checkpoint's parameters evaluated like the models;
+  loaded into the example's model (``load_state_dict``, strict) and evaluated like the models;
 * nothing is left behind: no process of any session we started, and no temporary file in the work
   directory once ``p2ptrain ckpt gc`` has collected what the SIGKILLed writers left (those are
   listed too).
@@ -483,11 +483,8 @@ def _evaluate_file(example: str, path: Path | None) -> float | None:
 
 
 def _check_checkpoint(example: str, data: Path, workdir: Path) -> dict[str, Any]:
-    """The newest checkpoint: verified and exported by the CLI, the export opened with
-    safetensors, the parameters evaluated."""
-    import torch
-
-    from p2ptrain.checkpoint import restore
+    """The newest checkpoint: verified and exported by the CLI, the export loaded into the
+    example's model as a user would (``load_state_dict``, strict) and evaluated."""
     from p2ptrain.checkpoint.store import CheckpointStore
 
     if not data.exists():
@@ -508,18 +505,15 @@ def _check_checkpoint(example: str, data: Path, workdir: Path) -> dict[str, Any]
         return out
     from safetensors.torch import load_file
 
-    out["exported_tensors"] = len(load_file(str(export)))
+    tensors = load_file(str(export))
     export.unlink()
-    store = CheckpointStore(data)
-    state = restore(*store.load(newest.manifest_id), copy=True)
+    out["exported_tensors"] = len(tensors)
     task, model = _model(example)
-    with torch.no_grad():
-        params = list(model.parameters())
-        if len(state["params"]) != len(params):
-            out["error"] = f"the checkpoint has {len(state['params'])} parameters, the model {len(params)}"
-            return out
-        for p, t in zip(params, state["params"]):
-            p.copy_(t)
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        out["error"] = f"the export does not load into the {example} model: {str(e).splitlines()[0]}"
+        return out
     out["metric"] = _metric(task, model)
     out["ok"] = True
     return out
