@@ -59,8 +59,7 @@ def _peer_argv(mode: str, a: argparse.Namespace, target: int, epochs: int, wait:
             "--local-steps", str(a.local_steps)]
     if mode == "sync-delay":
         argv.append("--delay-updates")
-    if wait > 1:
-        argv += ["--wait-peers", str(wait)]
+    argv += ["--wait-peers", str(wait)]  # 1 (a peer alone) too: a peer with no bootstrap waits for a second
     if listen_ip:
         argv += ["--listen", f"/ip4/{listen_ip}/tcp/0"]
     if boot:

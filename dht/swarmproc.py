@@ -227,8 +227,8 @@ class SwarmProcess:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dht.swarmproc", stdin=asyncio.subprocess.PIPE,
+        proc = await asyncio.create_subprocess_exec(  # -P: a dht/ folder in the working directory shadows nothing
+            sys.executable, "-P", "-m", "dht.swarmproc", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env, limit=_LINE_LIMIT)
         try:
             async with asyncio.timeout(timeout):

@@ -302,7 +302,9 @@ def validate(args: argparse.Namespace, sources: Mapping[str, str]) -> None:
 
 
 def check_key_file(path: str, where: str = "--key-file") -> None:
-    """A key file that exists must be a p2ptrain key we can read; a missing one must be creatable."""
+    """A key file that exists must be a p2ptrain key we can read; a missing one must be creatable,
+    so its missing directories are created here (mode 0700: they will hold a private key). Every
+    command that takes --key-file calls this before it starts."""
     p = Path(path).expanduser()
     if p.exists() or p.is_symlink():
         try:
@@ -311,7 +313,16 @@ def check_key_file(path: str, where: str = "--key-file") -> None:
             raise ConfigError(f"{where}: {e}") from None
         return
     parent = p.parent if str(p.parent) else Path(".")
+    missing = [d for d in (parent, *parent.parents) if not d.exists()]
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot create key file {path}: cannot create directory {d}: "
+                              f"{e.strerror or e}") from None
     if not parent.is_dir():
-        raise ConfigError(f"{where}: cannot create key file {path}: directory {parent} does not exist")
+        raise ConfigError(f"{where}: cannot create key file {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{where}: cannot create key file {path}: directory {parent} is not writable")

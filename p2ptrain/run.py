@@ -64,6 +64,7 @@ class PeerConfig:
     checkpoint_every: int | None = None  # save a checkpoint every N global epochs (a few peers do)
     data_dir: str | None = None  # checkpoint store (default: $P2PTRAIN_DATA_DIR or the user's cache dir)
     wait_peers: int = 0  # wait for this many peers before training (a swarm started together)
+    wait_timeout: float | None = 60.0  # seconds to wait for them at most (None: until they come or stop)
     bootstrap: Sequence[str] = ()
     listen: tuple[str, int] | None = ("127.0.0.1", 0)
     announce_host: str | None = None
@@ -107,8 +108,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
                   "state_loads": opt.stats.state_loads, "resumed_epoch": opt.stats.resumed_epoch,
                   "params_digest": _digest(model),
                   "config": {k: v for k, v in asdict(cfg).items() if k != "bootstrap"}})
-        if cfg.wait_peers > 1:
-            opt.wait_for_peers(cfg.wait_peers)
+        if cfg.wait_peers > 1 and not _wait_for_peers(opt, cfg, on_event, stop):
+            return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
         data_seed = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(dht.peer_id.to_bytes()[-4:], "big")
         batches = task.batches(batch_size, seed=data_seed)
         t0 = time.perf_counter()
@@ -153,6 +154,24 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             opt.close()
         if own_dht:
             dht.close()
+
+
+def _wait_for_peers(opt: DecentralizedOptimizer, cfg: PeerConfig, on_event: Callable[[Event], None],
+                    stop: threading.Event) -> bool:
+    """Wait until ``cfg.wait_peers`` peers (this one included) are in the run, ``cfg.wait_timeout``
+    seconds at most, with a ``waiting`` event about once a second; False when stopped meanwhile."""
+    t0 = time.monotonic()
+    deadline = None if cfg.wait_timeout is None else t0 + cfg.wait_timeout
+    step = 0.0  # the first look is immediate: its event says at once that the peer waits
+    while not stop.is_set():
+        count = opt.wait_for_peers(cfg.wait_peers, timeout=step)
+        now = time.monotonic()
+        if count >= cfg.wait_peers or (deadline is not None and now >= deadline):
+            return True
+        on_event({"event": "waiting", "peers": count, "want": cfg.wait_peers, "seconds": round(now - t0, 1),
+                  "timeout": cfg.wait_timeout})
+        step = 1.0 if deadline is None else min(1.0, deadline - now)
+    return False
 
 
 def resolve_device(name: str) -> torch.device:

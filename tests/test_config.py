@@ -115,7 +115,7 @@ ERRORS = [
     ("", {"P2PTRAIN_BOOTSTRAP": "ip4/127.0.0.1/tcp/1"}, [], "$P2PTRAIN_BOOTSTRAP: "),
     ("", {"P2PTRAIN_DELAY_UPDATES": "maybe"}, [], "$P2PTRAIN_DELAY_UPDATES: expected true or false"),
     ('key_file = "bad.key"\n', {}, [], "run.toml: key_file: key file"),
-    ('key_file = "no/such/dir/peer.key"\n', {}, [], "directory"),
+    ('key_file = "run.toml/peer.key"\n', {}, [], "run.toml is not a directory"),
     ("", {}, ["--key-file", "."], "--key-file: cannot read key file"),
     ("", {}, ["--metrics-port", "70000"], "--metrics-port must be between 0 and 65535"),
     ('compression = "topk"\naggregation = "median"\n', {}, [], "run.toml: aggregation: aggregation 'median' cannot "

@@ -68,7 +68,7 @@ def test_churn_a_peer_dies_and_a_new_one_catches_up(peers):
 
 
 def test_sigint_leaves_cleanly(peers):
-    peer = peers("--epochs", "100000", "--compute-delay", "0.01")
+    peer = peers("--epochs", "100000", "--compute-delay", "0.01", "--wait-peers", "1")
     peer.wait_for(lambda e: e["event"] == "progress", 60)
     t0 = time.monotonic()
     peer.proc.send_signal(signal.SIGINT)

@@ -8,10 +8,11 @@ import sys
 from .. import __version__
 from . import ckpt_cmd, demo, dht_cmd, peer_cmd, status_cmd, swarm_cmd
 from .common import EXIT_USAGE, fail, setup_logging
+from .parser import CommandParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="p2ptrain",
         description="Peer-to-peer decentralized training for PyTorch: peers find each other through a "
         "Kademlia DHT, with no master.",

@@ -201,9 +201,9 @@ def _print_json(obj: Any) -> None:
 
 
 def _console(stderr: bool = False) -> Any:
-    from rich.console import Console
+    from .common import make_console
 
-    return Console(stderr=stderr, width=None if (sys.stderr if stderr else sys.stdout).isatty() else 160)
+    return make_console(stderr)  # no width limit off a terminal: a CID is never cut
 
 
 @contextlib.contextmanager

@@ -9,8 +9,10 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Coroutine, Iterator
+from typing import Any, Awaitable, Callable, Coroutine, Iterator, Sequence
 
 from dht import ConfigError, DHTError, Multiaddr
 from dht.aio import cancel_all
@@ -25,6 +27,22 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 def fail(message: str, code: int = EXIT_FAILURE) -> int:
     print(f"p2ptrain: error: {message}", file=sys.stderr)
     return code
+
+
+def child_python() -> list[str]:
+    """The interpreter, for a child process that imports p2ptrain (``[*child_python(), "-m", "p2ptrain",
+    ...]``): -P keeps the working directory off its sys.path, where a folder named p2ptrain (the
+    parent of a clone) would shadow the installed package."""
+    return [sys.executable, "-P"]
+
+
+def make_console(stderr: bool = False) -> Any:
+    """A rich Console: the terminal's width on a terminal; elsewhere (a pipe, a file, a log) no
+    width limit, so that no line is wrapped and no peer ID, multiaddr or CID is split or cut."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 100_000)
 
 
 def setup_logging(verbose: int, log_json: bool = False) -> None:
@@ -200,6 +218,42 @@ def bootstrap_addrs(flags: list[str] | None, bootstrap_file: str | None) -> list
         return [Multiaddr.parse(a) for a in env.replace(",", " ").split()]
     default = Path("bootstrap_peers.txt")
     return read_bootstrap_file(default) if default.exists() else []
+
+
+@contextlib.contextmanager
+def joining(bootstrap: Sequence[Any], timeout: float, quiet_for: float = 1.0) -> Iterator[None]:
+    """Around a join through ``bootstrap``: once it has taken ``quiet_for`` seconds, say on stderr that
+    the bootstrap peers do not answer yet, with the time spent, in one line rewritten in place on
+    a terminal (a single line elsewhere); a prompt join prints nothing."""
+    if not bootstrap:
+        yield
+        return
+    through = str(bootstrap[0]) + (f" (and {len(bootstrap) - 1} more)" if len(bootstrap) > 1 else "")
+    tty = sys.stderr.isatty()
+    done = threading.Event()
+
+    def tick() -> None:
+        t0 = time.monotonic()
+        shown = False
+        while not done.wait(0.2 if shown else quiet_for):
+            elapsed = time.monotonic() - t0
+            if tty:
+                print(f"\rjoining through {through}: no answer yet, retrying ({elapsed:.1f} s of {timeout:g} s)",
+                      end="", file=sys.stderr, flush=True)
+            elif not shown:
+                print(f"joining through {through}: no answer yet, retrying for up to {timeout:g} s", file=sys.stderr,
+                      flush=True)
+            shown = True
+        if shown and tty:
+            print(file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=tick, name="join-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
 
 
 async def until(stop: asyncio.Event, awaitable: Awaitable[Any]) -> Any:

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from dht.swarmproc import SwarmProcess
 
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, run, until
+from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, make_console, run, until
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,8 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peers", type=int, default=32, help="DHT peers in the swarm (default: %(default)s)")
     p.add_argument("--procs", type=int, default=8, help="OS processes to spread them over (default: %(default)s)")
     p.add_argument("--records", type=int, default=50, help="records to store (default: %(default)s)")
-    p.add_argument("--kill-fraction", type=float, default=0.3,
-                   help="share of processes to SIGKILL (default: %(default)s)")
+    p.add_argument("--kill-fraction", type=float, default=0.25,
+                   help="share of processes to SIGKILL, rounded to whole processes, at least one (default: "
+                   "%(default)s, 2 of 8)")
     p.add_argument("--republish", type=float, default=3.0,
                    help="republish period in seconds; the demo waits one after the kill (default: %(default)s)")
     p.set_defaults(func=main)
@@ -56,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--kill-fraction must be between 0 and 1 (exclusive)")
 
     async def session(stop: asyncio.Event) -> int:
-        console = Console(stderr=True)
+        console = make_console(stderr=True)
         procs: list[SwarmProcess] = []
         try:
             result = await until(stop, _demo(args, console, procs))
@@ -135,12 +136,13 @@ async def _demo(args: argparse.Namespace, console: Console, procs: list[SwarmPro
         table.add_row("reads that found the right value", f"{ok}/{total}")
         table.add_row("read latency p50 / p99", f"{_percentile(lat, .5):.1f} / {_percentile(lat, .99):.1f} ms")
 
-        n_kill = max(1, round(args.kill_fraction * args.procs))
+        n_kill = min(args.procs - 1, max(1, round(args.kill_fraction * args.procs)))  # what the table says
         victims = [0] + random.sample(range(1, args.procs), n_kill - 1)
         for i in victims:
             procs[i].kill()
         killed_peers = sum(counts[i] for i in victims)
-        table.add_row("SIGKILLed processes (bootstrap's included)", f"{n_kill} ({killed_peers} peers)")
+        table.add_row("SIGKILLed processes (bootstrap's included)", f"{n_kill} of {args.procs} "
+                      f"({n_kill / args.procs:.0%}), {killed_peers} peer{'s' * (killed_peers != 1)}")
         survivors = [(p, n) for i, (p, n) in enumerate(zip(procs, counts)) if i not in victims]
         wait = progress.add_task(f"waiting one republish period ({args.republish:.0f} s)", total=None)
         await asyncio.sleep(args.republish + 1.0)  # replicas are re-spread on a timer: time must pass

@@ -13,8 +13,8 @@ from typing import Any
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
-from .common import (EXIT_OK, add_peer_cache_args, add_swarm_key_arg, bootstrap_addrs, parse_listen, peer_cache_of,
-                     run, split_relayed, swarm_key_of, until)
+from .common import (EXIT_OK, add_peer_cache_args, add_swarm_key_arg, bootstrap_addrs, joining, parse_listen,
+                     peer_cache_of, run, split_relayed, swarm_key_of, until)
 from .relay_opts import add_relay_args, relay_vias, start_relaying
 
 
@@ -101,6 +101,10 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("get/put need a swarm: give --bootstrap MULTIADDR (or entries in bootstrap_peers.txt)")
     listen = None if (args.client or args.action != "run") else parse_listen(args.listen)
     vias = relay_vias(args, listen is not None) if args.action == "run" else []
+    if args.key_file is not None:
+        from ..config import check_key_file
+
+        check_key_file(args.key_file)
     identity = Identity.load_or_create(args.key_file)
     announce = args.announce_host
     if listen is not None and announce is None and listen[0] in ("0.0.0.0", "::"):
@@ -111,9 +115,8 @@ def main(args: argparse.Namespace) -> int:
     async def session(stop: asyncio.Event) -> int:
         node = DHTNode(identity, listen, config=config, announce_host=announce, swarm_key=swarm_key)
         try:
-            if boot:
-                print(f"joining through {len(boot)} bootstrap peer(s)...", file=sys.stderr)
-            await node.start(boot)
+            with joining(boot, args.timeout):
+                await node.start(boot)
             relay = await start_relaying(node.host, args.relay and args.action == "run", vias, args.timeout)
             if relay is not None:
                 print("relaying for peers that accept no connections", file=sys.stderr)
@@ -145,7 +148,10 @@ async def _get(node: DHTNode, args: argparse.Namespace) -> int:
 
 async def _put(node: DHTNode, args: argparse.Namespace) -> int:
     key, value = args.args
+    held = len(node.storage)
     accepted = await node.store(key, _parse_value(value), time.time() + args.ttl, subkey=args.subkey)
+    # this short-lived client keeps a copy too, which leaves with it: count only the swarm's peers
+    accepted -= len(node.storage) > held
     print(json.dumps({"key": key, "subkey": args.subkey, "stored_on_peers": accepted}))
     return EXIT_OK if accepted > 0 else 1
 

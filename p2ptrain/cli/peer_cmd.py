@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from dht import ConfigError, DHTError
 from dht.noise import SwarmKeyMismatch
 
 from .common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SWARM_KEY_ENV, add_peer_cache_args,
-                     add_swarm_key_arg, bootstrap_addrs, fail, interrupts, parse_listen, peer_cache_of, split_relayed,
-                     swarm_key_of)
+                     add_swarm_key_arg, bootstrap_addrs, fail, interrupts, joining, parse_listen, peer_cache_of,
+                     split_relayed, swarm_key_of)
 from .relay_opts import add_relay_args, relay_vias, start_relaying
 
 
@@ -88,8 +90,10 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-delay", type=float, default=0.0, metavar="S",
                    help="extra seconds per step, to emulate a bigger model (benchmarks)")
     p.add_argument("--delay-updates", action="store_true", help="sync: average in the background, apply one epoch late")
-    p.add_argument("--wait-peers", type=int, default=0, metavar="N",
-                   help="wait (up to 60 s) for N peers before training, so a swarm started together trains together")
+    p.add_argument("--wait-peers", type=int, metavar="N",
+                   help="wait (up to 60 s) for N peers, this one included, before training, so a swarm started "
+                   "together trains together; 1: train at once (default: a peer that starts a new swarm, with no "
+                   "bootstrap peer, waits for a second one as long as it takes; a joining peer does not wait)")
     p.add_argument("--device", default="cpu",
                    help="where the model trains: cpu (default), cuda or cuda:N; averaging always runs on the host")
     p.add_argument("--threads", type=int, metavar="N",
@@ -131,7 +135,9 @@ def _collect_training_actions() -> list[argparse.Action]:
     return list(parser._actions)
 
 
-def _config(args: argparse.Namespace) -> Any:
+def check_training_args(args: argparse.Namespace) -> None:
+    """A ConfigError for training options that cannot work (``p2ptrain peer`` and ``p2ptrain swarm``,
+    which checks them before it starts any peer)."""
     for name in ("epochs", "target_batch_size", "local_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -149,8 +155,8 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--outer-lr must be positive and --outer-momentum in [0, 1)")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ConfigError("--checkpoint-every must be at least 1 (epochs between checkpoints)")
-    if not args.bootstrap_timeout > 0:
-        raise ConfigError("--bootstrap-timeout must be a positive number of seconds")
+    if args.wait_peers is not None and args.wait_peers < 0:
+        raise ConfigError("--wait-peers cannot be negative (1 trains at once)")
     if args.run_id is not None:
         from ..checkpoint.record import RecordError, check_run_id
 
@@ -158,13 +164,23 @@ def _config(args: argparse.Namespace) -> Any:
             check_run_id(args.run_id)
         except RecordError as e:
             raise ConfigError(f"--run-id: {e}") from None
+    from ..run import resolve_device  # torch: only once the other options are known to be good
+
+    resolve_device(args.device)  # a CUDA flag on a machine without one fails here, before joining
+
+
+def _config(args: argparse.Namespace) -> Any:
+    check_training_args(args)
+    if not args.bootstrap_timeout > 0:
+        raise ConfigError("--bootstrap-timeout must be a positive number of seconds")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
     listen = None if args.client else parse_listen(args.listen)
     bootstrap = [str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)]
-    from ..run import PeerConfig, resolve_device  # torch: only once the options are known to be good
-
-    resolve_device(args.device)  # a CUDA flag on a machine without one fails here, before joining
+    wait_peers, wait_timeout = args.wait_peers, 60.0
+    if wait_peers is None:  # the first peer of a new swarm waits for a second, however long it takes
+        wait_peers, wait_timeout = (0, 60.0) if bootstrap or args.client else (2, None)
+    from ..run import PeerConfig
 
     return PeerConfig(
         task=args.example, run_id=args.run_id, mode=args.mode, compression=args.compression,
@@ -172,16 +188,41 @@ def _config(args: argparse.Namespace) -> Any:
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
         lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         inner_warmup_steps=args.inner_warmup_steps, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
-        delay_updates=args.delay_updates, wait_peers=args.wait_peers, device=args.device, threads=args.threads, save=args.save,
+        delay_updates=args.delay_updates, wait_peers=wait_peers, wait_timeout=wait_timeout, device=args.device,
+        threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
     )
 
 
-def _printer(as_json: bool):
+#: options each peer picks for itself: a joining peer need not repeat them
+_PER_PEER = {"data_seed", "threads", "device", "save", "data_dir", "compute_delay", "wait_peers", "checkpoint_every"}
+
+
+def join_flags(args: argparse.Namespace) -> list[str]:
+    """The flags a peer needs to join this one's run: those that decide the run and the model
+    (from flags, variables or the config file alike), and the private swarm's key as given."""
+    out = training_argv(argparse.Namespace(**{**vars(args), **{k: None for k in _PER_PEER}}))
+    if getattr(args, "swarm_key_file", None):
+        out += ["--swarm-key-file", args.swarm_key_file]
+    return out
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """A final evaluation as one short line: ``acc 95.1%``, ``ppl 12.345 loss 2.513``."""
+    names = {"accuracy": "acc", "perplexity": "ppl", "loss": "loss"}
+    return " ".join(f"{names.get(k, k)} {v:.1%}" if k == "accuracy" else f"{names.get(k, k)} {v:.3f}"
+                    for k, v in metrics.items())
+
+
+def _printer(as_json: bool, join: Sequence[str] = ()):
+    """Events as text (``join``: the flags others add to ``p2ptrain peer --bootstrap ADDR``), or as JSON lines."""
     live = sys.stdout.isatty()
+    waited = -1.0  # seconds of the wait last shown (-1: none yet)
+    joinable = False  # a join command was printed
 
     def show(event: dict[str, Any]) -> None:
+        nonlocal waited, joinable
         if as_json:
             print(json.dumps(event), flush=True)
             return
@@ -191,7 +232,9 @@ def _printer(as_json: bool):
             direct, circuits = split_relayed(addrs)
             head = f"peer {event['peer_id']} in run {event['run_id']!r} at epoch {event['epoch']}"
             if direct:
-                print(f"{head}; others join with\n  p2ptrain peer --bootstrap {direct[0]}", flush=True)
+                command = shlex.join(["p2ptrain", "peer", "--bootstrap", direct[0], *join])
+                print(f"{head}; others join with\n  {command}", flush=True)
+                joinable = True
             else:  # client mode: others cannot bootstrap through us (a relay address only reaches us)
                 print(f"{head} (client mode: it accepts no connections, so others join through another peer)",
                       flush=True)
@@ -207,8 +250,21 @@ def _printer(as_json: bool):
             if kind == "progress" and live:  # one line rewritten in place on a terminal
                 print("\r" + line, end="", flush=True)
             else:
-                print(("\n" if live else "") + (line if kind == "progress" else f"done: {line}\n  {event['metrics']}"),
-                      flush=True)
+                tested = f"  test {format_metrics(event['metrics'])}" if event.get("metrics") else ""
+                print(("\n" if live else "") + (line if kind == "progress" else f"done: {line}{tested}"), flush=True)
+        elif kind == "waiting":
+            count, want, seconds = event["peers"], event["want"], event["seconds"]
+            if waited < 0:
+                more = want - count
+                how = f"start {'them' if more != 1 else 'one'} with the command above; " if joinable else ""
+                print(f"waiting for {more} more peer{'s' * (more != 1)} before training ({how}--wait-peers 1 "
+                      "trains without waiting, Ctrl+C stops)", flush=True)
+            if live:  # one line rewritten in place on a terminal
+                print(f"\r  waiting {seconds:.0f} s: {count} of {want} peers", end="", flush=True)
+            elif waited >= 0 and seconds >= waited + 60:  # elsewhere, a line a minute
+                print(f"  waiting {seconds:.0f} s: {count} of {want} peers", flush=True)
+            if waited < 0 or seconds >= waited + 60:
+                waited = seconds
 
     return show
 
@@ -279,7 +335,7 @@ def _run_script(path: str, script_args: str, bootstrap: list[str]) -> int:
 def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> int:
     from ..run import run_peer
 
-    show = _printer(args.json)
+    show = _printer(args.json, join_flags(args))
     round_hooks = [h for h in (metrics and metrics.on_round, round_log and round_log.write) if h]
 
     def on_event(event: dict[str, Any]) -> None:
@@ -325,8 +381,9 @@ def _start_dht(args: argparse.Namespace, cfg: Any) -> Any:
 
     config = DHTConfig(peer_cache=peer_cache_of(args, swarm_key_of(args)), bootstrap_timeout=args.bootstrap_timeout)
     vias = relay_vias(args, cfg.listen is not None)
-    dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host,
-              config=config)
+    with joining(cfg.bootstrap, args.bootstrap_timeout):
+        dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host,
+                  config=config)
     if args.relay or vias:
         try:
             dht.run(start_relaying(dht.node.host, args.relay, vias), timeout=30)

@@ -18,7 +18,8 @@ from typing import Any
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
-from .common import EXIT_FAILURE, EXIT_OK, add_swarm_key_arg, bootstrap_addrs, fail, run, swarm_key_of, until
+from .common import (EXIT_FAILURE, EXIT_OK, add_swarm_key_arg, bootstrap_addrs, fail, joining, make_console, run,
+                     swarm_key_of, until)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
     async def session(stop: asyncio.Event) -> int:
         node = DHTNode(Identity(), None, config=DHTConfig(bootstrap_timeout=args.timeout), swarm_key=swarm_key)
         try:
-            await node.start(boot)
+            with joining(boot, args.timeout):
+                await node.start(boot)
             try:
                 async with asyncio.timeout(args.timeout):
                     result = await until(stop, node.lookup_value(key, latest=True))
@@ -113,10 +115,9 @@ def _show(args: argparse.Namespace, run_id: str, key: str, records: list[Any], d
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
 
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = make_console()
     title = (f"run {run_id}: {swarm['active']} active peer{'s' * (swarm['active'] != 1)}"
              f"{f' ({len(reports) - len(active)} left)' if len(active) < len(reports) else ''}, "
              f"swarm epoch {epoch}, {swarm['samples_per_second']:,.0f} samples/s")

@@ -24,8 +24,9 @@ from typing import Any
 from dht import ConfigError
 from dht.swarmproc import die_with_parent
 
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, add_swarm_key_arg, fail, interrupts
-from .peer_cmd import add_training_args, training_argv
+from .common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, add_swarm_key_arg, child_python, fail, interrupts,
+                     make_console)
+from .peer_cmd import add_training_args, check_training_args, format_metrics, training_argv
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -88,7 +89,7 @@ def _swarm_key_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _start_bootstrap(events: queue.Queue, timeout: float = 60.0, extra: list[str] | None = None) -> tuple[_Child, str]:
-    argv = [sys.executable, "-m", "p2ptrain", "dht", "run", "--listen", "/ip4/127.0.0.1/tcp/0", *(extra or [])]
+    argv = [*child_python(), "-m", "p2ptrain", "dht", "run", "--listen", "/ip4/127.0.0.1/tcp/0", *(extra or [])]
     child = _Child(-1, argv, events)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -107,6 +108,7 @@ def _start_bootstrap(events: queue.Queue, timeout: float = 60.0, extra: list[str
 def main(args: argparse.Namespace) -> int:
     if not 1 <= args.peers <= 64:
         raise ConfigError("--peers must be between 1 and 64")
+    check_training_args(args)  # as each peer would, before any is started
     events: queue.Queue = queue.Queue()
     children: list[_Child] = []
 
@@ -131,7 +133,7 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
     forwarded = training_argv(argparse.Namespace(**{**vars(args), "save": None})) + key_argv
     if args.threads is None:  # each peer its share of the cores: oversubscribed torch threads cost ~20x
         forwarded += ["--threads", str(max(1, (os.cpu_count() or 1) // args.peers))]
-    if args.wait_peers == 0:
+    if args.wait_peers is None:  # the peers start together: none trains before all have joined
         forwarded += ["--wait-peers", str(args.peers)]
     save = args.save or str(Path(args.out) / f"{args.example}-model.safetensors")
     if args.checkpoint_every is not None:
@@ -143,7 +145,7 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
         print(f"checkpoints go to {store} ('{ls}' lists them)", file=sys.stderr if args.json else sys.stdout,
               flush=True)
     for i in range(args.peers):
-        argv = [sys.executable, "-m", "p2ptrain", "peer", "--json", "--bootstrap", addr, *forwarded]
+        argv = [*child_python(), "-m", "p2ptrain", "peer", "--json", "--bootstrap", addr, *forwarded]
         if i == 0:
             argv += ["--save", save]
         if args.data_seed is None:
@@ -211,10 +213,9 @@ class _View:
 
     def __enter__(self) -> _View:
         if not self.as_json:
-            from rich.console import Console
             from rich.live import Live
 
-            console = Console(stderr=False)
+            console = make_console()
             console.print(f"swarm of {self.n} peers, bootstrap {self.addr}")
             self._live = Live(self._table(), console=console, refresh_per_second=4, transient=False)
             self._live.__enter__()
@@ -226,11 +227,14 @@ class _View:
             self._live.__exit__(*exc)
 
     def update(self, index: int, event: dict[str, Any]) -> None:
+        row = self.rows.setdefault(index, {})
+        if event.get("event") == "started" and "peer_id" in row:
+            return  # one started event per peer, whatever its process printed
+        row.update(event)
         if self.as_json:
             print(json.dumps({"peer": index, **event}), flush=True)
-            return
-        self.rows.setdefault(index, {}).update(event)
-        self.refresh()
+        else:
+            self.refresh()
 
     def refresh(self) -> None:
         if self._live is not None:
@@ -248,7 +252,8 @@ class _View:
         for i in range(self.n):
             r = self.rows.get(i, {})
             kind = r.get("event")
-            test = _metrics(r.get("metrics", {})) if kind == "done" else ("starting" if kind is None else "training")
+            test = format_metrics(r.get("metrics", {})) if kind == "done" else \
+                {None: "starting", "waiting": "waiting for peers"}.get(kind, "training")
             loss = r.get("loss")
             t.add_row(str(i), str(r.get("epoch", "")), "" if loss is None else f"{loss:.3f}",
                       f"{r.get('local_sps', 0):,.0f}", str(r.get("group_size", "")),
@@ -256,11 +261,15 @@ class _View:
         return t
 
     def summary(self) -> None:
-        if self.as_json:
-            return
-        print()
+        """The verdict: did the peers end with the same parameters, and where is the model."""
         saved = [r["saved"] for r in self.rows.values() if r.get("saved")]
         digests = {r.get("params_digest") for r in self.rows.values() if r.get("event") == "done"}
+        if self.as_json:
+            print(json.dumps({"event": "summary", "peers": self.n, "peers_done": sum(
+                r.get("event") == "done" for r in self.rows.values()), "same_parameters": len(digests) == 1,
+                "distinct_states": len(digests), "saved": saved}), flush=True)
+            return
+        print()
         if len(digests) == 1:
             print("every peer ended with the same parameters")
         elif digests:
@@ -268,8 +277,3 @@ class _View:
         for path in saved:
             print(f"trained model: {path}")
 
-
-def _metrics(metrics: dict[str, float]) -> str:
-    names = {"accuracy": "acc", "perplexity": "ppl", "loss": "loss"}
-    return " ".join(f"{names.get(k, k)} {v:.1%}" if k == "accuracy" else f"{names.get(k, k)} {v:.3f}"
-                    for k, v in metrics.items())

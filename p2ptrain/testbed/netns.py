@@ -434,7 +434,7 @@ class Testbed:
         _run(["ip", "-n", sw, "link", "set", tap, "up"])
         batch = "".join(f"fdb replace {h.mac} dev p{h.index} master static\n" for h in self.hosts)
         _run(["bridge", "-n", sw, "-batch", "-"], stdin=batch)
-        p = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, "-m", "p2ptrain.testbed.delayline", tap,
+        p = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, "-P", "-m", "p2ptrain.testbed.delayline", tap,
                               repr(self.delay_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._procs.append(p)
         self.delay_line = p
