@@ -31,6 +31,7 @@ from .bufpool import POOLED_FRAME_MIN, BufferPool
 from .connection import _HS_LEN, DEFAULT_PROLOGUE, Connection, RequestHandler, StreamHandler  # noqa: F401
 from .errors import PeerUnreachable
 from .identity import Identity, PeerID
+from .interfaces import announce_hosts
 from .limits import Limits, LogThrottle
 from .multiaddr import Multiaddr
 from .noise import StaticKey
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
     from .relay import RelayClient
 
 log = logging.getLogger("dht.transport")
+
+#: seconds a listing of this machine's interface addresses is reused (a laptop changing networks
+#: announces its new address within this)
+_ANNOUNCE_TTL = 30.0
 
 __all__ = ["DEFAULT_PROLOGUE", "POOLED_FRAME_MIN", "BufferPool", "Connection", "Host", "Limits", "LogThrottle",
            "RequestHandler", "StreamHandler"]
@@ -76,6 +81,7 @@ class Host:
         self.limits = limits or Limits()
         self._listen = listen
         self._announce_host = announce_host
+        self._announce_cache: tuple[float, list[str]] | None = None  # (when, hosts) see _announced
         self.listen_port: int | None = None
         self._server: asyncio.base_events.Server | None = None
         self._handlers: dict[str, RequestHandler] = {}
@@ -130,15 +136,21 @@ class Host:
 
     @property
     def listen_addrs(self) -> list[Multiaddr]:
-        """Full multiaddrs (with /p2p/<id>) others can dial: the direct one first (none in client
-        mode), then a circuit address per relay that holds a reservation for us."""
+        """Full multiaddrs (with /p2p/<id>) others can dial: the direct ones first (none in client
+        mode; on a wildcard listen host, one per routable interface address, see
+        ``dht.interfaces``), then a circuit address per relay that holds a reservation for us."""
         circuits = self._relay_client.addrs if self._relay_client is not None else []
         if self._server is None or self.listen_port is None:
             return circuits
-        host = self._announce_host or self._listen[0]  # type: ignore[index]
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
-        return [Multiaddr.from_host_port(host, self.listen_port, self.peer_id), *circuits]
+        return [*(Multiaddr.from_host_port(h, self.listen_port, self.peer_id) for h in self._announced()), *circuits]
+
+    def _announced(self) -> list[str]:
+        """``announce_hosts`` of our listen host, listed again at most every ``_ANNOUNCE_TTL`` s
+        (listing the interfaces costs ~0.2 ms, and callers ask every averaging round)."""
+        now = time.monotonic()
+        if self._announce_cache is None or now - self._announce_cache[0] > _ANNOUNCE_TTL:
+            self._announce_cache = (now, announce_hosts(self._listen[0], self._announce_host))  # type: ignore[index]
+        return self._announce_cache[1]
 
     async def reserve_relay(self, relay: Multiaddr | str, timeout: float = 5.0) -> Multiaddr:
         """Become reachable through the relay at ``relay`` (a peer running ``relay.RelayService``,

@@ -75,14 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(event), flush=True)
         elif event["event"] == "started":
-            print(f"peer {event['peer_id']} joined at epoch {event['epoch']}; others join with\n"
-                  f"  python examples/char_lm.py --bootstrap {event['addr']}", flush=True)
+            print(f"peer {event['peer_id']} joined at epoch {event['epoch']}; others join with", flush=True)
+            for addr in event["addrs"]:  # one per network interface (any that the other machine reaches)
+                print(f"  python examples/char_lm.py --bootstrap {addr}", flush=True)
         else:
             print("  ".join(f"{k}={v}" for k, v in event.items() if k not in ("event", "sample")), flush=True)
             if "sample" in event:
                 print(event["sample"], flush=True)
 
-    say({"event": "started", "peer_id": str(dht.peer_id), "addr": str(dht.multiaddrs[0]), "epoch": opt.epoch})
+    addrs = [str(a) for a in dht.multiaddrs]  # every address others can dial this peer at
+    say({"event": "started", "peer_id": str(dht.peer_id), "addr": addrs[0], "addrs": addrs, "epoch": opt.epoch})
     seed = args.data_seed if args.data_seed is not None else int(time.time_ns() % 2**31)
     batches = task.batches(args.batch_size, seed=seed)
     t0 = time.perf_counter()

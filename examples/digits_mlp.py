@@ -61,12 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(event), flush=True)
         elif event["event"] == "started":
-            print(f"peer {event['peer_id']} joined at epoch {event['epoch']}; others join with\n"
-                  f"  python examples/digits_mlp.py --bootstrap {event['addr']}", flush=True)
+            print(f"peer {event['peer_id']} joined at epoch {event['epoch']}; others join with", flush=True)
+            for addr in event["addrs"]:  # one per network interface (any that the other machine reaches)
+                print(f"  python examples/digits_mlp.py --bootstrap {addr}", flush=True)
         else:
             print("  ".join(f"{k}={v}" for k, v in event.items() if k != "event"), flush=True)
 
-    say({"event": "started", "peer_id": str(dht.peer_id), "addr": str(dht.multiaddrs[0]), "epoch": opt.epoch})
+    addrs = [str(a) for a in dht.multiaddrs]  # every address others can dial this peer at
+    say({"event": "started", "peer_id": str(dht.peer_id), "addr": addrs[0], "addrs": addrs, "epoch": opt.epoch})
     if args.wait_peers:
         opt.wait_for_peers(args.wait_peers)
     seed = args.data_seed if args.data_seed is not None else int(time.time_ns() % 2**31)

@@ -31,8 +31,13 @@ class DHT:
     """A started :class:`dht.DHTNode` on a background loop this object owns.
 
     ``initial_peers``: multiaddrs (strings or ``Multiaddr``) of peers already in the swarm; an empty
-    list makes this the first peer; None (the default) reads ``$P2PTRAIN_BOOTSTRAP``. ``listen=None`` runs a client-mode node (no inbound connections: it
-    can average but serves nothing). ``key_file``: keep the same PeerID across restarts.
+    list makes this the first peer; None (the default) reads ``$P2PTRAIN_BOOTSTRAP``.
+
+    ``listen``: (host, port); by default every interface and a free port, announcing every
+    routable interface address (``multiaddrs``), as ``p2ptrain peer`` does; ``("127.0.0.1", 0)``
+    keeps the peer to this machine. ``listen=None`` runs a client-mode node (no inbound
+    connections: it can average but serves nothing). ``announce_host``: the one host others dial
+    instead (e.g. a NAT's public address). ``key_file``: keep the same PeerID across restarts.
 
     ``swarm_key`` (a :class:`dht.swarmkey.SwarmKey`, its 32 bytes, or the path of a swarm key file)
     joins a private swarm: only peers with the same key can connect. None (the default) reads the
@@ -44,7 +49,7 @@ class DHT:
         self,
         initial_peers: Sequence[str | Multiaddr] | None = None,
         *,
-        listen: tuple[str, int] | None = ("127.0.0.1", 0),
+        listen: tuple[str, int] | None = ("0.0.0.0", 0),
         identity: Identity | None = None,
         key_file: str | Path | None = None,
         config: DHTConfig | None = None,
@@ -74,7 +79,8 @@ class DHT:
 
     @property
     def multiaddrs(self) -> list[Multiaddr]:
-        """Full multiaddrs (with ``/p2p/<id>``) other peers can bootstrap from."""
+        """Full multiaddrs (with ``/p2p/<id>``) other peers can bootstrap from: one per routable
+        interface address when listening on all interfaces, the default route's first."""
         return self.node.multiaddrs
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

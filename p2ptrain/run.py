@@ -66,7 +66,7 @@ class PeerConfig:
     wait_peers: int = 0  # wait for this many peers before training (a swarm started together)
     wait_timeout: float | None = 60.0  # seconds to wait for them at most (None: until they come or stop)
     bootstrap: Sequence[str] = ()
-    listen: tuple[str, int] | None = ("127.0.0.1", 0)
+    listen: tuple[str, int] | None = ("0.0.0.0", 0)  # all interfaces, as p2ptrain.DHT; None: client mode
     announce_host: str | None = None
     key_file: str | None = None
 

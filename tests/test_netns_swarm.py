@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ import pytest
 import torch
 
 from p2ptrain.averaging.worker import flat_input
+from dht import Multiaddr
 from p2ptrain.testbed import Testbed, available
 
 _OK, _WHY = available()
@@ -196,3 +198,56 @@ def test_three_peers_and_a_client_behind_nat_train_to_the_target(no_leftovers: N
     # the client averaged with the others (client-mode members own no shard: they send theirs and
     # receive the averaged parts, through connections they dialled themselves)
     assert results[-1]["bytes_sent"] > 1e6 and results[-1]["bytes_received"] > 1e6, summary
+
+
+class Lines:
+    """A process's text output, line by line, read by a thread: wait for a line that matches."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=lambda: [*map(self.lines.put, stream), self.lines.put(None)], daemon=True).start()
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout} s: {self.seen[-5:]}") from None
+            if line is None:
+                raise AssertionError(f"the output ended before a line matching {pattern!r}: {self.seen[-5:]}")
+            self.seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+
+
+@pytest.mark.timeout(240)
+def test_two_machines_train_together_following_the_readme(tmp_path: Any, no_leftovers: None) -> None:
+    """README, "Training across machines": machine A runs ``p2ptrain peer --listen
+    /ip4/0.0.0.0/tcp/4001 --key-file ...`` and prints the address others join with; machine B runs
+    the same command with ``--bootstrap`` and that address; they train together.
+
+    A used to print /ip4/127.0.0.1/tcp/4001/p2p/..., with which B dialed itself."""
+    one_core = ["--threads", "1"]  # two peers on a 2-core box: oversubscribed torch threads crawl
+    readme = [sys.executable, "-m", "p2ptrain", "peer", "--listen", "/ip4/0.0.0.0/tcp/4001"]
+    with Testbed(2) as tb:
+        err_a = tempfile.TemporaryFile("w+")
+        a = tb.popen(0, [*readme, "--key-file", str(tmp_path / "key"), *one_core], stdout=subprocess.PIPE,
+                     stderr=err_a, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out_a = Lines(a.stdout)
+        try:
+            printed = out_a.wait_for(r"(/ip[46]/\S+/tcp/\d+/p2p/\w+)", 90).group(1)
+        except AssertionError:
+            err_a.seek(0)
+            raise AssertionError(err_a.read()[-3000:]) from None
+        addr = Multiaddr.parse(printed)
+        assert (addr.host, addr.port, addr.peer_id is not None) == (tb.hosts[0].ip, 4001, True), printed
+        b = Proc(tb, 1, [*readme, "--bootstrap", printed, *one_core, "--json"])
+        done = b.wait_for(lambda e: e.get("event") == "done", 200)
+        acc_a = float(out_a.wait_for(r"^done: .* acc (\d+\.\d)%", 60).group(1)) / 100
+        assert a.wait(timeout=30) == 0 and b.proc.wait(timeout=30) == 0, b.err()
+    # together: B averaged with A (rounds in a group, bytes both ways), and both reach the target
+    assert done["epoch"] == 40 and done["rounds"] - done["failed_rounds"] >= 20, done
+    assert done["bytes_sent"] > 1e5 and done["bytes_received"] > 1e5, done
+    assert done["metrics"]["accuracy"] >= ACCURACY and acc_a >= ACCURACY, (done, acc_a)

@@ -183,6 +183,15 @@ def split_relayed(addrs: list[str]) -> tuple[list[str], list[str]]:
     return [a for a in addrs if a not in relayed], relayed
 
 
+#: ``--listen`` of ``p2ptrain peer`` and ``p2ptrain dht`` (the same as p2ptrain.DHT's): every interface
+LISTEN_DEFAULT = "/ip4/0.0.0.0/tcp/0"
+LISTEN_HELP = ("address to listen on (default: %(default)s: every interface, any free port; others are told "
+               "every address of this machine they could dial, loopback excluded; /ip4/127.0.0.1/tcp/0 keeps "
+               "the peer to this machine)")
+ANNOUNCE_HELP = ("the one host/IP others should dial, e.g. a NAT's public address (default: the listen "
+                 "address, or every interface address when listening on 0.0.0.0 or ::)")
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     addr = Multiaddr.parse(text)
     if addr.host_proto not in ("ip4", "ip6"):

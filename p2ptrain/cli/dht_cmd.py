@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import time
 from typing import Any
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
-from .common import (EXIT_OK, add_peer_cache_args, add_swarm_key_arg, bootstrap_addrs, joining, parse_listen,
+from .common import (ANNOUNCE_HELP, EXIT_OK, LISTEN_DEFAULT, LISTEN_HELP, add_peer_cache_args, add_swarm_key_arg,
+                     bootstrap_addrs, joining, parse_listen,
                      peer_cache_of, run, split_relayed, swarm_key_of, until)
 from .relay_opts import add_relay_args, relay_vias, start_relaying
 
@@ -29,9 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run (default): serve until Ctrl+C; get KEY; put KEY VALUE; swarm-key FILE: create a new "
                    "private swarm's key (mode 0600), for --swarm-key-file")
     p.add_argument("args", nargs="*", help="KEY for get; KEY VALUE for put (VALUE parsed as JSON when it is JSON)")
-    p.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", metavar="MULTIADDR",
-                   help="address to listen on (default: %(default)s, any free port)")
-    p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: guessed)")
+    p.add_argument("--listen", default=LISTEN_DEFAULT, metavar="MULTIADDR", help=LISTEN_HELP)
+    p.add_argument("--announce-host", metavar="HOST", help=ANNOUNCE_HELP)
     p.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
                    help="peer to join through (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP")
     p.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
@@ -46,16 +45,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_swarm_key_arg(p)
     add_peer_cache_args(p)
     p.set_defaults(func=main)
-
-
-def _guess_host() -> str:
-    """An address others on the network can likely reach (the interface of the default route)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # no packet is sent for UDP connect
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 def _parse_value(text: str) -> Any:
@@ -107,8 +96,6 @@ def main(args: argparse.Namespace) -> int:
         check_key_file(args.key_file)
     identity = Identity.load_or_create(args.key_file)
     announce = args.announce_host
-    if listen is not None and announce is None and listen[0] in ("0.0.0.0", "::"):
-        announce = _guess_host()
     swarm_key = swarm_key_of(args)
     config = DHTConfig(bootstrap_timeout=args.timeout, peer_cache=peer_cache_of(args, swarm_key))
 

@@ -14,7 +14,8 @@ from typing import Any
 from dht import ConfigError, DHTError
 from dht.noise import SwarmKeyMismatch
 
-from .common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, SWARM_KEY_ENV, add_peer_cache_args,
+from .common import (ANNOUNCE_HELP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, LISTEN_DEFAULT, LISTEN_HELP,
+                     SWARM_KEY_ENV, add_peer_cache_args,
                      add_swarm_key_arg, bootstrap_addrs, fail, interrupts, joining, parse_listen, peer_cache_of,
                      split_relayed, swarm_key_of)
 from .relay_opts import add_relay_args, relay_vias, start_relaying
@@ -33,9 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
     p.add_argument("--bootstrap-timeout", type=float, default=10.0, metavar="S",
                    help="seconds to keep retrying bootstrap peers that refuse or do not answer (default: %(default)s)")
-    p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR",
-                   help="address to listen on (default: %(default)s; use /ip4/0.0.0.0/tcp/PORT across machines)")
-    p.add_argument("--announce-host", metavar="HOST", help="host/IP others should dial (default: the listen host)")
+    p.add_argument("--listen", default=LISTEN_DEFAULT, metavar="MULTIADDR", help=LISTEN_HELP)
+    p.add_argument("--announce-host", metavar="HOST", help=ANNOUNCE_HELP)
     p.add_argument("--client", action="store_true",
                    help="client mode, for a peer behind NAT or a firewall: dial out, accept no connections "
                    "(it trains and averages, but owns no shard and serves no state; --listen is ignored)")

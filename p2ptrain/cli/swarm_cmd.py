@@ -145,7 +145,8 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
         print(f"checkpoints go to {store} ('{ls}' lists them)", file=sys.stderr if args.json else sys.stdout,
               flush=True)
     for i in range(args.peers):
-        argv = [*child_python(), "-m", "p2ptrain", "peer", "--json", "--bootstrap", addr, *forwarded]
+        argv = [*child_python(), "-m", "p2ptrain", "peer", "--json", "--listen", "/ip4/127.0.0.1/tcp/0",
+                "--bootstrap", addr, *forwarded]  # a swarm on this machine: loopback, as its bootstrap peer
         if i == 0:
             argv += ["--save", save]
         if args.data_seed is None:
