@@ -146,6 +146,17 @@ def test_private_swarm_join_hint_names_the_swarm_key(tmp_path, monkeypatch, caps
     # the settings the run depends on and the key as the user named it; not this peer's own threads
     assert f"\n  p2ptrain peer --bootstrap {addr} --example char_lm --swarm-key-file team.key\n" in out, out
 
+    # `p2ptrain dht` (a bootstrap node) says so too, for the key named by the flag or the variable
+    for argv, env in ((["--swarm-key-file", "team.key"], {}), ([], {"P2PTRAIN_SWARM_KEY_FILE": "team.key"})):
+        proc = subprocess.Popen([*CLI, "dht", "--listen", "/ip4/127.0.0.1/tcp/0", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, **env})
+        try:
+            assert ADDR.fullmatch(proc.stdout.readline().strip())
+        finally:
+            proc.terminate()
+            err = proc.communicate(timeout=10)[1]
+        assert "others can join with --bootstrap ADDRESS --swarm-key-file team.key, one of:" in err, err
+
 
 def test_first_peer_waits_for_a_second_and_prints_how_to_join(tmp_path, child_pids):
     """A peer with no bootstrap starts a swarm: it waits (as long as it takes) for a second peer,

@@ -6,15 +6,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shlex
 import sys
 import time
 from typing import Any
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
-from .common import (ANNOUNCE_HELP, EXIT_OK, LISTEN_DEFAULT, LISTEN_HELP, add_peer_cache_args, add_swarm_key_arg,
-                     bootstrap_addrs, joining, parse_listen,
-                     peer_cache_of, run, split_relayed, swarm_key_of, until)
+from .common import (ANNOUNCE_HELP, EXIT_OK, LISTEN_DEFAULT, LISTEN_HELP, SWARM_KEY_ENV, add_peer_cache_args,
+                     add_swarm_key_arg, bootstrap_addrs, joining, parse_listen, peer_cache_of, run, split_relayed,
+                     swarm_key_of, until)
 from .relay_opts import add_relay_args, relay_vias, start_relaying
 
 
@@ -111,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
                 return await _get(node, args)
             if args.action == "put":
                 return await _put(node, args)
-            return await _serve(node, stop, first=not boot)
+            return await _serve(node, stop, first=not boot,
+                                key_file=args.swarm_key_file or os.environ.get(SWARM_KEY_ENV))
         finally:
             await node.close()
 
@@ -143,7 +146,7 @@ async def _put(node: DHTNode, args: argparse.Namespace) -> int:
     return EXIT_OK if accepted > 0 else 1
 
 
-async def _serve(node: DHTNode, stop: asyncio.Event, first: bool) -> int:
+async def _serve(node: DHTNode, stop: asyncio.Event, first: bool, key_file: str | None = None) -> int:
     addrs = [str(a) for a in node.multiaddrs]
     print(f"peer id: {node.peer_id}", file=sys.stderr)
     if node.host.swarm_key is not None:
@@ -152,7 +155,8 @@ async def _serve(node: DHTNode, stop: asyncio.Event, first: bool) -> int:
         print("no bootstrap peers given: this is the first peer of a new swarm", file=sys.stderr)
     direct, circuits = split_relayed(addrs)
     if direct:
-        print("others can join with:", file=sys.stderr)
+        with_key = f" --swarm-key-file {shlex.quote(key_file)}" if key_file and node.host.swarm_key else ""
+        print(f"others can join with --bootstrap ADDRESS{with_key}, one of:", file=sys.stderr)
     elif circuits:  # a relayed peer can be called, but the DHT does not route through relays yet
         print("client mode: others join through another peer; this one is reachable through a relay at:",
               file=sys.stderr)
