@@ -141,10 +141,12 @@ def test_private_swarm_join_hint_names_the_swarm_key(tmp_path, monkeypatch, caps
     apply_config(args, build_parser, argv, {})
     show = _printer(False, join_flags(args))
     addr = f"/ip4/10.0.0.1/tcp/4001/p2p/{Identity().peer_id}"
-    show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": [addr]})
+    other = addr.replace("10.0.0.1", "192.168.1.5")
+    show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": [addr, other]})
     out = capsys.readouterr().out
     # the settings the run depends on and the key as the user named it; not this peer's own threads
     assert f"\n  p2ptrain peer --bootstrap {addr} --example char_lm --swarm-key-file team.key\n" in out, out
+    assert out.endswith(f"\n  or with --bootstrap {other}\n"), out
 
     # `p2ptrain dht` (a bootstrap node) says so too, for the key named by the flag or the variable
     for argv, env in ((["--swarm-key-file", "team.key"], {}), ([], {"P2PTRAIN_SWARM_KEY_FILE": "team.key"})):

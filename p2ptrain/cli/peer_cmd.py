@@ -234,6 +234,8 @@ def _printer(as_json: bool, join: Sequence[str] = ()):
             if direct:
                 command = shlex.join(["p2ptrain", "peer", "--bootstrap", direct[0], *join])
                 print(f"{head}; others join with\n  {command}", flush=True)
+                for other in direct[1:]:  # this machine's other addresses (another network, IPv6)
+                    print(f"  or with --bootstrap {other}", flush=True)
                 joinable = True
             else:  # client mode: others cannot bootstrap through us (a relay address only reaches us)
                 print(f"{head} (client mode: it accepts no connections, so others join through another peer)",
