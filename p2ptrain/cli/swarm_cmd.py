@@ -217,7 +217,7 @@ class _View:
             from rich.live import Live
 
             console = make_console()
-            console.print(f"swarm of {self.n} peers, bootstrap {self.addr}")
+            console.print(f"swarm of {self.n} peers, bootstrap {self.addr}", soft_wrap=True)  # an address stays whole
             self._live = Live(self._table(), console=console, refresh_per_second=4, transient=False)
             self._live.__enter__()
         return self
