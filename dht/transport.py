@@ -29,7 +29,7 @@ from .bufpool import POOLED_FRAME_MIN, BufferPool
 # (Connection and the names below lived here before the module was split: importing them from
 # dht.transport keeps working)
 from .connection import _HS_LEN, DEFAULT_PROLOGUE, Connection, RequestHandler, StreamHandler  # noqa: F401
-from .errors import PeerUnreachable
+from .errors import HandshakeError, PeerUnreachable
 from .identity import Identity, PeerID
 from .interfaces import announce_hosts
 from .limits import Limits, LogThrottle
@@ -48,6 +48,8 @@ log = logging.getLogger("dht.transport")
 #: seconds a listing of this machine's interface addresses is reused (a laptop changing networks
 #: announces its new address within this)
 _ANNOUNCE_TTL = 30.0
+#: peers whose last address a host remembers (see Host.connect)
+_SEEN_MAX = 4096
 
 __all__ = ["DEFAULT_PROLOGUE", "POOLED_FRAME_MIN", "BufferPool", "Connection", "Host", "Limits", "LogThrottle",
            "RequestHandler", "StreamHandler"]
@@ -92,6 +94,8 @@ class Host:
         self._handshakes_per_ip: dict[str, int] = {}
         self._disconnect_listeners: list[Callable[[PeerID], None]] = []
         self._dialing: dict[tuple[str, int, PeerID | None], asyncio.Future[Connection]] = {}
+        #: where each peer that listens was last connected (its address as we saw it), oldest first
+        self._seen: dict[PeerID, tuple[str, int]] = {}
         self._relay_client: RelayClient | None = None
         #: windows of the streams remote peers opened to us, summed (see Limits.max_inbound_streams)
         self.inbound_stream_memory = 0
@@ -195,7 +199,9 @@ class Host:
         self, host: str, port: int, peer: PeerID | None = None, timeout: float = 5.0
     ) -> Connection:
         """A ready connection to ``peer`` at host:port, reusing an open one. When ``peer`` is
-        given, reaching anyone else fails with HandshakeError (no impersonation)."""
+        given, reaching anyone else fails with HandshakeError (no impersonation); when host:port
+        fails and ``peer`` was connected before from another address, that one is tried too,
+        within the same ``timeout``."""
         if self._closed:
             raise PeerUnreachable("host is closed")
         if peer is not None:
@@ -204,7 +210,19 @@ class Host:
                 return existing
             if peer == self.peer_id:
                 raise PeerUnreachable("refusing to dial ourselves")
-        return await self._dial_once((host, port, peer), lambda: self._dial(host, port, peer, timeout))
+        deadline = time.monotonic() + timeout
+        try:
+            return await self._dial_once((host, port, peer), lambda: self._dial(host, port, peer, timeout))
+        except (PeerUnreachable, HandshakeError) as e:
+            # A record carries one address of a peer (the first it announces); on a machine with
+            # several interfaces another may be the one we reach: try where the peer last was
+            # connected to us, with what is left of the timeout
+            seen = self._seen.get(peer) if peer is not None else None
+            left = deadline - time.monotonic()
+            if seen is None or seen == (host, port) or left < 0.05 or self._closed:
+                raise
+            log.debug("%s at %s:%d: %s; trying %s:%d, its last address", peer, host, port, e, *seen)
+            return await self._dial_once((*seen, peer), lambda: self._dial(seen[0], seen[1], peer, left))
 
     async def _dial_once(self, key: tuple[str, int, PeerID | None],
                          dial: Callable[[], Awaitable[Connection]]) -> Connection:
@@ -324,6 +342,11 @@ class Host:
         # the other side opens on either is served) and ``_prefer`` picks the one we send on.
         if current is None or current.is_closed or self._prefer(conn, current):
             self._conns[peer] = conn
+        if conn.remote_host is not None and conn.remote_listen_port is not None:  # direct, and it listens
+            self._seen.pop(peer, None)
+            self._seen[peer] = (conn.remote_host, conn.remote_listen_port)
+            if len(self._seen) > _SEEN_MAX:
+                del self._seen[next(iter(self._seen))]  # the peer not seen for the longest
         for callback in self.on_connect:
             callback(conn)
 

@@ -6,6 +6,7 @@ Two machines in network namespaces, following the README, are in tests/test_netn
 from __future__ import annotations
 
 import argparse
+import asyncio
 import inspect
 import logging
 from ipaddress import ip_address
@@ -101,3 +102,34 @@ def test_the_cli_and_the_library_listen_on_the_same_default() -> None:
         sub = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
         (command,) = sub.values()
         assert parse_listen(command.get_default("listen")) == library, module.__name__
+
+
+async def test_a_peer_whose_recorded_address_fails_is_dialed_where_it_was_last_seen() -> None:
+    """Group, progress and checkpoint records carry one address of a peer (its first); when that
+    one is not reachable from here (another interface of a multi-homed machine), ``connect``
+    tries where the peer was last connected from, within the same timeout."""
+    from dht import Host, HandshakeError, Identity, PeerUnreachable
+
+    a, b, other = (Host(Identity(), ("127.0.0.1", 0)) for _ in range(3))
+    for h in (a, b, other):
+        await h.start()
+    try:
+        first = await b.connect("127.0.0.1", a.listen_port, a.peer_id)  # b sees a at 127.0.0.1:<a's port>
+        first.close("done")
+        while b.connection(a.peer_id) is not None or a.connection(b.peer_id) is not None:
+            await asyncio.sleep(0.01)
+        # a's recorded address refuses (nothing listens on port 1), or reaches another peer
+        for wrong in (("127.0.0.1", 1), ("127.0.0.1", other.listen_port)):
+            conn = await b.connect(*wrong, a.peer_id, timeout=3.0)
+            assert conn.remote_peer == a.peer_id and conn.remote_listen_port == a.listen_port
+            conn.close("done")
+            while b.connection(a.peer_id) is not None:
+                await asyncio.sleep(0.01)
+        # a peer never seen has nowhere else to be tried; impersonation still fails
+        with pytest.raises(PeerUnreachable):
+            await b.connect("127.0.0.1", 1, Identity().peer_id, timeout=3.0)
+        with pytest.raises(HandshakeError):
+            await b.connect("127.0.0.1", other.listen_port, Identity().peer_id, timeout=3.0)
+    finally:
+        for h in (a, b, other):
+            await h.close()
