@@ -118,9 +118,15 @@ def _umask() -> int:
     return mask
 
 
-def test_joining_shows_progress_while_bootstrap_peers_do_not_answer(tmp_path):
+@pytest.mark.parametrize("argv", [
+    ["peer", "--bootstrap-timeout", "3", "--no-peer-cache"],
+    ["dht", "get", "k", "--timeout", "3", "--no-peer-cache"],
+    ["status", "--timeout", "3"],
+    ["ckpt", "get", "latest", "--run-id", "r", "--timeout", "3"],
+])
+def test_joining_shows_progress_while_bootstrap_peers_do_not_answer(argv, tmp_path):
     dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity().peer_id}"
-    out = run_cli("peer", "--bootstrap", dead, "--bootstrap-timeout", "3", "--no-peer-cache", cwd=tmp_path)
+    out = run_cli(*argv, "--bootstrap", dead, cwd=tmp_path)
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert lines[0] == f"joining through {dead}: no answer yet, retrying for up to 3 s", lines  # one line off a tty

@@ -21,7 +21,7 @@ from typing import Any
 
 from dht import ConfigError
 
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
+from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail, joining
 
 #: PyTorch's pickle-based formats: never opened (unpickling runs code)
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
@@ -477,7 +477,8 @@ def _get(args: argparse.Namespace) -> int:
         node = DHTNode(Identity(), None, config=DHTConfig(bootstrap_timeout=min(args.timeout, 30.0)),
                        swarm_key=swarm_key)
         try:
-            await node.start(boot)
+            with joining(boot, min(args.timeout, 30.0)):
+                await node.start(boot)
             with _progress("fetching") as update:
                 try:
                     info = await until(stop, fetch_checkpoint(node, store, run_id=run_id, manifest_id=manifest_id,
