@@ -201,6 +201,30 @@ def test_first_peer_waits_for_a_second_and_prints_how_to_join(tmp_path, child_pi
     assert child_pids() <= before
 
 
+def test_who_waits_for_whom(tmp_path, monkeypatch):
+    """The first peer of a new swarm waits for a second, as long as it takes; a joining or client
+    peer does not; --wait-peers from a flag, a variable or the config file overrides both (60 s)."""
+    from p2ptrain.cli import build_parser
+    from p2ptrain.cli.peer_cmd import _config
+    from p2ptrain.config import apply_config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("P2PTRAIN_BOOTSTRAP", raising=False)
+    boot = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity().peer_id}"
+    (tmp_path / "run.toml").write_text("wait_peers = 3\n")
+    for argv, env, expected in ((["peer"], {}, (2, None)),
+                                (["peer", "--bootstrap", boot], {}, (0, 60.0)),
+                                (["peer", "--client"], {}, (0, 60.0)),
+                                (["peer", "--wait-peers", "1"], {}, (1, 60.0)),
+                                (["peer"], {"P2PTRAIN_WAIT_PEERS": "1"}, (1, 60.0)),
+                                (["peer", "--config", "run.toml"], {}, (3, 60.0)),
+                                (["peer", "--config", "run.toml", "--bootstrap", boot], {}, (3, 60.0))):
+        args = build_parser().parse_args(argv)
+        apply_config(args, build_parser, argv, env)
+        cfg = _config(args)
+        assert (cfg.wait_peers, cfg.wait_timeout) == expected, (argv, env)
+
+
 def test_first_peer_waiting_reports_and_stops_cleanly(tmp_path):
     """--json: a `waiting` event about once a second, no training meanwhile; Ctrl+C leaves at once."""
     proc = subprocess.Popen([*CLI, "peer", "--json", "--epochs", "2", "--threads", "1"], stdout=subprocess.PIPE,
