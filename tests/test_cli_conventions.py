@@ -111,6 +111,17 @@ def test_key_file_directories_are_created_private(tmp_path):
     for d in (key.parent, key.parent.parent):
         assert d.stat().st_mode & 0o777 == 0o700 & ~_umask(), oct(d.stat().st_mode)
 
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    key = tmp_path / "ckpt" / "keys" / "writer.key"
+    out = run_cli("ckpt", "save", "model.safetensors", "--run-id", "r", "--epoch", "1", "--key-file", str(key),
+                  "--data-dir", str(tmp_path / "store"), cwd=tmp_path)
+    assert out.returncode == 0 and key.exists(), out.stderr
+    for d in (key.parent, key.parent.parent):
+        assert d.stat().st_mode & 0o777 == 0o700 & ~_umask(), oct(d.stat().st_mode)
+
 
 def _umask() -> int:
     mask = os.umask(0)

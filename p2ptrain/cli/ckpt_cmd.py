@@ -256,6 +256,10 @@ def _save(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     _check_not_pickle(path)
+    if args.key_file is not None:
+        from ..config import check_key_file
+
+        check_key_file(args.key_file)
     identity = Identity.load_or_create(args.key_file)
     store = _store(args)
     try:
