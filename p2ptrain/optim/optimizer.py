@@ -314,13 +314,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         resumed = self.checkpointer is not None and self._resume_from_checkpoint(view)
         if view.epoch > self.epoch and not resumed:  # the swarm has trained already: start from where it is
             self._load_state_from_peers(view)
+        # the swarm sees us from here on, at the epoch we start from (not at 0 while we resume)
+        self.tracker.report(self.epoch, 0, self._sps)
+        self._loop.run(self.tracker.publish())
 
     async def _start(self) -> None:
         await self.averager.start()
         await self.state_sync.start()
         if self.checkpointer is not None:
             await self.checkpointer.start()
-        await self.tracker.start()
+        await self.tracker.start(publish=False)
 
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> int:
         """Block until ``n`` compatible peers (us included) are in the swarm or ``timeout`` passes;

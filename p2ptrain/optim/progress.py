@@ -187,6 +187,7 @@ class ProgressTracker:
         addr = None if node.client_mode else (node.multiaddrs[0].host, node.multiaddrs[0].port)
         self._me = PeerReport(node.peer_id, 0, 0, 0.0, time.time(), schema, addr, False, node.client_mode)
         self._published: PeerReport | None = None
+        self._hidden = False  # reading only (see start)
         self._reports: list[PeerReport] = []
         self.view = summarize([], self._me, time.time(), target, self.ttl)
         self.mismatched: dict[PeerID, str] = {}
@@ -199,9 +200,12 @@ class ProgressTracker:
 
     # ---------------------------------------------------------------- lifecycle (on the loop)
 
-    async def start(self) -> None:
-        """Publish our first report and read the swarm once, then keep both fresh."""
+    async def start(self, publish: bool = True) -> None:
+        """Publish our first report and read the swarm once, then keep both fresh. With
+        ``publish=False`` only read until :meth:`publish`: a peer still choosing its starting
+        state (a checkpoint, the swarm's) must not be seen, and counted, at an epoch it leaves."""
         self._loop = asyncio.get_running_loop()
+        self._hidden = not publish
         await self._refresh()
         self._task = self._loop.create_task(self._run())
 
@@ -212,6 +216,8 @@ class ProgressTracker:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+            if self._published is None:  # never seen: nothing to take back
+                return
             self._me = replace(self._me, left=True, time=time.time())
             try:
                 async with asyncio.timeout(goodbye_timeout):
@@ -267,6 +273,12 @@ class ProgressTracker:
             log.debug("progress refresh took longer than %.1f s; using the last view", timeout)
         return self.view
 
+    async def publish(self, timeout: float | None = None) -> SwarmView:
+        """After ``start(publish=False)``: publish our report from now on, at once (as
+        :meth:`refresh_now`)."""
+        self._hidden = False
+        return await self.refresh_now(timeout)
+
     async def wait_fresh(self, timeout: float) -> SwarmView:
         """Wait for the next completed refresh (at most ``timeout``), then return the view."""
         self._fresh.clear()
@@ -289,7 +301,7 @@ class ProgressTracker:
     async def _refresh(self) -> None:
         me = self._me
         try:
-            if me != self._published:
+            if me != self._published and not self._hidden:
                 now = time.time()
                 await self.node.store(self.key, me.to_wire(), now + self.ttl, subkey=self.node.owned(_SUBKEY.decode()))
                 self._published = me

@@ -1,0 +1,131 @@
+"""Peers that start from a checkpoint, and peers whose partners leave: the swarm stays one.
+
+In-process (threads, real loopback DHT nodes): a peer resuming from a checkpoint is not seen by
+the swarm until it holds the checkpoint's state (seen at epoch 0 meanwhile, it was counted by
+peers waiting for the swarm, which then trained without it). Across
+processes: ``p2ptrain swarm`` run, then run again with more epochs, resumes every peer at the
+checkpoint's epoch and ends with one state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from p2ptrain import DHT, DecentralizedOptimizer
+from p2ptrain.checkpoint.autosave import Checkpointer
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "resume-test"
+
+
+def make(dht: DHT, seed: int, store: object = None, target: int = 16,
+         **kw: object) -> tuple[torch.nn.Module, DecentralizedOptimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.05), dht=dht, run_id=RUN,
+                                 target_batch_size=target, batch_size_per_step=16, checkpoint_dir=store, **kw)
+    return model, opt
+
+
+def step(model: torch.nn.Module, opt: DecentralizedOptimizer, gen: torch.Generator, bs: int = 16) -> None:
+    x = torch.randn(bs, 8, generator=gen)
+    torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+    opt.step(batch_size=bs)
+    opt.zero_grad()
+
+
+@pytest.fixture
+def nodes():
+    made: list[DHT] = []
+
+    def new() -> DHT:
+        made.append(DHT([str(made[0].multiaddrs[0])] if made else []))
+        return made[-1]
+
+    yield new
+    for node in reversed(made):
+        node.close()
+
+
+def others_seen(opt: DecentralizedOptimizer) -> dict[str, int]:
+    """Peer id -> epoch of every other peer in a fresh read of ``opt``'s swarm."""
+    view = opt._loop.run(opt.tracker.refresh_now(timeout=10))
+    me = opt.tracker.me.peer
+    return {str(p.peer): p.epoch for p in (*view.peers, *view.behind) if p.peer != me}
+
+
+def test_a_resuming_peer_is_seen_only_at_the_epoch_it_resumed(tmp_path, nodes, monkeypatch):
+    store = tmp_path / "data"
+    first = nodes()
+    model, opt = make(first, 0, store, checkpoint_every=3)
+    gen = torch.Generator().manual_seed(1)
+    while opt.epoch < 6:  # alone, every step is a global epoch: checkpoints at 3 and 6
+        step(model, opt, gen)
+        opt.checkpointer.flush(30)
+    opt.close()
+
+    _, a = make(first, 1, store, checkpoint_every=3)
+    assert a.epoch == a.stats.resumed_epoch == 6
+    entered, go = threading.Event(), threading.Event()
+    find = Checkpointer.find
+
+    def slow_find(self, *args, **kw):  # the second peer is still looking for its checkpoint
+        entered.set()
+        assert go.wait(60)
+        return find(self, *args, **kw)
+
+    monkeypatch.setattr(Checkpointer, "find", slow_find)
+    made: list[DecentralizedOptimizer] = []
+    second = nodes()
+    joiner = threading.Thread(target=lambda: made.append(make(second, 2, store, checkpoint_every=3)[1]))
+    joiner.start()
+    try:
+        assert entered.wait(60)
+        # while it resumes, the swarm neither counts it nor sees it at epoch 0
+        assert others_seen(a) == {}
+        assert a.wait_for_peers(2, timeout=1.0) == 1
+    finally:
+        go.set()
+        joiner.join(60)
+    b = made[0]
+    try:
+        assert b.epoch == b.stats.resumed_epoch == 6 and b.stats.state_loads == 0
+        assert a.wait_for_peers(2, timeout=30) == 2
+        assert others_seen(a) == {str(second.peer_id): 6}
+    finally:
+        b.close()
+        a.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_swarm_run_again_with_more_epochs_resumes_together_and_ends_as_one(tmp_path, child_pids):
+    before = child_pids()
+
+    def swarm(epochs: int) -> tuple[list[dict], list[dict]]:
+        argv = [sys.executable, "-m", "p2ptrain", "swarm", "--json", "--peers", "3", "--epochs", str(epochs),
+                "--checkpoint-every", "4", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path / "data")]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        return ([e for e in events if e["event"] == "started"], [e for e in events if e["event"] == "done"])
+
+    _, done = swarm(8)
+    assert len(done) == 3 and len({e["params_digest"] for e in done}) == 1, done
+    started, done = swarm(16)
+    assert [(e["epoch"], e["resumed_epoch"], e["state_loads"]) for e in started] == [(8, 8, 0)] * 3, started
+    assert len({e["params_digest"] for e in started}) == 1
+    assert len(done) == 3 and {e["epoch"] for e in done} == {16}, done
+    assert len({e["params_digest"] for e in done}) == 1, [(e["peer"], e["state_loads"], e["failed_rounds"],
+                                                          e["group_size"]) for e in done]
+    assert child_pids() <= before
