@@ -2,7 +2,8 @@
 
 In-process (threads, real loopback DHT nodes): a peer resuming from a checkpoint is not seen by
 the swarm until it holds the checkpoint's state (seen at epoch 0 meanwhile, it was counted by
-peers waiting for the swarm, which then trained without it). Across
+peers waiting for the swarm, which then trained without it); a peer whose round partner finished
+and left steps with its own gradients instead of failing to load a state nobody serves. Across
 processes: ``p2ptrain swarm`` run, then run again with more epochs, resumes every peer at the
 checkpoint's epoch and ends with one state.
 """
@@ -10,6 +11,7 @@ checkpoint's epoch and ends with one state.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -104,6 +106,48 @@ def test_a_resuming_peer_is_seen_only_at_the_epoch_it_resumed(tmp_path, nodes, m
     finally:
         b.close()
         a.close()
+
+
+def test_a_peer_whose_partner_left_steps_with_its_own_gradients(nodes, caplog):
+    """Its round expected the partner (which had reported its epoch), met nobody, and the
+    partner is gone: nobody has a state to load, so the update is ours, with no warning."""
+    caplog.set_level(logging.WARNING, logger="p2ptrain.optim")
+    ma, a = make(nodes(), 0, target=64, matchmaking_timeout=3.0)
+    mb, b = make(nodes(), 0, target=64, matchmaking_timeout=3.0)
+    try:
+        assert a.wait_for_peers(2, timeout=30) == 2 and b.wait_for_peers(2, timeout=30) == 2
+        gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+        pairs = [(ma, a, gens[0]), (mb, b, gens[1])]
+        trainers = [threading.Thread(target=train, args=(*pair, 3)) for pair in pairs]
+        for t in trainers:
+            t.start()
+        for t in trainers:
+            t.join(60)
+        assert a.epoch == b.epoch == 3 and b.stats.rounds > 0
+        deadline = time.monotonic() + 30
+        while b._loop.run(b.tracker.refresh_now()).num_peers < 2 and time.monotonic() < deadline:
+            pass  # b sees a at their epoch
+        before = [p.detach().clone() for p in mb.parameters()]
+        # a full batch: b ends its epoch and waits for a in the round
+        stepper = threading.Thread(target=step, args=(mb, b, gens[1], 64))
+        stepper.start()
+        while not b.tracker.me.ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert b.tracker.me.ready
+        a.close()  # a leaves while b waits for it
+        stepper.join(60)
+        assert b.epoch == 4 and b.stats.state_loads == 0
+        assert not all(torch.equal(p, q) for p, q in zip(mb.parameters(), before)), "b skipped its update"
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    finally:
+        a.close()
+        b.close()
+
+
+def train(model: torch.nn.Module, opt: DecentralizedOptimizer, gen: torch.Generator, until: int) -> None:
+    deadline = time.monotonic() + 60
+    while opt.epoch < until and time.monotonic() < deadline:
+        step(model, opt, gen)
 
 
 @pytest.mark.slow

@@ -523,11 +523,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def _apply_round(self, future: Future[StepResult | None]) -> None:
         result = self._round_result(future)
         if self._last_expected > 1 and (result is None or result.group_size == 1):
-            # Others were there but we met nobody (we came late, or the round failed): stepping
-            # with our own gradients would leave us on a path of our own for good. Take theirs.
-            self._record(result)
-            self._load_state_from_peers(self.tracker.estimate())
-            return
+            if result is None or self._others_hold_our_epoch():
+                # Others were there but we met nobody (we came late, or the round failed): stepping
+                # with our own gradients would leave us on a path of our own for good. Take theirs.
+                self._record(result)
+                self._load_state_from_peers(self.tracker.estimate())
+                return
+            # they left (or are behind, and will load ours): we are the swarm; no state round either
+            self._last_expected = 1
         grads = [p.grad for p in self.params]
         with self._state_lock:
             for p, buf in zip(self.params, self._buffers):
@@ -545,6 +548,17 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._record(result)
         self._maybe_average_state(self._pending_epoch)
         self._maybe_checkpoint()
+
+    def _others_hold_our_epoch(self) -> bool:
+        """Whether a fresh look shows another peer at our state's epoch or past it: one that may
+        have taken the step we missed (or missed it with us). The view that expected them is up
+        to a refresh old: a peer that finished and left since then is gone from a fresh one."""
+        t0 = time.perf_counter()
+        view = self._loop.run(self.tracker.refresh_now(timeout=_FRESH_LOOK))
+        self._paused += time.perf_counter() - t0
+        self._observe(view)
+        me = self.tracker.me.peer
+        return any(p.peer != me and p.epoch >= self._applied for p in (*view.peers, *view.behind))
 
     # ---- periodic state averaging
 
