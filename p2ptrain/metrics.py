@@ -26,9 +26,10 @@ _FIELDS = [
     ("p2ptrain_samples", "counter", "Samples this peer processed since it started", "samples"),
     ("p2ptrain_steps", "counter", "Local optimizer steps since this peer started", "steps"),
     ("p2ptrain_local_samples_per_second", "gauge", "This peer's training throughput", "local_sps"),
-    ("p2ptrain_swarm_samples_per_second", "gauge", "Throughput of the swarm's peers at our epoch (from their reports)",
+    ("p2ptrain_swarm_samples_per_second", "gauge", "Throughput of the peers training in the run (from their reports)",
      "swarm_sps"),
-    ("p2ptrain_swarm_peers", "gauge", "Compatible peers at our epoch, this one included", "peers"),
+    ("p2ptrain_swarm_peers", "gauge", "Compatible peers training in the run (reported recently, at any epoch), "
+     "this one included", "peers"),
     ("p2ptrain_dht_peers", "gauge", "Peers in this node's DHT routing table", "dht_peers"),
     ("p2ptrain_group_size", "gauge", "Size of the group of the last averaging round", "group_size"),
     ("p2ptrain_last_round_seconds", "gauge", "Duration of the last averaging round", "round_s"),

@@ -89,6 +89,25 @@ def test_peers_just_past_the_previous_round_count_toward_the_new_epoch():
     assert summarize(others, me, NOW, 1000, 10).samples == pytest.approx(32)
 
 
+def test_the_epoch_ends_on_published_counts_and_the_estimate_only_says_when_to_look():
+    """An estimate past the target (a peer's throughput extrapolated since its report) is not the
+    end of the epoch: only the counts the peers published are; it is a reason to read them again."""
+    me = report(0, samples=300, sps=100)
+    view = summarize([report(1, samples=300, sps=1000, age=0.5)], me, NOW, target=1000, stale_after=10)
+    assert view.samples == pytest.approx(300 + 300 + 500) and view.due
+    assert view.reported == 600 and not view.reached
+    view = summarize([report(1, samples=700, sps=1000)], me, NOW, target=1000, stale_after=10)
+    assert view.reached and view.due
+
+
+def test_peers_training_counts_every_recent_peer_at_any_epoch():
+    """Right after a round the other peers may still report the epoch that ended: they train in
+    the run all the same (what ``stats.peers`` and the metrics' swarm_peers show)."""
+    me = report(0, epoch=4)
+    view = summarize([report(1, epoch=3, ready=True), report(2, epoch=4), report(3, epoch=1, age=60)], me, NOW, 100,
+                     stale_after=10)
+    assert view.num_peers == 2 and {p.peer for p in view.training} == set(PEERS[:3])
+
 def test_refresh_now_is_bounded_when_the_dht_does_not_answer():
     """A peer about to skip a round reads the progress again first; a DHT that does not answer
     must leave it with the view it had after ``timeout``, not stall its training."""

@@ -3,9 +3,11 @@
 There is no master to count samples, so every peer publishes a small owner-signed record under
 ``{run_id}/progress`` (one sub-key per peer) and reads everyone else's. From those records each peer
 computes the same :class:`SwarmView` on its own: the swarm's epoch, the samples accumulated toward
-it (extrapolated to *now* with each peer's measured throughput, so peers agree on when the target is
-reached without reading the DHT on every step), how many peers are at that epoch and which of them
-are ready to average.
+it, how many peers are at that epoch and which of them are ready to average. The samples come twice:
+as *reported* (what the peers published: an epoch ends on this count, so it never has fewer samples
+than the target) and *estimated* (extrapolated to now with each peer's measured throughput: it only
+says when to look again, and the tracker reads the DHT fast while the estimate is past the target
+and the reports are not yet).
 
 ``summarize`` is the sans-IO core (plain records in, a view out); :class:`ProgressTracker` is the
 asyncio shell that publishes and polls, refreshing faster as the end of an epoch approaches.
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dht import DHTError, DHTNode, InvalidRecord, PeerID, ProtocolError
+from dht import DHTError, DHTNode, InvalidRecord, LookupResult, PeerID, ProtocolError
 from dht.aio import wait_event
 from dht.storage import owned_name, record_owner
 from dht.wire import unpack
@@ -97,16 +99,23 @@ class SwarmView:
     """What the swarm looks like from one peer at one moment."""
 
     epoch: int  # the most advanced epoch among compatible peers (ours included)
-    samples: float  # samples toward finishing ``epoch``, extrapolated to ``now``
+    samples: float  # samples toward finishing ``epoch``, extrapolated to ``now`` (an estimate)
     target: int
     peers: list[PeerReport] = field(default_factory=list)  # compatible peers at ``epoch``, us included
     behind: list[PeerReport] = field(default_factory=list)  # compatible peers at an older epoch
     sps: float = 0.0  # swarm throughput (peers at ``epoch``)
     now: float = 0.0
+    reported: int = 0  # samples toward ``epoch`` as the peers published them (ours as of now)
 
     @property
     def num_peers(self) -> int:
         return len(self.peers)
+
+    @property
+    def training(self) -> list[PeerReport]:
+        """Every compatible peer that reported recently, at any epoch, us included: the peers
+        training in the run (right after a round the others may still report the epoch before)."""
+        return [*self.peers, *self.behind]
 
     @property
     def ready(self) -> list[PeerReport]:
@@ -122,6 +131,12 @@ class SwarmView:
 
     @property
     def reached(self) -> bool:
+        """The peers' published counts add up to the target: the epoch is over."""
+        return self.reported >= self.target
+
+    @property
+    def due(self) -> bool:
+        """The estimate says the target is reached: time to read the peers' counts again."""
         return self.samples >= self.target
 
 
@@ -129,10 +144,11 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
               stale_after: float, ignored: Iterable[PeerID] = (), epoch_started: float | None = None) -> SwarmView:
     """The swarm as seen from ``me`` (whose own report is always fresh).
 
-    Reports older than ``stale_after`` seconds and reports with another schema are ignored. A
-    peer's samples are extrapolated by its throughput since its report (at most a few seconds, so a
-    dead peer stops counting quickly and clock skew cannot run away); a peer that is ``ready`` has
-    stopped computing and is not extrapolated.
+    Reports older than ``stale_after`` seconds and reports with another schema are ignored.
+    ``reported`` sums the counts as published. The estimate ``samples`` extrapolates each peer's
+    count by its throughput since its report (at most a few seconds, so a dead peer stops counting
+    quickly and clock skew cannot run away); a peer that is ``ready`` has stopped computing and is
+    not extrapolated.
     """
     latest: dict[PeerID, PeerReport] = {}
     skip = set(ignored)
@@ -144,9 +160,9 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
     everyone = [me, *latest.values()]
     epoch = max(r.epoch for r in everyone)
     at_epoch = [r for r in everyone if r.epoch == epoch]
-    samples = 0.0
+    reported = sum(r.samples for r in at_epoch)
+    samples = float(reported)
     for r in at_epoch:
-        samples += r.samples
         if not r.ready and r is not me:
             samples += r.sps * min(max(0.0, now - r.time), _MAX_EXTRAPOLATION)
     if epoch_started is not None and me.epoch == epoch:
@@ -159,6 +175,7 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
     return SwarmView(
         epoch=epoch, samples=samples, target=target, peers=at_epoch,
         behind=[r for r in everyone if r.epoch < epoch], sps=sum(r.sps for r in at_epoch), now=now,
+        reported=reported,
     )
 
 
@@ -167,12 +184,14 @@ class ProgressTracker:
 
     Lives on the DHT's event loop; the training thread calls :meth:`report` (thread-safe, never
     blocks) and reads :attr:`view`. The refresh period shrinks as the epoch's end approaches
-    (``min(refresh, eta / 3)``, at least ``min_refresh``), so peers learn that the target was
-    reached within a few tens of milliseconds without polling the DHT all the time.
+    (``min(refresh, eta / 3)``, at least ``min_refresh``); once the estimate is past the target,
+    :meth:`hurry` (called at each step) gets a refresh at once, at most one per ``fast_refresh``,
+    until the published counts reach it: peers learn that the target was reached within a few
+    milliseconds without polling the DHT all the time.
     """
 
     def __init__(self, node: DHTNode, run_id: str, schema: str, target: int, *, refresh: float = 0.5,
-                 min_refresh: float = 0.05, ttl: float | None = None,
+                 min_refresh: float = 0.05, fast_refresh: float = 0.01, ttl: float | None = None,
                  on_mismatch: Callable[[PeerID, str], None] | None = None):
         if target < 1:
             raise ValueError("target_batch_size must be at least 1")
@@ -182,6 +201,7 @@ class ProgressTracker:
         self.target = target
         self.refresh = refresh
         self.min_refresh = min_refresh
+        self.fast_refresh = fast_refresh
         self.ttl = ttl if ttl is not None else max(10.0, 6 * refresh)
         self._on_mismatch = on_mismatch
         addr = None if node.client_mode else (node.multiaddrs[0].host, node.multiaddrs[0].port)
@@ -194,6 +214,9 @@ class ProgressTracker:
         self._epoch_started: float | None = None  # when our current epoch began (wall clock)
         self._ignored: dict[PeerID, float] = {}  # peer -> monotonic time until which it is left out
         self._wake = asyncio.Event()
+        self._hurried = False  # a hurry() wake-up is pending (one per refresh, however many steps ask)
+        self._last_refresh = 0.0  # loop time the last refresh began
+        self._closest: list[Any] = []  # the key's closest peers, as the last read found them
         self._fresh = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -257,6 +280,14 @@ class ProgressTracker:
             self._loop.call_soon_threadsafe(self._wake.set)
         return view
 
+    def hurry(self) -> None:
+        """Refresh as soon as ``fast_refresh`` allows (any thread; cheap when one is pending):
+        the estimate says the epoch is over and only a fresh read of the counts can confirm it."""
+        if self._hurried or self._loop is None or self._loop.is_closed():
+            return
+        self._hurried = True
+        self._loop.call_soon_threadsafe(self._wake.set)
+
     def estimate(self) -> SwarmView:
         """The view extrapolated to now, from the last reports read (no DHT traffic)."""
         return summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
@@ -287,28 +318,45 @@ class ProgressTracker:
         return self.view
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             view = self.view
             period = self.refresh
-            if view.sps > 0 and not view.reached:
-                period = min(period, max(self.min_refresh, view.eta / 3))
-            elif view.reached or view.ready:
+            if view.reached or view.ready:
                 period = self.min_refresh * 2
+            elif view.due:
+                period = self.min_refresh
+            elif view.sps > 0:
+                period = min(period, max(self.min_refresh, view.eta / 3))
             await wait_event(self._wake, period)
+            if self._hurried:
+                await asyncio.sleep(self._last_refresh + self.fast_refresh - loop.time())
             self._wake.clear()
+            self._hurried = False
+            self._last_refresh = loop.time()
             await self._refresh()
 
     async def _refresh(self) -> None:
         me = self._me
         try:
+            read = self.node.lookup_value(self.key, latest=True)
             if me != self._published and not self._hidden:
-                now = time.time()
-                await self.node.store(self.key, me.to_wire(), now + self.ttl, subkey=self.node.owned(_SUBKEY.decode()))
+                # publish while reading, straight to the peers the last read found closest to the
+                # key (no lookup of its own): a refresh takes one lookup, not three
+                store = self.node.store(self.key, me.to_wire(), time.time() + self.ttl,
+                                        subkey=self.node.owned(_SUBKEY.decode()), closest=self._closest or None)
+                stored, result = await asyncio.gather(store, read, return_exceptions=True)
+                for outcome in (stored, result):
+                    if isinstance(outcome, BaseException):
+                        raise outcome
                 self._published = me
-            result = await self.node.lookup_value(self.key, latest=True)
+            else:
+                result = await read
         except (DHTError, InvalidRecord, OSError) as e:
             log.debug("progress refresh failed: %s", e)
             return
+        assert isinstance(result, LookupResult)
+        self._closest = result.closest
         reports = []
         for record in result.records:
             report = parse_record(record)
