@@ -112,8 +112,8 @@ def test_a_peer_whose_partner_left_steps_with_its_own_gradients(nodes, caplog):
     """Its round expected the partner (which had reported its epoch), met nobody, and the
     partner is gone: nobody has a state to load, so the update is ours, with no warning."""
     caplog.set_level(logging.WARNING, logger="p2ptrain.optim")
-    ma, a = make(nodes(), 0, target=64, matchmaking_timeout=3.0)
-    mb, b = make(nodes(), 0, target=64, matchmaking_timeout=3.0)
+    ma, a = make(nodes(), 0, target=64)
+    mb, b = make(nodes(), 0, target=64)
     try:
         assert a.wait_for_peers(2, timeout=30) == 2 and b.wait_for_peers(2, timeout=30) == 2
         gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
@@ -128,6 +128,7 @@ def test_a_peer_whose_partner_left_steps_with_its_own_gradients(nodes, caplog):
         while b._loop.run(b.tracker.refresh_now()).num_peers < 2 and time.monotonic() < deadline:
             pass  # b sees a at their epoch
         before = [p.detach().clone() for p in mb.parameters()]
+        caplog.clear()
         # a full batch: b ends its epoch and waits for a in the round
         stepper = threading.Thread(target=step, args=(mb, b, gens[1], 64))
         stepper.start()
