@@ -330,7 +330,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> int:
         """Block until ``n`` compatible peers (us included) are in the swarm or ``timeout`` passes;
         returns how many there are. For launchers and tests that start a swarm together, so that
-        the first peer does not train alone while the others are still starting."""
+        the first peer does not train alone while the others are still starting. A peer counts
+        once it holds its starting state (a checkpoint it resumed, or the swarm's)."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
