@@ -27,19 +27,21 @@ EPOCHS = 12
 @pytest.fixture
 def pair():
     dhts = [DHT([])]
-    dhts.append(DHT([str(dhts[0].multiaddrs[0])]))
     opts = []
-    for d in dhts:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        opts.append((model, DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), dht=d,
-                                                   run_id="fast-pair", target_batch_size=TARGET,
-                                                   batch_size_per_step=BATCH)))
-    yield opts
-    for _, opt in opts:
-        opt.close()
-    for d in reversed(dhts):
-        d.close()
+    try:
+        dhts.append(DHT([str(dhts[0].multiaddrs[0])]))
+        for d in dhts:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+            opts.append((model, DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), dht=d,
+                                                       run_id="fast-pair", target_batch_size=TARGET,
+                                                       batch_size_per_step=BATCH)))
+        yield opts
+    finally:
+        for _, opt in opts:
+            opt.close()
+        for d in reversed(dhts):
+            d.close()
 
 
 def train_fast(model: torch.nn.Module, opt: DecentralizedOptimizer, seed: int, out: dict, deadline: float) -> None:
