@@ -19,7 +19,7 @@ from p2ptrain import DHT, DecentralizedOptimizer
 
 pytestmark = pytest.mark.timeout(120)
 
-TARGET = 2048
+TARGET = 1024
 BATCH = 32
 EPOCHS = 12
 
