@@ -69,6 +69,9 @@ def _isolated_data_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
     earlier test filled, through which a test expecting a dead bootstrap to fail could join
     another test's live peer instead."""
     monkeypatch.setenv("P2PTRAIN_DATA_DIR", str(tmp_path_factory.mktemp("data")))
+    # `p2ptrain peer` listens on every interface by default; the suite's peers stay on loopback
+    # (a test that means another address passes --listen, which wins over the variable)
+    monkeypatch.setenv("P2PTRAIN_LISTEN", "/ip4/127.0.0.1/tcp/0")
 
 
 class PeerProcess:
