@@ -465,7 +465,7 @@ class DHTNode:
                         if want_records:
                             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
                                 raise ProtocolError("malformed find_value reply")
-                            records = self._valid_records(reply[0][:1000])
+                            records = self._valid_records(reply[0][:1000], arg)
                             found = _decode_contacts(reply[1], self.config.k)
                             if records:
                                 result.records.extend(records)
@@ -488,9 +488,11 @@ class DHTNode:
         self.routing.touch(target, time.monotonic())
         return result
 
-    def _valid_records(self, wire: list) -> list[Record]:
-        """Records from a peer's reply that pass the same checks a storing node applies. A forged
-        record must not shadow a genuine one just because it claims a later expiration."""
+    def _valid_records(self, wire: list, key: bytes) -> list[Record]:
+        """Records of ``key`` from a peer's reply that pass the same checks a storing node applies.
+        A forged record must not shadow a genuine one just because it claims a later expiration,
+        and a record of another key (an unsigned one, say, answering a lookup of an owned key) is
+        no answer at all."""
         now, out = time.time(), []
         st = self.storage
         for item in wire:
@@ -498,6 +500,9 @@ class DHTNode:
                 record = Record.from_wire(item)
                 validate_record(record, now, st.max_value_size, st.max_key_size, st.max_ttl)
             except InvalidRecord:
+                continue
+            if record.key != key:
+                log.debug("dropped a reply record of key %r in a lookup of %r", record.key[:64], key[:64])
                 continue
             out.append(record)
         return out

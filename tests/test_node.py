@@ -197,6 +197,25 @@ async def test_close_cancels_every_task():
     assert leftover == []
 
 
+async def test_a_reply_record_of_another_key_is_no_answer(swarm):
+    """A holder answers the lookup of an owned key with an unsigned record of another key: the
+    reader must not take it (it used to return it as the owned key's value)."""
+    make, nodes = swarm
+    await make(4)
+    owner, liar, reader = nodes[1], nodes[2], nodes[3]
+    key = owner.owned("run/progress")
+    decoy = Record(b"run/decoy", None, b"\x81\xa5epoch\xce\x7f\xff\xff\xff", time.time() + 120)
+
+    async def answer_with_another_key(conn, args):
+        return [[decoy.to_wire()], []]
+
+    liar.host.on_request("find_value", answer_with_another_key)
+    assert await reader.get(key) is None  # nobody stored the key: no value, not the decoy's
+    await owner.store(key, {"epoch": 1}, time.time() + 60)
+    got = await reader.get(key, latest=True)
+    assert got is not None and got.value == {"epoch": 1}
+
+
 async def test_forged_record_in_a_reply_cannot_shadow_the_owners(swarm):
     """A malicious node answers find_value with a forged, later-expiring copy of an owned record."""
     make, nodes = swarm
