@@ -8,7 +8,10 @@ PeerID from the id alone: this is what makes owner-signed DHT records possible w
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
+import tempfile
 from pathlib import Path
 
 import base58
@@ -17,6 +20,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .errors import ConfigError
+
+log = logging.getLogger("dht.identity")
 
 # libp2p crypto.proto: message PublicKey { required KeyType Type = 1; required bytes Data = 2; }
 # KeyType Ed25519 = 1. Field 1 varint -> 0x08 0x01; field 2 length-delimited, 32 bytes -> 0x12 0x20.
@@ -129,17 +134,23 @@ class Identity:
     _MAGIC = b"p2ptrain-ed25519-v1\n"
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the key atomically with mode 0600 (never world-readable, even for an instant)."""
+        """Write the key atomically with mode 0600 (never world-readable, even for an instant).
+
+        The temp file is a fresh, unpredictable name opened with O_EXCL and O_NOFOLLOW
+        (``mkstemp``): a file or symlink someone placed beside the key is never written through."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            os.write(fd, self._MAGIC + self.private_bytes())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                os.write(fd, self._MAGIC + self.private_bytes())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Identity:
@@ -151,6 +162,9 @@ class Identity:
             raise ConfigError(
                 f"key file {path} is not a p2ptrain Ed25519 key; move it away to create a new identity"
             )
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        if os.name == "posix" and mode & 0o077:
+            log.warning("key file %s can be read by other users (mode %04o): run 'chmod 600 %s'", path, mode, path)
         return cls.from_private_bytes(data[len(cls._MAGIC) :])
 
     @classmethod

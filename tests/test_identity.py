@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 
@@ -138,6 +139,36 @@ def test_key_file_created_with_mode_0600(tmp_path):
     assert Identity.load(path).peer_id == ident.peer_id
     # no temporary file left next to the key
     assert sorted(p.name for p in path.parent.iterdir()) == ["key"]
+
+
+def test_key_file_is_never_written_through_a_file_or_link_placed_beside_it(tmp_path):
+    """The temp file's name used to be predictable (.key.<pid>.tmp) and opened without O_EXCL: a
+    file someone created there kept its mode 0644, and a symlink there was written through."""
+    path = tmp_path / "key"
+    planted = tmp_path / f".key.{os.getpid()}.tmp"
+    planted.write_bytes(b"")
+    planted.chmod(0o644)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"untouched")
+    link = tmp_path / f".other.{os.getpid()}.tmp"
+    link.symlink_to(victim)
+    Identity().save(path)
+    Identity().save(tmp_path / "other")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "other").st_mode) == 0o600
+    assert victim.read_bytes() == b"untouched" and not (tmp_path / "other").is_symlink()
+
+
+def test_loading_a_key_others_can_read_warns(tmp_path, caplog):
+    path = tmp_path / "key"
+    Identity().save(path)
+    with caplog.at_level(logging.WARNING, logger="dht.identity"):
+        Identity.load(path)
+    assert not caplog.records  # 0600: nothing to say
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="dht.identity"):
+        Identity.load(path)
+    assert any("chmod 600" in r.getMessage() and "0644" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_load_or_create_is_stable(tmp_path):
