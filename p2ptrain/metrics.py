@@ -139,9 +139,10 @@ class PeerMetrics:
 
     # ------------------------------------------------------------------ the HTTP server
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` (0: any free port) in prometheus_client's server
-        thread until :meth:`close`; returns the port. OSError when the port is taken."""
+        thread until :meth:`close`; returns the port. OSError when the port is taken. Loopback
+        by default, as ``--metrics-host``: the metrics name peers and addresses."""
         from prometheus_client import start_http_server
 
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)

@@ -161,6 +161,18 @@ def test_status_metrics_round_log_and_key_file_with_a_running_swarm(tmp_path, ch
     assert child_pids() <= before
 
 
+def test_metrics_served_from_python_stay_on_loopback_by_default():
+    """PeerMetrics.serve() bound every interface by default, where the CLI binds 127.0.0.1."""
+    from p2ptrain.metrics import PeerMetrics
+
+    m = PeerMetrics()
+    m.serve(0)
+    try:
+        assert m._server.server_address[0] == "127.0.0.1"
+    finally:
+        m.close()
+
+
 def test_metrics_and_round_log_in_process(tmp_path):
     """The same metrics without processes: fed events and round records, rendered and served."""
     from p2ptrain.metrics import PeerMetrics, RoundLog
