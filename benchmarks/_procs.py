@@ -34,6 +34,16 @@ def sigterm_as_exit() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
+def run_main(main: Callable[[], object]) -> None:
+    """Run a benchmark's ``main``; Ctrl+C ends it with one line (its ``finally`` blocks reaped the
+    children) and exit code 130, not a traceback."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted: every child process was stopped", file=sys.stderr)
+        sys.exit(130)
+
+
 def loadavg() -> str:
     a = os.getloadavg()
     return f"load average {a[0]:.2f} {a[1]:.2f} {a[2]:.2f} on {os.cpu_count()} cores"

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _procs import Children, loadavg, sigterm_as_exit  # noqa: E402
+from _procs import Children, loadavg, run_main, sigterm_as_exit  # noqa: E402
 
 _lock = threading.Lock()
 
@@ -228,8 +228,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted: every child process was stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _procs import Children, loadavg, rss_mb, sigterm_as_exit  # noqa: E402
+from _procs import Children, loadavg, rss_mb, run_main, sigterm_as_exit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "_late_peer.py")
@@ -306,8 +306,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted: every child process was stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

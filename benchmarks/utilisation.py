@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _procs import Children, loadavg, sigterm_as_exit  # noqa: E402
+from _procs import Children, loadavg, run_main, sigterm_as_exit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "_peer_instr.py")
@@ -385,8 +385,4 @@ def _main(a: argparse.Namespace, tb) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted: every child process was stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)
