@@ -1,0 +1,5 @@
+"""Hostile peers: records attacks (see the package docstring)."""
+
+from __future__ import annotations
+
+from ._registry import mode  # noqa: F401
