@@ -65,13 +65,15 @@ def test_unreachable_bootstrap_is_one_line_error():
 
 def test_swarm_trains_and_writes_the_model(tmp_path, child_pids):
     before = child_pids()
-    out = subprocess.run([*CLI, "swarm", "--peers", "2", "--epochs", "12", "--json", "--out", str(tmp_path)],
+    out = subprocess.run([*CLI, "swarm", "--peers", "2", "--epochs", "12", "--json", "--out", str(tmp_path), "-vv"],
                          capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-2000:]
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     done = [e for e in events if e["event"] == "done"]
     assert sorted(e["peer"] for e in done) == [0, 1]
     assert all(e["epoch"] == 12 and e["rounds"] > 0 for e in done)
+    for i in (0, 1):  # each peer's log, at the -vv the launcher was given
+        assert "DEBUG p2ptrain.optim: epoch 12: averaged with 2 peers" in (tmp_path / "logs" / f"peer-{i}.log").read_text()
     model = tmp_path / "digits-model.safetensors"
     assert model.exists() and model.stat().st_size > 10_000
     umask = os.umask(0)

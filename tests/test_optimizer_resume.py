@@ -158,7 +158,7 @@ def test_a_swarm_run_again_with_more_epochs_resumes_together_and_ends_as_one(tmp
 
     def swarm(epochs: int) -> tuple[list[dict], list[dict]]:
         argv = [sys.executable, "-m", "p2ptrain", "swarm", "--json", "--peers", "3", "--epochs", str(epochs),
-                "--checkpoint-every", "4", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path / "data")]
+                "--checkpoint-every", "4", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path / "data"), "-v"]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -171,6 +171,7 @@ def test_a_swarm_run_again_with_more_epochs_resumes_together_and_ends_as_one(tmp
     assert [(e["epoch"], e["resumed_epoch"], e["state_loads"]) for e in started] == [(8, 8, 0)] * 3, started
     assert len({e["params_digest"] for e in started}) == 1
     assert len(done) == 3 and {e["epoch"] for e in done} == {16}, done
-    assert len({e["params_digest"] for e in done}) == 1, [(e["peer"], e["state_loads"], e["failed_rounds"],
-                                                          e["group_size"]) for e in done]
+    logs = {i: (tmp_path / "out" / "logs" / f"peer-{i}.log").read_text()[-3000:] for i in range(3)}
+    assert len({e["params_digest"] for e in done}) == 1, ([(e["peer"], e["state_loads"], e["failed_rounds"],
+                                                           e["group_size"]) for e in done], logs)
     assert child_pids() <= before

@@ -47,9 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 class _Child:
-    """A child process whose stdout lines land in a shared queue as (index, line)."""
+    """A child process whose stdout lines land in a shared queue as (index, line); its stderr (its
+    log) is kept in memory for an error message and written to ``log`` when given."""
 
-    def __init__(self, index: int, argv: list[str], events: queue.Queue):
+    def __init__(self, index: int, argv: list[str], events: queue.Queue, log: Path | None = None):
         self.index = index
         # Own session: the terminal's Ctrl+C reaches the launcher only, which stops the peers in
         # order; PDEATHSIG: if the launcher itself is killed, no peer outlives it.
@@ -58,7 +59,19 @@ class _Child:
                                      preexec_fn=die_with_parent)
         self.stderr: list[str] = []
         threading.Thread(target=self._pump, args=(events,), daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        threading.Thread(target=self._keep_log, args=(log,), daemon=True).start()
+
+    def _keep_log(self, path: Path | None) -> None:
+        out = path.open("w", encoding="utf-8", buffering=1) if path is not None else None
+        try:
+            for line in self.proc.stderr:
+                self.stderr.append(line)
+                del self.stderr[:-200]  # the tail is what an error message shows
+                if out is not None:
+                    out.write(line)
+        finally:
+            if out is not None:
+                out.close()
 
     def _pump(self, events: queue.Queue) -> None:
         for line in self.proc.stdout:
@@ -133,6 +146,10 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
     forwarded = training_argv(argparse.Namespace(**{**vars(args), "save": None})) + key_argv
     if args.threads is None:  # each peer its share of the cores: oversubscribed torch threads cost ~20x
         forwarded += ["--threads", str(max(1, (os.cpu_count() or 1) // args.peers))]
+    from . import logging_options
+
+    verbose, log_json = logging_options(args)  # for the peers' logs
+    forwarded += ["-v"] * verbose + (["--log-json"] if log_json else [])
     if args.wait_peers is None:  # the peers start together: none trains before all have joined
         forwarded += ["--wait-peers", str(args.peers)]
     save = args.save or str(Path(args.out) / f"{args.example}-model.safetensors")
@@ -144,6 +161,7 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
         ls = "p2ptrain ckpt ls" + (f" --data-dir {store}" if store != default_data_dir().resolve() else "")
         print(f"checkpoints go to {store} ('{ls}' lists them)", file=sys.stderr if args.json else sys.stdout,
               flush=True)
+    logs = _log_dir(args)
     for i in range(args.peers):
         argv = [*child_python(), "-m", "p2ptrain", "peer", "--json", "--listen", "/ip4/127.0.0.1/tcp/0",
                 "--bootstrap", addr, *forwarded]  # a swarm on this machine: loopback, as its bootstrap peer
@@ -151,8 +169,21 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
             argv += ["--save", save]
         if args.data_seed is None:
             argv += ["--data-seed", str(i)]
-        children.append(_Child(i, argv, events))
+        children.append(_Child(i, argv, events, log=logs / f"peer-{i}.log" if logs else None))
     return _follow(children, events, _View(args.peers, args.json, addr))
+
+
+def _log_dir(args: argparse.Namespace) -> Path | None:
+    """``--out``/logs, where each peer's log goes (its warnings; -v adds more); None if it cannot
+    be made."""
+    logs = Path(args.out) / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"warning: the peers' logs are not kept: cannot create {logs} ({e.strerror})", file=sys.stderr)
+        return None
+    print(f"each peer's log goes to {logs}/peer-N.log", file=sys.stderr if args.json else sys.stdout, flush=True)
+    return logs
 
 
 def _reap(children: list[_Child], grace: float = 10.0) -> None:
