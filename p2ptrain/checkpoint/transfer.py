@@ -572,6 +572,7 @@ class FetchResult:
     seconds: float = 0.0
     reused: int = 0  # chunks not downloaded because the caller had them (``have``)
     placement: Placement | None = None  # where the chunks went, with ``place``
+    votes: tuple[int, int] = (0, 0)  # (providers naming this manifest their latest, providers asked)
 
     def restore(self, *, copy: bool = False) -> Any:
         """The state object (tensors are views of ``buffer`` unless ``copy``; see ``manifest.restore``;
@@ -1031,5 +1032,6 @@ async def fetch_state(
         await f.close()
     assert f.schedule is not None
     contributors = {p: n for p, n in f.schedule.chunks_from.items() if n}
+    votes = (sum(1 for mid in f.latest.values() if mid == m.id), sum(1 for p in f.addrs if p != host.peer_id))
     return FetchResult(m, buffer, contributors, f.dropped, f.corrupt, time.monotonic() - started, f.schedule.reused,
-                       f.placement)
+                       f.placement, votes)
