@@ -390,7 +390,7 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
     fresh = SwarmView(epoch=8, samples=0, target=64, peers=[report(alive, 8)])
     asked, ignored = [], []
 
-    async def fetch(providers, timeout, into=None):
+    async def fetch(providers, timeout, into=None, **_vetting):
         asked.append([p.peer for p in providers])
         if providers[0].peer == dead:
             raise StateTransferError("unreachable: connection refused")
@@ -400,7 +400,7 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
         return fresh
 
     fake = types.SimpleNamespace(
-        _applied=0, load_state_timeout=10.0,
+        _applied=0, load_state_timeout=10.0, matchmaking_timeout=1.0, aggregation="mean",
         state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
         tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend,
                                       refresh_now=refresh_now),
@@ -408,7 +408,7 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
     )
     assert DecentralizedOptimizer._fetch_state(fake, first) == "state of epoch 8"  # type: ignore[arg-type]
     assert asked == [[dead], [alive]] and ignored == [dead]
-    fake.state_sync.fetch = lambda providers, timeout, into=None: fetch([report(dead, 9)], timeout)
+    fake.state_sync.fetch = lambda providers, timeout, into=None, **_: fetch([report(dead, 9)], timeout)
     with pytest.raises(StateTransferError):  # nobody can give it: a bounded number of tries
         DecentralizedOptimizer._fetch_state(fake, first)  # type: ignore[arg-type]
 
@@ -520,7 +520,7 @@ def test_failed_state_loads_warn_once_then_count(swarm, caplog, monkeypatch):
     opt = DecentralizedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), dht=swarm(), run_id="quiet-loads",
                                  target_batch_size=64, batch_size_per_step=16)
     try:
-        def no_provider(view, **_kw):
+        def no_provider(view, *_args, **_kw):
             raise StateTransferError("no peer serves it")
 
         monkeypatch.setattr(opt, "_fetch_state", no_provider)
@@ -589,12 +589,12 @@ def test_state_is_never_loaded_from_peers_behind_us():
 
     asked = []
 
-    async def fetch(providers, timeout, into=None):
+    async def fetch(providers, timeout, into=None, **_vetting):
         asked.append([p.peer for p in providers])
         return "state"
 
     fake = types.SimpleNamespace(
-        _applied=5, load_state_timeout=10.0,
+        _applied=5, load_state_timeout=10.0, matchmaking_timeout=1.0, aggregation="mean",
         state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
         tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me)),
         _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from dht import PeerID
 from dht.limits import LogThrottle
 
 from ..averaging import AllReduceConfig, Averager, StepResult
@@ -58,7 +59,9 @@ from ..checkpoint import StateTransferError
 from ..checkpoint.autosave import Checkpointer
 from ..compression import get_codec
 from ..gil import short_gil_waits
-from .progress import ProgressTracker, SwarmView
+from .adopt import Schedule, optimizer_state
+from .claims import EpochJudge
+from .progress import PeerReport, ProgressTracker, SwarmView
 from .state_sync import StateSync
 from .warmup import warmed_step
 
@@ -245,9 +248,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             bandwidth=bandwidth, matchmaking_timeout=matchmaking_timeout,
             allreduce_config=AllReduceConfig(timeout=averaging_timeout),
         )
+        # epoch claims are believed on evidence only (a quorum; under mean also a plausible rate)
+        self._judge = EpochJudge(strict=self.aggregation != "mean")
         self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.hash,
                                        self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
-                                       refresh=refresh_period)
+                                       refresh=refresh_period, judge=self._judge_claims, on_refused=self._refused)
         self._grad_acc: list[torch.Tensor] = []  # sync: allocated at the first step (a joiner's
         # download should not wait for zero-filling a model-sized buffer it does not need yet)
         self._outer: list[torch.Tensor] = []
@@ -294,6 +299,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                                     settled=self._settled, settle_timeout=matchmaking_timeout,
                                     version=lambda: self._version)
         self.scheduler = scheduler(self) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
+        self._schedule = Schedule(self.inner, self.scheduler)  # a loaded state's lr: ours, replayed
         self.checkpointer: Checkpointer | None = None
         try:
             if checkpoint_every is not None or checkpoint_dir is not None:
@@ -539,7 +545,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 # Others were there but we met nobody (we came late, or the round failed): stepping
                 # with our own gradients would leave us on a path of our own for good. Take theirs.
                 self._record(result)
-                self._load_state_from_peers(self.tracker.estimate())
+                self._load_state_from_peers(self.tracker.estimate(), missed=True)
                 return
             # they left (or are behind, and will load ours): we are the swarm; no state round either
             self._last_expected = 1
@@ -706,7 +712,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             state["scheduler"] = self.scheduler.state_dict()
         return self._applied, state
 
-    def _load_state_from_peers(self, view: SwarmView) -> bool:
+    def _load_state_from_peers(self, view: SwarmView, missed: bool = False) -> bool:
         """Download the state of the most advanced peers and continue from it; on failure, keep
         ours (and the swarm's epoch number) and say so: training goes on either way.
 
@@ -715,7 +721,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         state-sized buffer to fault in, which was most of a late join's time. If it fails they
         are part ours, part the swarm's (verified) ones; we are still behind the swarm then, and
         load again before our first update. A peer that trained keeps its own until a download
-        is complete."""
+        is complete.
+
+        ``missed``: we ended our epoch but missed its round: only a state with that update in it
+        will do (a provider still in the round serves the one before: taking it and our epoch
+        number would leave us an update short of the swarm for good). Without one we go back to
+        the epoch our state holds, and catch up from there."""
         t0 = time.perf_counter()
         if self._pending is not None:  # a round still in flight would land on top of the new state
             self._round_result(self._pending)
@@ -723,18 +734,19 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         loaded = False
         epoch = self.epoch
         result = None
+        at_least = self._applied + int(missed)
         try:
             into = self._placeable() if self._version == self._untrained else {}
             if into:
                 with self._state_lock:  # no snapshot of ours sees them half-written
                     try:
-                        result = self._fetch_state(view, into=into)
+                        result = self._fetch_state(view, at_least, into=into)
                     finally:  # they changed, whether or not the download completed
                         self._version += 1
                         self._untrained = self._version
             else:
-                result = self._fetch_state(view)
-            epoch = int(result.manifest.meta.get("epoch", view.epoch))
+                result = self._fetch_state(view, at_least)
+            epoch = result.manifest.meta["epoch"]
             self.stats.last_state_providers = len(result.contributors)
             self.stats.last_state_in_place = result.placement.placed_bytes if result.placement is not None else 0
             applied = epoch
@@ -759,6 +771,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         for acc in self._grad_acc:
             acc.zero_()
         self.epoch = max(epoch, self.epoch)
+        if missed and not loaded and not self.delay_updates:
+            self.epoch = self._applied  # never an epoch beyond the updates our state holds
         self.local_samples = 0
         self._local_steps_done = 0
         self.stats.state_loads += int(loaded)
@@ -776,7 +790,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             return {}
         return {"params" if self.mode == "sync" else "outer": ours}
 
-    def _fetch_state(self, view: SwarmView, attempts: int = 3,
+    def _fetch_state(self, view: SwarmView, at_least: int | None = None, attempts: int = 3,
                      into: dict[str, list[torch.Tensor]] | None = None) -> Any:
         """Download the state from the most advanced peers of ``view``; if none of them can give
         it (under churn they may have died since they last reported), leave them out of the view
@@ -784,27 +798,40 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
         Peers whose state we cannot get do not get to set our epoch either: a peer that trained
         alone and left (its record lingers) must not drag the swarm along. Peers that report
-        fewer updates than our state holds are no providers: theirs would take us back."""
+        fewer updates than ``at_least`` (default: our state's) are no providers: theirs would take
+        us back; while peers one epoch short of it (still in its round) may get there, we wait for
+        them, at most a matchmaking timeout."""
+        at_least = self._applied if at_least is None else at_least
         deadline = time.monotonic() + self.load_state_timeout
-        for attempt in range(attempts):
+        patience = time.monotonic() + self.matchmaking_timeout
+        strict = self.aggregation != "mean"
+        attempt = 0
+        while True:
             me = self.tracker.me.peer
-            providers = self.state_sync.choose([p for p in (*view.peers, *view.behind)
-                                                if p.peer != me and p.epoch >= self._applied])
+            others = [p for p in (*view.peers, *view.behind) if p.peer != me]
+            providers = self.state_sync.choose([p for p in others if p.epoch >= at_least], quorum=strict)
+            if not providers and time.monotonic() < min(patience, deadline) and any(
+                    p.epoch == at_least - 1 and p.addr is not None for p in others):
+                view = self._loop.run(self.tracker.wait_fresh(0.5))
+                continue
             if not providers:
-                raise StateTransferError(f"no peer at or past our epoch {self._applied} serves it")
+                raise StateTransferError(f"no peer at or past our epoch {at_least} serves it")
             try:
                 return self._loop.run(self.state_sync.fetch(providers, max(1.0, deadline - time.monotonic()),
-                                                            into=into))
+                                                            into=into, at_least=at_least, strict=strict))
             except StateTransferError as e:
                 self.tracker.ignore([p.peer for p in providers])
-                if attempt + 1 == attempts or time.monotonic() >= deadline:
+                attempt += 1
+                if attempt == attempts or time.monotonic() >= deadline:
                     raise
                 log.info("could not load the state from %d peer(s) (%s); asking others", len(providers), e)
                 view = self._loop.run(self.tracker.refresh_now())
-        raise StateTransferError("no peer serves it")  # (not reached: the last attempt raises)
 
     @torch.no_grad()
     def _apply_shared_state(self, state: dict[str, Any], epoch: int) -> None:
+        # the optimizer state checked against ours before anything changes (ValueError if it does not fit)
+        opt = optimizer_state(state["inner"], self.inner) if self.mode == "sync" else \
+            optimizer_state(state["outer_opt"], self.outer_optimizer)
         # a copy per tensor, each giving up the GIL: short waits (see p2ptrain.gil)
         with short_gil_waits(), self._state_lock:
             self._applied = epoch
@@ -820,17 +847,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 for p, src in zip(self.params, params):
                     if p.data_ptr() != src.data_ptr():  # (a download written in place is there already)
                         p.copy_(src)
-                self.inner.load_state_dict(state["inner"])
+                self.inner.load_state_dict(opt)
             else:
                 assert self.outer_optimizer is not None
                 for dst, src in zip(self._outer, state["outer"], strict=True):
                     if dst.data_ptr() != src.data_ptr():
                         dst.copy_(src)
-                self.outer_optimizer.load_state_dict(state["outer_opt"])
+                self.outer_optimizer.load_state_dict(opt)
                 for p, outer in zip(self.params, self._outer):
                     p.copy_(outer)
-            if self.scheduler is not None and "scheduler" in state:
-                self.scheduler.load_state_dict(state["scheduler"])
+            self._schedule.advance_to(epoch)  # (the state's scheduler settings are not ours to take)
             self._load_model_extra(state.get("buffers"))
 
     def _load_model_extra(self, saved: Any) -> None:
@@ -963,6 +989,21 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.tracker.report(self.epoch, 0, self._sps)
 
     # ---- bookkeeping
+
+    def _judge_claims(self, reports: list[PeerReport], me: PeerReport) -> dict[PeerID, str]:
+        """(on the loop) The peers whose epoch we do not believe; see ``claims``. We have a say
+        once we hold an epoch of our own: a fresh joiner at 0 has nothing to weigh."""
+        return self._judge.judge(reports, me, counts_me=me.epoch > 0, now=time.time(), my_sps=self._sps,
+                                 samples_per_epoch=self.tracker.target)
+
+    def _refused(self, refused: dict[PeerID, str]) -> None:
+        """(on the loop) Name the peers whose epoch claim we refused: once in the log, in ``stats.excluded``."""
+        for peer, why in refused.items():
+            name = str(peer)
+            if self.stats.excluded.get(name) is None and len(self.stats.excluded) < 64:
+                log.warning("not believing peer %s: it %s; it is left out until it says otherwise", peer.short(), why)
+            if name in self.stats.excluded or len(self.stats.excluded) < 64:
+                self.stats.excluded[name] = f"epoch claim refused: it {why}"
 
     def _observe(self, view: SwarmView) -> None:
         training = view.training  # (not only those at our epoch: right after a round, others still report the last)

@@ -192,7 +192,9 @@ class ProgressTracker:
 
     def __init__(self, node: DHTNode, run_id: str, schema: str, target: int, *, refresh: float = 0.5,
                  min_refresh: float = 0.05, fast_refresh: float = 0.01, ttl: float | None = None,
-                 on_mismatch: Callable[[PeerID, str], None] | None = None):
+                 on_mismatch: Callable[[PeerID, str], None] | None = None,
+                 judge: Callable[[list[PeerReport], PeerReport], dict[PeerID, str]] | None = None,
+                 on_refused: Callable[[dict[PeerID, str]], None] | None = None):
         if target < 1:
             raise ValueError("target_batch_size must be at least 1")
         self.node = node
@@ -204,6 +206,9 @@ class ProgressTracker:
         self.fast_refresh = fast_refresh
         self.ttl = ttl if ttl is not None else max(10.0, 6 * refresh)
         self._on_mismatch = on_mismatch
+        #: verdicts on epoch claims (see ``claims``): the peers it refuses stay out of the view
+        self._judge = judge
+        self._on_refused = on_refused
         addr = None if node.client_mode else (node.multiaddrs[0].host, node.multiaddrs[0].port)
         self._me = PeerReport(node.peer_id, 0, 0, 0.0, time.time(), schema, addr, False, node.client_mode)
         self._published: PeerReport | None = None
@@ -367,6 +372,13 @@ class ProgressTracker:
                 continue
             reports.append(report)
         self._reports = reports
+        if self._judge is not None:
+            now = time.time()
+            refused = self._judge([r for r in reports if not r.left and now - r.time <= self.ttl], self._me)
+            if refused:
+                self.ignore(refused)
+                if self._on_refused is not None:
+                    self._on_refused(refused)
         self.view = self.estimate()
         self._fresh.set()
 

@@ -12,6 +12,7 @@ against the manifest most of them agree on (:mod:`p2ptrain.checkpoint.transfer`)
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import random
@@ -23,7 +24,7 @@ import torch
 
 from dht import Host, PeerID
 
-from ..checkpoint import FetchResult, Manifest, StateServer, build_snapshot, fetch_state
+from ..checkpoint import FetchResult, Manifest, StateServer, StateTransferError, build_snapshot, fetch_state
 from ..checkpoint.manifest import layout
 from ..checkpoint.placement import Placement, tensors_under
 from ..checkpoint.tree import flatten, tensor_specs
@@ -127,19 +128,29 @@ class StateSync:
         self.buffers.trim(1)  # with the one served, two in all
 
     @staticmethod
-    def choose(peers: list[PeerReport]) -> list[PeerReport]:
-        """Up to ``MAX_PROVIDERS`` of the most advanced ``peers`` that serve (have an address)."""
+    def choose(peers: list[PeerReport], quorum: bool = False) -> list[PeerReport]:
+        """Up to ``MAX_PROVIDERS`` of the most advanced ``peers`` that serve (have an address).
+
+        ``quorum`` (robust rules): the most advanced epoch that two or more of them serve, when
+        one does, so that their manifests can be compared: a lone peer ahead is not enough."""
         serving = [p for p in peers if p.addr is not None]
         if not serving:
             return []
-        best = max(p.epoch for p in serving)
+        counts = collections.Counter(p.epoch for p in serving)
+        shared = [e for e, n in counts.items() if n >= 2]
+        best = max(shared) if quorum and shared else max(counts)
         candidates = [p for p in serving if p.epoch == best]
         random.shuffle(candidates)
         return candidates[:MAX_PROVIDERS]
 
     async def fetch(self, providers: list[PeerReport], timeout: float,
-                    into: dict[str, list[torch.Tensor]] | None = None) -> FetchResult:
+                    into: dict[str, list[torch.Tensor]] | None = None, *, at_least: int = 0,
+                    strict: bool = False) -> FetchResult:
         """Download the state most of ``providers`` hold, from all of them at once.
+
+        Its epoch label is a claim too: it must lie between ``at_least`` and the epoch the
+        providers report (already judged, see ``claims``), and with ``strict`` a strict majority of
+        two or more providers must name its manifest. Else StateTransferError, naming them.
 
         ``into``: top-level key of the state -> our tensors of that list (e.g. ``{"params":
         parameters}``): their bytes are written straight into them as chunks land, and the
@@ -163,7 +174,20 @@ class StateSync:
         # providers snapshot lazily when asked: give the manifest request time for that
         result = await fetch_state(self.host, self.key, wire, timeout=timeout, rpc_timeout=min(timeout, 30.0),
                                    place=place if into else None)
+        vet(result, providers, at_least, strict)
         log.info("loaded the swarm's state (epoch %s, %.1f MB) from %d peers in %.2f s",
                  result.manifest.meta.get("epoch"), result.manifest.total_size / 1e6, len(result.contributors),
                  result.seconds)
         return result
+
+
+def vet(result: FetchResult, providers: list[PeerReport], at_least: int, strict: bool) -> None:
+    """StateTransferError unless the state fetched from ``providers`` is one to believe (see ``fetch``)."""
+    epoch, claimed = result.manifest.meta.get("epoch"), max(p.epoch for p in providers)
+    who = ", ".join(p.peer.short() for p in providers[:4])
+    if type(epoch) is not int or not at_least <= epoch <= claimed:
+        raise StateTransferError(f"the state from {who} is labelled epoch {epoch!r:.20}, not one between {at_least} "
+                                 f"and the {claimed} they report")
+    agreed, asked = result.votes
+    if strict and asked >= 2 and 2 * agreed <= asked:
+        raise StateTransferError(f"only {agreed} of the {asked} peers asked ({who}) serve that state: no majority")

@@ -1,5 +1,30 @@
-"""Hostile peers: state attacks (see the package docstring)."""
+"""Hostile peers: progress and training-state attacks (see the package docstring).
+
+The attacker is an ordinary :class:`~p2ptrain.DecentralizedOptimizer` of the run, with a valid
+identity and correctly signed records; it lies only in what it claims and serves.
+"""
 
 from __future__ import annotations
 
-from ._registry import mode  # noqa: F401
+from typing import Any
+
+import torch
+
+from ._registry import mode
+
+
+@mode("epoch_claim", "report an epoch far ahead and serve a state of our own making (params x scale, lr, "
+                     "scheduler) under it: taken, it would rewrite every peer that believed it")
+def epoch_claim(opt: Any, epoch: int = 10**9, *, lr: float = 1000.0, scale: float = 1e3) -> None:
+    """Turn ``opt`` (a DecentralizedOptimizer) into the claimant: its state is scaled, its inner
+    optimizer's lr set to ``lr``, the whole labelled ``epoch``, and the claim published at once."""
+    with opt._state_lock, torch.no_grad():
+        for p in opt.params:
+            p.mul_(scale)
+        for group in opt.inner.param_groups:
+            group["lr"] = lr
+        opt._applied = epoch
+        opt._version += 1
+    opt.epoch = epoch
+    opt.tracker.report(epoch, 0, opt._sps)
+    opt._loop.run(opt.tracker.refresh_now(timeout=10))
