@@ -28,6 +28,8 @@ from .identity import Identity, PeerID
 from .multiaddr import Multiaddr
 from .noise import SwarmKeyMismatch
 from .peercache import MAX_PEERS, cache_entries, load_peer_cache, save_peer_cache
+from .quota import address_group
+from .relay import relayed_via
 from .routing import Contact, Lookup, RoutingTable, key_id, node_id_of
 from .storage import Record, RecordStore, merge_records, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
@@ -67,6 +69,10 @@ class DHTConfig:
     max_value_size: int = 64 * 1024
     max_records: int = 100_000
     max_records_per_source: int = 2_000
+    #: bytes the store may hold (records' sizes plus ``quota.RECORD_OVERHEAD`` each), in all and
+    #: per source peer; when full, who loses what is decided per address group (``dht.quota``)
+    max_bytes: int = 128 << 20
+    max_bytes_per_source: int = 16 << 20
     max_ttl: float = 86_400.0
     #: a file where the node keeps the addresses of peers it recently talked to (see
     #: ``dht.peercache``), dialed when every bootstrap address fails; None (the default): no cache
@@ -163,6 +169,8 @@ class DHTNode:
             max_records=self.config.max_records,
             max_records_per_source=self.config.max_records_per_source,
             max_ttl=self.config.max_ttl,
+            max_bytes=self.config.max_bytes,
+            max_bytes_per_source=self.config.max_bytes_per_source,
         )
         self._originated: dict[tuple[bytes, bytes | None], Record] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -389,9 +397,11 @@ class DHTNode:
         try:
             result = await self.host.call(contact.peer_id, contact.addr, method, args, self.config.rpc_timeout)
         except DHTError:
-            self.routing.mark_failed(contact.peer_id)
+            self.routing.mark_failed(contact.peer_id, contact.addr)
             raise
-        self._add_contact(Contact(contact.peer_id, contact.addr))
+        conn = self.host.connection(contact.peer_id)
+        if conn is not None:  # its address as the connection shows it, not as whoever named it said
+            self._learn(conn)
         return result
 
     # ------------------------------------------------------------------ RPC handlers (untrusted input)
@@ -422,12 +432,12 @@ class DHTNode:
         self._learn(conn)
         if not (isinstance(args, list) and len(args) <= 256):
             raise ProtocolError("store takes a list of at most 256 records")
-        now = time.time()
+        now, group = time.time(), address_group(conn.remote_host, relayed_via(conn))
         results = []
         for item in args:
             try:
                 record = Record.from_wire(item)
-                stored = self.storage.store(record, now, source=conn.remote_peer)
+                stored = self.storage.store(record, now, source=conn.remote_peer, group=group)
                 # A valid STORE for the key, newer or a copy of what we hold: its sender is spreading
                 # it to the k closest this period, so we need not republish it ourselves.
                 self._received_at[record.key] = time.monotonic()
@@ -473,7 +483,7 @@ class DHTNode:
                                 result.hops = result.hops or lookup.depth(contact)
                         else:
                             found = _decode_contacts(reply, self.config.k)
-                        lookup.on_response(contact, found)
+                        lookup.on_response(contact, self.routing.vouched(found))
                     except (DHTError, InvalidRecord) as e:
                         if isinstance(e, (ProtocolError, InvalidRecord)):
                             log.debug("bad reply from %s: %s", contact.peer_id, e)

@@ -33,12 +33,14 @@ import asyncio
 import logging
 import struct
 import time
+from collections import Counter
 from typing import Any
 
 from .aio import cancel_all, wait_event
 from .errors import DHTError, PeerUnreachable, ProtocolError, RPCError
 from .identity import PeerID
 from .multiaddr import Multiaddr
+from .quota import address_group
 from .stream import Stream, StreamReset
 from .stream_transport import StreamTransport
 from .transport import Connection, Host
@@ -141,24 +143,40 @@ def _peer_of(header: Any) -> PeerID:
 
 class Reservations:
     """Which peers may be reached through us, until when, and over which connection. Sans-IO:
-    callers pass the time, so expiry is tested without sleeping."""
+    callers pass the time, so expiry is tested without sleeping.
+
+    One slot per PeerID, and, since PeerIDs are free, fairness per address group
+    (``quota.address_group``): when the table is full, a peer whose group holds fewer slots than
+    the largest group takes the soonest-expiring slot of that group. Sybils from one address can
+    fill an idle relay but not keep other addresses out of it. (No fixed cap per address: peers
+    behind one NAT, the very peers that need a relay, share one.)"""
 
     def __init__(self, max_reservations: int, ttl: float):
         self.max_reservations = max_reservations
         self.ttl = ttl
-        self._by_peer: dict[PeerID, tuple[Any, float]] = {}  # peer -> (its connection, expiry)
+        self._by_peer: dict[PeerID, tuple[Any, float, str | None]] = {}  # peer -> (its connection, expiry, group)
 
     def __len__(self) -> int:
         return len(self._by_peer)
 
-    def reserve(self, peer: PeerID, conn: Any, now: float) -> float:
-        """Record or refresh ``peer``'s slot; returns its expiry. RelayRefused when full."""
+    def reserve(self, peer: PeerID, conn: Any, now: float, group: str | None = None) -> float:
+        """Record or refresh ``peer``'s slot (its address group ``group``); returns its expiry.
+        RelayRefused when full and ``group`` holds about as many slots as the largest group."""
         self.expire(now)
         if peer not in self._by_peer and len(self._by_peer) >= self.max_reservations:
-            raise RelayRefused(f"relay is full: {self.max_reservations} reservations held, try another relay")
+            self._evict_for(group)
         expiry = now + self.ttl
-        self._by_peer[peer] = (conn, expiry)
+        self._by_peer[peer] = (conn, expiry, group)
         return expiry
+
+    def _evict_for(self, group: str | None) -> None:
+        held = Counter(g for _c, _e, g in self._by_peer.values())
+        largest, most = held.most_common(1)[0]
+        if largest == group or most <= held[group] + 1:
+            raise RelayRefused(f"relay is full: {self.max_reservations} reservations held, try another relay")
+        victim = min((p for p, (_c, _e, g) in self._by_peer.items() if g == largest), key=lambda p: self._by_peer[p][1])
+        log.info("relay full: dropped %s's reservation (%d held from %s) for a peer from %s", victim, most, largest, group)
+        del self._by_peer[victim]
 
     def lookup(self, peer: PeerID, now: float) -> Any | None:
         entry = self._by_peer.get(peer)
@@ -173,7 +191,7 @@ class Reservations:
         self._by_peer.pop(peer, None)
 
     def expire(self, now: float) -> None:
-        for peer in [p for p, (_c, expiry) in self._by_peer.items() if expiry <= now]:
+        for peer in [p for p, (_c, expiry, _g) in self._by_peer.items() if expiry <= now]:
             del self._by_peer[peer]
 
     def clear(self) -> None:
@@ -296,7 +314,7 @@ class RelayService:
         if relayed_via(conn) is not None:
             raise RelayRefused("reservations are only taken over a direct connection (relays do not chain)")
         assert conn.remote_peer is not None
-        self.reservations.reserve(conn.remote_peer, conn, time.monotonic())
+        self.reservations.reserve(conn.remote_peer, conn, time.monotonic(), address_group(conn.remote_host))
         return {"ttl": self.reservations.ttl, "bytes": self.circuit_bytes, "seconds": self.circuit_seconds}
 
     async def _on_hop(self, stream: Stream) -> None:

@@ -135,10 +135,15 @@ class RoutingTable:
         if bucket is not None:
             bucket.remove(peer_id)
 
-    def mark_failed(self, peer_id: PeerID) -> bool:
-        """Count a failed request; evict after ``max_failures`` (one timeout may be a hiccup)."""
+    def mark_failed(self, peer_id: PeerID, addr: tuple[str, int] | None = None) -> bool:
+        """Count a failed request; evict after ``max_failures`` (one timeout may be a hiccup).
+
+        ``addr``: where the request went. A failure at another address than the one the table
+        holds (say, one a third party named in a lookup reply) says nothing about the peer and
+        is not counted: otherwise anyone could evict an honest peer by naming it at a dead address.
+        """
         contact = self.get(peer_id)
-        if contact is None:
+        if contact is None or (addr is not None and addr != contact.addr):
             return False
         contact.failures += 1
         if contact.failures >= self.max_failures:
@@ -149,6 +154,16 @@ class RoutingTable:
     def get(self, peer_id: PeerID) -> Contact | None:
         bucket = self._bucket_of(peer_id)
         return None if bucket is None else bucket.contacts.get(peer_id)
+
+    def vouched(self, hearsay: Iterable[Contact]) -> list[Contact]:
+        """Contacts a third party named (a lookup reply), each at the address this table holds for
+        its peer when it holds one: that address was learnt from the peer's own connection, the
+        third party's may be a lie."""
+        out = []
+        for contact in hearsay:
+            known = self.get(contact.peer_id)
+            out.append(contact if known is None or known.addr == contact.addr else Contact(contact.peer_id, known.addr))
+        return out
 
     def __contains__(self, peer_id: object) -> bool:
         return isinstance(peer_id, PeerID) and self.get(peer_id) is not None

@@ -2,7 +2,9 @@
 
 A key holds either one plain value or a dictionary of sub-keys, each with its own expiration: a
 group of peers can then share one key (say, a matchmaking round) where every member writes and
-refreshes its own entry without clobbering the others.
+refreshes its own entry without clobbering the others. Owner-signed records outrank unsigned
+ones of the other kind (``replaces_entry``): an unsigned plain value can neither erase nor hide a
+key's owned sub-keys, in a store or in a merged lookup.
 
 Records are validated on every write because they come from untrusted peers. A name carrying an
 ``[owner:<PeerID>]`` marker may only be written by that peer, proven by an Ed25519 signature; since
@@ -16,7 +18,6 @@ import heapq
 import itertools
 import math
 import re
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ import msgpack
 
 from .errors import InvalidRecord
 from .identity import Identity, PeerID
+from .quota import RECORD_OVERHEAD, Holder, Ledger
 
 _SIGNING_DOMAIN = b"p2ptrain-dht-record-v1"
 _OWNER_MARKER = re.compile(rb"\[owner:([^\]]*)\]")
@@ -143,8 +145,42 @@ def _max_expiration(entry: Record | dict[bytes, Record]) -> float:
     return max(r.expiration for r in entry.values())
 
 
+def is_owned(record: Record) -> bool:
+    """Whether ``record`` names an owner (for a record that passed ``validate_record``: is signed by it)."""
+    return b"[owner:" in record.key or (record.subkey is not None and b"[owner:" in record.subkey)
+
+
+def _holds_owned(entry: Record | dict[bytes, Record]) -> bool:
+    return is_owned(entry) if isinstance(entry, Record) else any(is_owned(r) for r in entry.values())
+
+
+def replaces_entry(record: Record, entry: Record | dict[bytes, Record]) -> bool:
+    """Whether ``record`` replaces the whole of ``entry`` (a key's plain value or its sub-keys)
+    when the two are of different kinds, or ``record`` is plain (then ``entry`` is plain too).
+
+    Owner-signed records outrank unsigned ones: an unsigned plain value never displaces owned
+    sub-keys (anyone could otherwise erase a run's progress or a matchmaking round, and hold the
+    key until it expires), and an owned sub-key displaces an unsigned plain value whatever its
+    expiration. Between equals, the newer replaces the older, as it always did."""
+    owned, held = is_owned(record), _holds_owned(entry)
+    if owned != held:
+        return owned
+    return record.expiration > _max_expiration(entry)
+
+
+def record_cost(record: Record) -> int:
+    """The bytes a stored record holds in memory, for the byte quotas (see ``quota``)."""
+    return (len(record.key) + len(record.subkey or b"") + len(record.value) + len(record.signature or b"")
+            + RECORD_OVERHEAD)
+
+
 class RecordStore:
-    """Records this node holds, bounded in total, per source peer and per key."""
+    """Records this node holds, bounded in records and bytes, per source peer and per key.
+
+    Past the per-peer quotas a write is refused; when the store is full, what a write may evict
+    is decided per address group and peer (``quota.Ledger``): a flood from one address (any number
+    of identities) evicts its own records, not those of other sources.
+    """
 
     def __init__(
         self,
@@ -154,58 +190,76 @@ class RecordStore:
         max_records: int = 100_000,
         max_records_per_source: int = 2_000,
         max_subkeys_per_key: int = 1_000,
+        max_bytes: int = 128 << 20,
+        max_bytes_per_source: int = 16 << 20,
     ):
         self.max_value_size = max_value_size
         self.max_key_size = max_key_size
         self.max_ttl = max_ttl
-        self.max_records = max_records
-        self.max_records_per_source = max_records_per_source
         self.max_subkeys_per_key = max_subkeys_per_key
         # key -> plain Record, or {subkey: Record} for a dictionary
         self._data: dict[bytes, Record | dict[bytes, Record]] = {}
-        self._source: dict[tuple[bytes, bytes | None], PeerID | None] = {}
-        self._per_source: Counter[PeerID] = Counter()
+        self._ledger = Ledger(max_records, max_bytes, max_records_per_source, max_bytes_per_source)
         # (expiration, tiebreak, key, subkey); entries of replaced records are skipped lazily
         self._expiry: list[tuple[float, int, bytes, bytes | None]] = []
         self._tiebreak = itertools.count()
 
-    def store(self, record: Record, now: float, source: PeerID | None = None) -> bool:
-        """Store ``record`` if it is newer than what it replaces; raise InvalidRecord if invalid.
+    @property
+    def bytes(self) -> int:
+        """What the stored records cost, in bytes (``record_cost`` summed)."""
+        return self._ledger.bytes
 
-        ``source`` is the peer that sent it (None for our own writes), for the per-peer quota.
+    def store(self, record: Record, now: float, source: PeerID | None = None, group: str | None = None) -> bool:
+        """Store ``record`` if it is newer than what it replaces; raise InvalidRecord if invalid,
+        of the wrong kind for its key, or over a quota.
+
+        ``source`` is the peer that sent it (None for our own writes) and ``group`` its address
+        group (``quota.address_group``; None: a group of its own), for the quotas.
         """
         validate_record(record, now, self.max_value_size, self.max_key_size, self.max_ttl)
         self.remove_expired(now)
         existing = self._data.get(record.key)
-        if record.subkey is None or isinstance(existing, Record):
-            # replaces the whole entry (plain value or dictionary) if newer than all of it
-            if existing is not None and record.expiration <= _max_expiration(existing):
-                return False
+        if existing is None:
+            replaced: list[tuple[bytes, bytes | None]] = []
+        elif record.subkey is None or isinstance(existing, Record):
+            if not replaces_entry(record, existing):
+                if is_owned(record) or not _holds_owned(existing):
+                    return False  # not newer
+                raise InvalidRecord(f"key {record.key[:64]!r} holds owner-signed sub-keys: "
+                                    "an unsigned plain value may not replace them")
             replaced = self._names(record.key)
         else:
-            subkeys = existing or {}
-            old = subkeys.get(record.subkey)
+            old = existing.get(record.subkey)
             if old is not None and record.expiration <= old.expiration:
                 return False
-            if old is None and len(subkeys) >= self.max_subkeys_per_key:
+            if old is None and len(existing) >= self.max_subkeys_per_key:
                 raise InvalidRecord(f"too many subkeys under key {record.key!r}")
             replaced = [(record.key, record.subkey)] if old is not None else []
-        self._check_quota(replaced, source)
+        holder: Holder = (group, source)
+        saved = [(self._current(*name), self._ledger.holder(name)) for name in replaced]
         for name in replaced:
             self._drop(*name)
+        try:
+            self._ledger.make_room(holder, record_cost(record), lambda name: self._drop(*name))
+        except InvalidRecord:
+            for old_record, old_holder in saved:  # the write failed: put back what it was to replace
+                assert old_record is not None and old_holder is not None
+                self._insert(old_record, old_holder)
+            raise
+        self._insert(record, holder)
+        return True
+
+    def _insert(self, record: Record, holder: Holder) -> None:
         if record.subkey is None:
             self._data[record.key] = record
         else:
             entry = self._data.setdefault(record.key, {})
             assert isinstance(entry, dict)
             entry[record.subkey] = record
-        self._source[(record.key, record.subkey)] = source
-        if source is not None:
-            self._per_source[source] += 1
+        self._ledger.add((record.key, record.subkey), holder, record_cost(record), record.expiration)
         heapq.heappush(
             self._expiry, (record.expiration, next(self._tiebreak), record.key, record.subkey)
         )
-        return True
 
     def _names(self, key: bytes) -> list[tuple[bytes, bytes | None]]:
         entry = self._data.get(key)
@@ -215,22 +269,12 @@ class RecordStore:
             return [(key, None)]
         return [(key, subkey) for subkey in entry]
 
-    def _check_quota(
-        self, replaced: list[tuple[bytes, bytes | None]], source: PeerID | None
-    ) -> None:
-        if len(self._source) - len(replaced) + 1 > self.max_records:
-            raise InvalidRecord("storage full")
-        if source is not None:
-            freed = sum(1 for name in replaced if self._source[name] == source)
-            if self._per_source[source] - freed + 1 > self.max_records_per_source:
-                raise InvalidRecord(f"too many records from peer {source}")
+    def records_from(self, peer: PeerID) -> int:
+        """How many stored records ``peer`` sent us (its quota's use)."""
+        return self._ledger.peer_records(peer)
 
     def _drop(self, key: bytes, subkey: bytes | None) -> None:
-        source = self._source.pop((key, subkey))
-        if source is not None:
-            self._per_source[source] -= 1
-            if not self._per_source[source]:
-                del self._per_source[source]
+        self._ledger.remove((key, subkey))
         entry = self._data[key]
         if isinstance(entry, dict):
             del entry[subkey]  # type: ignore[arg-type]
@@ -261,7 +305,7 @@ class RecordStore:
             if current is not None and current.expiration == expiration:
                 self._drop(key, subkey)
                 removed += 1
-        if len(self._expiry) > 2 * len(self._source) + 64:  # too many stale entries: rebuild
+        if len(self._expiry) > 2 * len(self) + 64:  # too many stale entries: rebuild
             self._expiry = [
                 (r.expiration, next(self._tiebreak), r.key, r.subkey) for r in self.records()
             ]
@@ -269,7 +313,7 @@ class RecordStore:
         return removed
 
     def __len__(self) -> int:
-        return len(self._source)
+        return self._ledger.records
 
     def records(self) -> Iterator[Record]:
         """Every stored record, e.g. to republish; call ``remove_expired`` first to skip stale ones."""
@@ -283,8 +327,9 @@ class RecordStore:
 def merge_records(records: Iterable[Record]) -> list[Record]:
     """Resolve the records a lookup collected from several nodes, as a store would.
 
-    Per (key, subkey) the latest expiration wins; a plain value beats a key's dictionary only if
-    it is newer than every sub-key, otherwise the dictionary stands. Validate records first.
+    Per (key, subkey) the latest expiration wins; a plain value beats a key's dictionary only as
+    ``replaces_entry`` says (never unsigned over owned sub-keys), otherwise the dictionary stands.
+    Validate records first.
     """
     plain: dict[bytes, Record] = {}
     subkeys: dict[bytes, dict[bytes, Record]] = {}
@@ -301,7 +346,7 @@ def merge_records(records: Iterable[Record]) -> list[Record]:
     merged: list[Record] = []
     for key in sorted(plain.keys() | subkeys.keys()):
         entry = subkeys.get(key, {})
-        if key in plain and (not entry or plain[key].expiration > _max_expiration(entry)):
+        if key in plain and (not entry or replaces_entry(plain[key], entry)):
             merged.append(plain[key])
         else:
             merged.extend(entry[s] for s in sorted(entry))
