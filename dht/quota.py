@@ -23,15 +23,12 @@ from __future__ import annotations
 import heapq
 import ipaddress
 import itertools
-from collections import Counter
-from collections.abc import Callable, Hashable, Mapping
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable
 
 from .errors import InvalidRecord
 from .identity import PeerID
 
 Name = tuple[bytes, bytes | None]
-K = TypeVar("K", bound=Hashable)
 
 #: what a stored record costs beyond its bytes: the Record object, its dict, quota and expiry
 #: entries (tracemalloc, 100,000 records of 44 bytes from 50 peers in a store: 694 bytes each)
@@ -55,33 +52,45 @@ def address_group(host: str | None, relay: PeerID | None = None) -> str:
     return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
-class _Largest(Generic[K]):
-    """The key with the largest value in a mapping whose values change one write at a time: a
-    lazy max-heap (an entry per increase; stale entries are fixed or dropped when they surface)."""
+class _Account:
+    """What one holder (a group, or a peer within a group) has stored: counted, and for a peer,
+    its records by expiration (entries of records since dropped or replaced are skipped lazily)."""
+
+    __slots__ = ("records", "bytes", "expiring", "members", "largest")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, K]] = []
+        self.records = 0
+        self.bytes = 0
+        self.expiring: list[tuple[float, int, Name]] = []  # (expiration, seq, name), soonest first
+        self.members: dict[PeerID | None, _Account] = {}  # a group's peers
+        self.largest = _Largest()  # a group's peers, by bytes
+
+
+class _Largest:
+    """The account holding the most bytes among a changing set: a lazy max-heap (an entry per
+    growth; stale entries are fixed or dropped when they surface)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, _Account]] = []
         self._seq = itertools.count()
 
-    def grew(self, key: K, values: Mapping[K, int]) -> None:
-        """``values[key]`` increased."""
-        if len(self._heap) > 2 * len(values) + 64:  # mostly stale: rebuild
-            self._heap = [(-v, next(self._seq), k) for k, v in values.items()]
+    def grew(self, account: _Account, live: Iterable[_Account], count: int) -> None:
+        """``account`` (one of the ``count`` ``live`` ones) grew."""
+        if len(self._heap) > 2 * count + 64:  # mostly stale: rebuild
+            self._heap = [(-a.bytes, next(self._seq), a) for a in live]
             heapq.heapify(self._heap)
         else:
-            heapq.heappush(self._heap, (-values[key], next(self._seq), key))
+            heapq.heappush(self._heap, (-account.bytes, next(self._seq), account))
 
-    def top(self, values: Mapping[K, int]) -> K | None:
-        """The key of the largest value (None when ``values`` is empty)."""
+    def top(self) -> _Account | None:
         heap = self._heap
         while heap:
-            negative, _, key = heap[0]
-            current = values.get(key, 0)
-            if -negative == current:
-                return key
+            negative, _, account = heap[0]
+            if -negative == account.bytes:
+                return account
             heapq.heappop(heap)
-            if current > 0:
-                heapq.heappush(heap, (-current, next(self._seq), key))
+            if account.bytes > 0:
+                heapq.heappush(heap, (-account.bytes, next(self._seq), account))
         return None
 
 
@@ -103,16 +112,10 @@ class Ledger:
         self.max_bytes_per_peer = max_bytes_per_peer
         self.records = 0
         self.bytes = 0
-        self._entries: dict[Name, tuple[Holder, int, int]] = {}  # name -> (holder, cost, seq)
-        self._peer_records: Counter[PeerID] = Counter()
-        self._peer_bytes: Counter[PeerID] = Counter()
-        self._group_bytes: Counter[str | None] = Counter()
-        self._holder_bytes: dict[str | None, Counter[Holder]] = {}  # per group, per holder in it
-        self._holder_records: Counter[Holder] = Counter()
-        self._largest_group: _Largest[str | None] = _Largest()
-        self._largest_holder: dict[str | None, _Largest[Holder]] = {}
-        #: per holder, (expiration, seq, name) of its records, soonest first (stale entries skipped)
-        self._expiring: dict[Holder, list[tuple[float, int, Name]]] = {}
+        self._entries: dict[Name, tuple[Holder, _Account, int, int]] = {}  # name -> (holder, account, cost, seq)
+        self._peers: dict[PeerID, list[int]] = {}  # peer -> [records, bytes], for the hard quotas
+        self._groups: dict[str | None, _Account] = {}
+        self._largest = _Largest()  # groups, by bytes
         self._seq = itertools.count()
 
     def holder(self, name: Name) -> Holder | None:
@@ -120,52 +123,63 @@ class Ledger:
         return entry[0] if entry is not None else None
 
     def peer_records(self, peer: PeerID) -> int:
-        return self._peer_records[peer]
+        return self._peers.get(peer, (0, 0))[0]
 
     def add(self, name: Name, holder: Holder, cost: int, expiration: float) -> None:
-        group, peer = holder
+        group_name, peer = holder
+        group = self._groups.get(group_name)
+        if group is None:
+            group = self._groups[group_name] = _Account()
+        account = group.members.get(peer)
+        if account is None:
+            account = group.members[peer] = _Account()
         seq = next(self._seq)
-        self._entries[name] = (holder, cost, seq)
+        self._entries[name] = (holder, account, cost, seq)
         self.records += 1
         self.bytes += cost
         if peer is not None:
-            self._peer_records[peer] += 1
-            self._peer_bytes[peer] += cost
-        self._group_bytes[group] += cost
-        in_group = self._holder_bytes.setdefault(group, Counter())
-        in_group[holder] += cost
-        self._holder_records[holder] += 1
-        self._largest_group.grew(group, self._group_bytes)
-        self._largest_holder.setdefault(group, _Largest()).grew(holder, in_group)
-        heap = self._expiring.setdefault(holder, [])
-        if len(heap) > 2 * self._holder_records[holder] + 16:  # mostly replaced records: rebuild
+            use = self._peers.setdefault(peer, [0, 0])
+            use[0] += 1
+            use[1] += cost
+        for a in (group, account):
+            a.records += 1
+            a.bytes += cost
+        self._largest.grew(group, self._groups.values(), len(self._groups))
+        group.largest.grew(account, group.members.values(), len(group.members))
+        heap = account.expiring
+        if len(heap) > 2 * account.records + 16:  # mostly replaced records: rebuild
             heap[:] = [e for e in heap if self._live(e)]
             heapq.heapify(heap)
         heapq.heappush(heap, (expiration, seq, name))
 
     def remove(self, name: Name) -> None:
-        holder, cost, _ = self._entries.pop(name)
-        group, peer = holder
+        (group_name, peer), account, cost, _ = self._entries.pop(name)
+        group = self._groups[group_name]
         self.records -= 1
         self.bytes -= cost
         if peer is not None:
-            _decrease(self._peer_records, peer, 1)
-            _decrease(self._peer_bytes, peer, cost)
-        _decrease(self._group_bytes, group, cost)
-        _decrease(self._holder_records, holder, 1)
-        if not _decrease(self._holder_bytes[group], holder, cost):
-            del self._expiring[holder]
-            if group not in self._group_bytes:
-                del self._largest_holder[group], self._holder_bytes[group]
+            use = self._peers[peer]
+            use[0] -= 1
+            use[1] -= cost
+            if not use[0]:
+                del self._peers[peer]
+        for a in (group, account):
+            a.records -= 1
+            a.bytes -= cost
+        if not account.records:
+            del group.members[peer]
+            if not group.records:
+                del self._groups[group_name]
 
     def make_room(self, holder: Holder, cost: int, evict: Callable[[Name], None]) -> None:
         """Raise InvalidRecord unless a record of ``cost`` bytes from ``holder`` fits, evicting
         (through ``evict``, which must call ``remove``) what fairness allows."""
         peer = holder[1]
         if peer is not None:
-            if self._peer_records[peer] + 1 > self.max_records_per_peer:
+            records, used = self._peers.get(peer, (0, 0))
+            if records + 1 > self.max_records_per_peer:
                 raise InvalidRecord(f"too many records from peer {peer}")
-            if self._peer_bytes[peer] + cost > self.max_bytes_per_peer:
+            if used + cost > self.max_bytes_per_peer:
                 raise InvalidRecord(f"too many bytes from peer {peer} (quota {self.max_bytes_per_peer})")
         while self.records + 1 > self.max_records or self.bytes + cost > self.max_bytes:
             victim = self._victim(holder, cost)
@@ -174,38 +188,24 @@ class Ledger:
             evict(victim)
 
     def _victim(self, holder: Holder, cost: int) -> Name | None:
-        """The soonest-expiring record of the largest holder that may lose one to ``holder``."""
-        group = self._largest_group.top(self._group_bytes)
-        mine = self._group_bytes.get(holder[0], 0) + cost
-        if group is None or group == holder[0] or self._group_bytes[group] <= mine:
-            group = holder[0]  # our group is (about) the largest: make room inside it
-            in_group = self._holder_bytes.get(group)
-            if in_group is None:
+        """The soonest-expiring record of the largest account that may lose one to ``holder``."""
+        mine = self._groups.get(holder[0])
+        group = self._largest.top()
+        if group is None or group is mine or group.bytes <= (mine.bytes if mine else 0) + cost:
+            if mine is None:  # our group is (about) the largest: make room inside it
                 return None
-            top = self._largest_holder[group].top(in_group)
-            if top is None or top == holder or in_group[top] <= in_group.get(holder, 0) + cost:
+            group, me = mine, mine.members.get(holder[1])
+            top = group.largest.top()
+            if top is None or top is me or top.bytes <= (me.bytes if me else 0) + cost:
                 return None
         else:
-            top = self._largest_holder[group].top(self._holder_bytes[group])
+            top = group.largest.top()
             assert top is not None
-        return self._soonest(top)
-
-    def _soonest(self, holder: Holder) -> Name:
-        heap = self._expiring[holder]
+        heap = top.expiring
         while not self._live(heap[0]):
             heapq.heappop(heap)
         return heap[0][2]
 
     def _live(self, entry: tuple[float, int, Name]) -> bool:
         current = self._entries.get(entry[2])
-        return current is not None and current[2] == entry[1]
-
-
-def _decrease(counter: Counter, key: object, amount: int) -> int:
-    """Subtract ``amount`` from ``counter[key]``, dropping the key at zero; returns what is left."""
-    left = counter[key] - amount
-    if left > 0:
-        counter[key] = left
-    else:
-        del counter[key]
-    return max(left, 0)
+        return current is not None and current[3] == entry[1]

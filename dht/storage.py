@@ -78,7 +78,7 @@ def owner_of(name: bytes | None) -> PeerID | None:
     A malformed marker, or markers naming two peers, raise InvalidRecord rather than reading as
     "not owned": otherwise a typo in an owned name would silently make it writable by anyone.
     """
-    if name is None:
+    if name is None or b"[owner:" not in name:
         return None
     owners = set()
     for match in _OWNER_MARKER.finditer(name):

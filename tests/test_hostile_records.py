@@ -146,6 +146,19 @@ def test_one_address_group_cannot_push_out_another():
     assert store.store(Record(b"h/0/new", None, value, now + 600), now, peer, address_group(ip))
 
 
+def test_a_refused_write_keeps_what_it_would_have_replaced():
+    now = 1000.0
+    p, q = Identity().peer_id, Identity().peer_id
+    store = RecordStore(max_records_per_source=1, max_bytes_per_source=2000)
+    assert store.store(Record(b"a", None, b"p", now + 10), now, p, "g")
+    assert store.store(Record(b"b", None, b"q", now + 10), now, q, "g")
+    with pytest.raises(Exception, match=f"too many records from peer {q}"):
+        store.store(Record(b"a", None, b"q2", now + 20), now, q, "g")  # newer, but q is at its quota
+    assert [r.value for r in store.get(b"a", now)] == [b"p"] and len(store) == 2
+    with pytest.raises(Exception, match="too many bytes from peer"):
+        store.store(Record(b"c", None, b"x" * 1500, now + 10), now, Identity().peer_id, "g")
+
+
 def test_address_groups():
     assert address_group("192.0.2.1") == address_group("192.0.2.200") == "192.0.2.0/24"
     assert address_group("192.0.3.1") != address_group("192.0.2.1")

@@ -93,8 +93,10 @@ class FloodResult:
 async def sybil_store_flood(target: Multiaddr, *, identities: int = 50, records: int = 2000, value_size: int = 16,
                             source_ip: str | None = None, ttl: float = 3600.0, concurrency: int = 8) -> FloodResult:
     """``identities`` client-mode hosts, each sending up to ``records`` STOREs of unique keys (in
-    batches of 256, stopping at its first refused batch) to the node at ``target``."""
+    batches of up to 256 within the 1 MiB message limit, stopping at its first refused batch) to
+    the node at ``target``."""
     out, sem, value = FloodResult(), asyncio.Semaphore(concurrency), msgpack.packb(os.urandom(value_size))
+    per_call = max(1, min(256, (900 << 10) // (len(value) + 64)))
     t0 = time.monotonic()
 
     async def one() -> None:
@@ -105,8 +107,9 @@ async def sybil_store_flood(target: Multiaddr, *, identities: int = 50, records:
                 from_address(host, source_ip)
                 conn = await host.connect_addr(target, timeout=10)
                 prefix = os.urandom(8).hex().encode()
-                for start in range(0, records, 256):
-                    batch = [_record(b"flood/%s/%d" % (prefix, j), value, ttl) for j in range(start, min(records, start + 256))]
+                for start in range(0, records, per_call):
+                    end = min(records, start + per_call)
+                    batch = [_record(b"flood/%s/%d" % (prefix, j), value, ttl) for j in range(start, end)]
                     replies = await conn.call("store", batch, timeout=30)
                     ok = sum(1 for r in replies if r is True)
                     out.accepted += ok
