@@ -2,7 +2,9 @@
 ``p2ptrain/allreduce/1``, the registry of rounds in progress (streams may arrive before the local
 round starts), the worker thread for codec work, and the buffers kept between rounds (a fresh
 state-sized buffer costs a page fault per 4 KiB). The protocol and one round's state machine are
-in :mod:`.round`.
+in :mod:`.round`. Under a robust rule it also keeps each round's :class:`.ledger.Ledger`, serves
+the others' audits from it (``p2ptrain/allreduce-audit/1``) and audits the other owners after
+each round (:mod:`.audit`) before ``run`` returns.
 
 >>> service = AllReduceService(host)              # registers the stream handler once
 >>> await service.start()
@@ -17,6 +19,8 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,8 +33,11 @@ from dht.transport import Host
 
 from ..compression import Codec, CompressionError, get_codec
 from ..compression.base import abs_max
+from .audit import AUDIT_PROTOCOL, AuditConfig, audit_round
+from .audit import serve as serve_audit
 from .group import Group
-from .robust import check_aggregation, check_codec
+from .ledger import Ledger
+from .robust import MIN_ROBUST_GROUP, check_aggregation, check_codec
 from .round import (
     PROTOCOL,
     ROBUST_WINDOW,
@@ -43,7 +50,9 @@ from .round import (
 )
 
 __all__ = ["MAX_WAITING_PER_PEER", "PROTOCOL", "ROBUST_WINDOW", "AllReduceConfig", "AllReduceResult",
-           "AllReduceService", "ShardResult", "codec_id", "usable_cpus"]
+           "AllReduceService", "AuditConfig", "ShardResult", "codec_id", "usable_cpus"]
+
+log = logging.getLogger("p2ptrain.allreduce")
 
 #: streams one peer may have waiting for rounds that have not started here (see _on_stream)
 MAX_WAITING_PER_PEER = 4
@@ -54,13 +63,19 @@ def _noop() -> None:
 
 
 class AllReduceService:
-    """Runs all-reduce rounds on ``host``: owns the stream handler, the registry of rounds in
-    progress (keyed by group id), the worker thread, and every task it starts."""
+    """Runs all-reduce rounds on ``host``: owns the stream handlers (rounds and their audits), the
+    registry of rounds in progress (keyed by group id), the worker thread, and every task it
+    starts. ``audit``: how rounds under a robust rule are audited (:mod:`.audit`)."""
 
     def __init__(self, host: Host, config: AllReduceConfig | None = None, *, accept_wait: float = 5.0,
-                 max_waiting_groups: int = 256):
+                 max_waiting_groups: int = 256, audit: AuditConfig | None = None):
         self.host = host
         self.config = config or AllReduceConfig()
+        self.audit = audit or AuditConfig()
+        # the ledgers of our last ``audit.kept`` audited rounds, for the others' audits (ledger.py)
+        self._ledgers: collections.OrderedDict[bytes, Ledger] = collections.OrderedDict()
+        self._ledger_bufs: list[torch.Tensor] = []  # their buffers, kept between rounds like _scratch
+        self._audit_streams: collections.Counter[tuple[bytes, PeerID]] = collections.Counter()
         self.accept_wait = accept_wait
         self.max_waiting_groups = max_waiting_groups
         self._rounds: dict[bytes, _Round] = {}
@@ -123,6 +138,7 @@ class AllReduceService:
     async def start(self) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce")
         self.host.on_stream(PROTOCOL, self._on_stream)
+        self.host.on_stream(AUDIT_PROTOCOL, self._on_audit_stream)
 
     async def __aenter__(self) -> AllReduceService:
         await self.start()
@@ -137,12 +153,15 @@ class AllReduceService:
             return
         self._closed = True
         self.host.off_stream(PROTOCOL)
+        self.host.off_stream(AUDIT_PROTOCOL)
         for rnd in list(self._rounds.values()):
             rnd.abort("all-reduce service closing")
         await cancel_all(self._tasks)
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         self._scratch = []
+        self._ledgers.clear()
+        self._ledger_bufs = []
 
     async def _before_chunk(self, owner: int, index: int) -> None:
         """Hook before each chunk a sender writes (tests override it to simulate slow/dying peers)."""
@@ -151,6 +170,48 @@ class AllReduceService:
         """Hook on the wire bytes of each chunk a sender writes (tests replace it to simulate a
         hostile sender, e.g. NaN payloads, which ``run`` would refuse to take from ``flat``)."""
         return views
+
+    def _reply(self, index: int, data: Any) -> Any:
+        """Hook on the reply bytes of each chunk of our shard an owner writes (tests replace it to
+        simulate an owner that tampers with its result: ``p2ptrain.testbed.hostile.shards``)."""
+        return data
+
+    _audit_answer: Callable[[str, int, int, memoryview], memoryview] | None = None
+    """Hook on the bytes of each audit answer (tests: a member that lies to auditors)."""
+
+    # ------------------------------------------------------------------ audits (audit.py)
+    def _keep_ledger(self, gid: bytes, ledger: Ledger) -> None:
+        self._ledgers[gid] = ledger
+        while len(self._ledgers) > max(1, self.audit.kept):
+            _, old = self._ledgers.popitem(last=False)
+            self._ledger_bufs = (self._ledger_bufs + old.buffers)[-2 * self.audit.kept:]
+            self._audit_streams = collections.Counter({k: v for k, v in self._audit_streams.items()
+                                                       if k[0] in self._ledgers})
+
+    async def _on_audit_stream(self, stream: Stream) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            hdr = stream.header
+            gid = hdr.get("g") if isinstance(hdr, dict) else None
+            ledger = self._ledgers.get(gid) if isinstance(gid, bytes) else None
+            if ledger is None:
+                stream.reset("no audited round of that group held here")
+                return
+            peer = stream.peer_id
+            if peer == self.host.peer_id or all(m.peer_id != peer for m in ledger.group.members):
+                stream.reset("not a member of that group")
+                return
+            if self._audit_streams[(gid, peer)] >= self.audit.max_streams:
+                stream.reset("too many audit streams for that round")
+                return
+            self._audit_streams[(gid, peer)] += 1
+            cfg = self.config
+            await serve_audit(ledger, stream, cfg.timeout, max(cfg.stall_timeout, cfg.read_timeout(1 << 22)),
+                              self._audit_answer)
+        finally:
+            self._tasks.discard(task)
 
     # ------------------------------------------------------------------ incoming streams
     async def _on_stream(self, stream: Stream) -> None:
@@ -251,6 +312,11 @@ class AllReduceService:
                 raise CompressionError("flat contains NaN or inf; refusing to average it")
         rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax)
         gid = group.group_id
+        ledger = None
+        if aggregation != "mean" and self.audit.chunks > 0 and group.size >= MIN_ROBUST_GROUP:
+            ledger = rnd.ledger = Ledger(group, my_rank, weight, rnd.bounds, rnd.cn, _base(codec),
+                                         lambda nbytes: self._take(self._ledger_bufs, nbytes, torch.uint8))
+            self._keep_ledger(gid, ledger)
         self._rounds[gid] = rnd
         waiting = self._waiting.pop(gid, None)
         if waiting is not None and not waiting.done():
@@ -260,8 +326,18 @@ class AllReduceService:
             self._tasks.add(task)
         try:
             async with asyncio.timeout(cfg.timeout + cfg.stall_timeout):
-                return await rnd.run()
+                result = await rnd.run()
+            if ledger is not None:
+                ledger.finished.set()
+                try:
+                    await audit_round(rnd, result, self.audit.chunks)
+                except TimeoutError:
+                    log.warning("all-reduce %s: the audit of the owners' results ran out of time; the chunks not "
+                                "checked by then are kept as their owners sent them", gid.hex()[:8])
+            return result
         finally:
+            if ledger is not None:
+                ledger.finished.set()
             rnd.abort("round over")
             self._give_back_scratch(rnd)
             self._tasks.discard(task)  # type: ignore[arg-type]

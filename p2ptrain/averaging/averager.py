@@ -159,7 +159,8 @@ class Averager:
         if self.aggregation != "mean" and (expected is None or expected >= MIN_ROBUST_GROUP):
             # a pair cannot outvote a hostile member: see robust.py (a 2-peer swarm still pairs up)
             min_size = max(self.matchmaker.min_group_size, MIN_ROBUST_GROUP)
-        group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout, expected, min_size)
+        group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout, expected, min_size,
+                                                 weight=weight)  # declared: the group caps weights by it
         t1 = time.perf_counter()
         members = [m.peer_id for m in group.members]
         if group.size == 1:

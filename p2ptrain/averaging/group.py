@@ -3,11 +3,22 @@
 Sans-IO: a ``Group`` is plain data every member derives identically from the same bytes (the leader
 sends the member list; each member computes the partition itself), so members never disagree on
 who owns which shard.
+
+Bandwidth and weight are each member's own claims: ``partition`` counts a bandwidth at most
+:data:`MAX_BANDWIDTH_RATIO` times the group's median, so that nobody owns more than about that
+many fair shares by claiming 1e15 (issue 27); weights are bounded the same way (``weight_cap``).
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
+
+#: the largest share of the vector a member owns, in multiples of the median member's (see above)
+MAX_BANDWIDTH_RATIO = 2.0
+#: under ``mean``, the most samples one sender counts for, in multiples of the group's median
+#: declared weight: a real gap (a GPU beside CPUs) fits, a claim of 1e12 does not (issue 27)
+MAX_WEIGHT_RATIO = 8.0
 
 from dht import PeerID
 
@@ -18,20 +29,26 @@ class Member:
 
     peer_id: PeerID
     addr: tuple[str, int] | None
-    bandwidth: float = 1.0  # declared, relative: shards are sized in proportion to it
+    bandwidth: float = 1.0  # declared, relative: shards are sized in proportion to it (capped)
+    weight: float | None = None  # declared samples for this round (None: not declared)
 
     @property
     def owns_shard(self) -> bool:
         return self.addr is not None and self.bandwidth > 0
 
     def to_wire(self) -> list:
-        return [self.peer_id.to_bytes(), list(self.addr) if self.addr else None, float(self.bandwidth)]
+        out = [self.peer_id.to_bytes(), list(self.addr) if self.addr else None, float(self.bandwidth)]
+        return out if self.weight is None else [*out, float(self.weight)]
 
     @classmethod
     def from_wire(cls, obj: object) -> Member:
-        if not (isinstance(obj, list) and len(obj) == 3):
+        if not (isinstance(obj, list) and len(obj) in (3, 4)):
             raise ValueError("malformed group member")
-        raw, addr, bandwidth = obj
+        raw, addr, bandwidth = obj[:3]
+        weight = obj[3] if len(obj) == 4 else None
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                                   or not 0 < weight <= 1e12):
+            raise ValueError("malformed member weight")
         if addr is not None and not (
             isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str) and isinstance(addr[1], int)
             and 0 < addr[1] < 65536 and len(addr[0]) <= 255
@@ -39,7 +56,8 @@ class Member:
             raise ValueError("malformed member address")
         if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth < 1e15 or bandwidth != bandwidth:
             raise ValueError("malformed member bandwidth")
-        return cls(PeerID(raw), tuple(addr) if addr else None, float(bandwidth))
+        return cls(PeerID(raw), tuple(addr) if addr else None, float(bandwidth),
+                   None if weight is None else float(weight))
 
 
 @dataclass(frozen=True)
@@ -78,10 +96,15 @@ def partition(numel: int, members: tuple[Member, ...] | list[Member], align: int
     """Split ``numel`` elements into one [start, end) shard per member, sized by bandwidth.
 
     Members that own no shard get an empty range. Boundaries are multiples of ``align`` (so that
-    blockwise codecs never straddle two owners), except the very end. Deterministic: every member
+    blockwise codecs never straddle two owners), except the very end. A bandwidth counts at most
+    ``MAX_BANDWIDTH_RATIO`` times the median of the owners'. Deterministic: every member
     computes the same layout from the same group.
     """
     weights = [m.bandwidth if m.owns_shard else 0.0 for m in members]
+    owners = [w for w in weights if w > 0]
+    if owners:
+        cap = MAX_BANDWIDTH_RATIO * statistics.median(owners)
+        weights = [min(w, cap) for w in weights]
     total = sum(weights)
     if total <= 0:
         raise ValueError("no member of the group can own a shard (all are client-mode)")
@@ -98,3 +121,17 @@ def partition(numel: int, members: tuple[Member, ...] | list[Member], align: int
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def weight_cap(members: tuple[Member, ...] | list[Member], own: float) -> float:
+    """The most samples one sender of this group counts for under ``mean``: ``MAX_WEIGHT_RATIO``
+    times the median of the weights the members declared in matchmaking (signed, and checked by
+    every member against the DHT), or of ``own`` where nobody declared one (a group built by hand)."""
+    declared = [m.weight for m in members if m.weight is not None]
+    return MAX_WEIGHT_RATIO * (statistics.median(declared) if declared else own)
+
+
+def counted_weight(member: Member, weight: float, cap: float) -> float:
+    """What a sender's header ``weight`` counts for at an owner: at most the weight ``member``
+    declared in matchmaking (when it declared one) and at most ``cap`` (``weight_cap``)."""
+    return min(weight, cap, weight if member.weight is None else member.weight)

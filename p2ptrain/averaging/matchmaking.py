@@ -58,13 +58,14 @@ from dht.routing import Contact
 from dht.storage import Record, owned_name, record_owner, validate_record
 from dht.wire import unpack
 
+from .claims import VERSION as _VERSION
+from .claims import Entry, join_reply_group, parse_entry, verify_group
 from .group import Group, Member
 from .schema import Schema, parse_summary, schema_mismatch_message
 
 log = logging.getLogger("p2ptrain.matchmaking")
 
 JOIN_METHOD = "p2ptrain.mm.join"
-_VERSION = 1
 _MEMBER_SUBKEY = b"m"
 _MAX_ENTRY_BYTES = 4096
 _MAX_SUMMARY_BYTES = 16 * 1024
@@ -136,48 +137,6 @@ def settle_window(latency: float, arrivals: Iterable[float], timeout: float) -> 
     return min(window, max(_MIN_SETTLE, 0.2 * timeout))
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One peer's registration for a round, as read (and validated) from the DHT."""
-
-    member: Member
-    arrived: float  # unix time, as the peer declared it
-    wait: float  # seconds the peer waits from its arrival
-    done: bool  # the peer has its group (or gave up): not a candidate any more
-
-
-def parse_entry(value: object, owner: PeerID) -> Entry | None:
-    """A registration value written by ``owner``; None if malformed or claiming another peer."""
-    if not isinstance(value, dict) or value.get("v") != _VERSION:
-        return None
-    try:
-        member = Member.from_wire(value.get("m"))
-    except (ValueError, TypeError):
-        return None
-    if member.peer_id != owner:
-        return None
-    arrived, wait, done = value.get("t"), value.get("w"), value.get("d", False)
-    for x in (arrived, wait):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-            return None
-    if not 0 <= wait <= 86_400 or not isinstance(done, bool):
-        return None
-    return Entry(member, float(arrived), float(wait), done)
-
-
-def _join_reply_group(reply: object, me: PeerID, leader: PeerID) -> Group | None:
-    if not isinstance(reply, dict) or "group" not in reply:
-        return None
-    try:
-        group = Group.from_wire(reply["group"])
-    except (ValueError, TypeError):
-        return None
-    ids = {m.peer_id for m in group.members}
-    if me not in ids or leader not in ids or len(group.group_id) != 16:
-        return None
-    return group
-
-
 # ---------------------------------------------------------------------------- per-round state
 
 
@@ -206,6 +165,7 @@ class _Round:
         self.entry_value: dict | None = None
         self.entry_expiration = 0.0
         self.verified: dict[tuple, Entry | None] = {}  # record fields -> parsed entry (checked once)
+        self.registered: dict[PeerID, Member] = {}  # each peer as it registered (claims.verify_group)
         self.settle = _MIN_SETTLE  # the last settle window used while gathering
         self.holders: list[Contact] = []  # peers that store the round's key (from the last lookup)
         self.reads = 0
@@ -303,14 +263,15 @@ class Matchmaker:
     def latency(self) -> float:
         return self._latency if self._latency is not None else 0.02
 
-    def me(self) -> Member:
+    def me(self, weight: float | None = None) -> Member:
+        """Our member info, declaring ``weight`` (samples of this round) when given."""
         addr = None
         if not self.client_mode:
             addrs = self.node.multiaddrs
             if not addrs:
                 raise RuntimeError("the DHT node is not listening yet: start() it before forming groups")
             addr = (addrs[0].host, addrs[0].port)
-        return Member(self.node.peer_id, addr, self.bandwidth)
+        return Member(self.node.peer_id, addr, self.bandwidth, weight)
 
     def round_key(self, round_id: str | int) -> str:
         return f"{self.prefix}/avg/{self.schema.hash}/{round_id}"
@@ -338,7 +299,7 @@ class Matchmaker:
         await self.close()
 
     async def form_group(self, round_id: str | int, timeout: float, expected: int | None = None,
-                         min_size: int | None = None) -> Group:
+                         min_size: int | None = None, weight: float | None = None) -> Group:
         """Meet the peers averaging the same round and schema; at most ``timeout`` seconds.
 
         ``expected``: how many peers (us included) the caller knows will come, e.g. from the
@@ -346,6 +307,7 @@ class Matchmaker:
         waiting out the settle window, which is most of a round's matchmaking time on a quiet swarm.
         ``min_size``: this round's smallest acceptable group (default ``min_group_size``; at most
         ``target_group_size``): a peer that cannot join one that large returns a group of itself.
+        ``weight``: the samples we will average with, declared in our entry (``group.weight_cap``).
         """
         if self._closed:
             raise RuntimeError("matchmaker is closed")
@@ -360,7 +322,7 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeout
-        me = self.me()
+        me = self.me(weight)
         least = self.min_group_size if min_size is None else max(1, min(min_size, self.target_group_size))
         rnd = _Round(round_id, self.round_key(round_id), least)
         self._rounds[round_id] = rnd
@@ -490,6 +452,9 @@ class Matchmaker:
             alive = []  # nobody answered: look the key up afresh next time
         return records, alive
 
+    async def _registered(self, rnd: _Round, deadline: float) -> dict[PeerID, Member]:
+        return {p: e.member for p, e in (await self._read(rnd, deadline)).items()}
+
     async def _read(self, rnd: _Round, deadline: float) -> dict[PeerID, Entry]:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -581,6 +546,7 @@ class Matchmaker:
                 schema_task = self._spawn(self._check_schemas(rnd, deadline))
             polls += 1
             entries = await self._read(rnd, deadline)
+            rnd.registered.update((p, e.member) for p, e in entries.items())
             now, now_wall = loop.time(), time.time()
             grew = False
             finished = 0
@@ -698,9 +664,15 @@ class Matchmaker:
                 log.debug("round %s: leader %s failed: %s", rnd.round_id, leader.peer_id, e)
                 failed.add(leader.peer_id)
                 return None
-            group = _join_reply_group(reply, me.peer_id, leader.peer_id)
-            if group is not None:
-                return group
+            group = join_reply_group(reply, me.peer_id, leader.peer_id)
+            if group is not None:  # taken only as every member registered itself (claims.py)
+                why = await verify_group(group, me, leader.peer_id, rnd.registered,
+                                         lambda: self._registered(rnd, deadline), rnd.min_size, self.target_group_size)
+                if why is None:
+                    return group
+                log.warning("round %s: refusing the group leader %s formed: %s", rnd.round_id, leader.peer_id, why)
+                failed.add(leader.peer_id)
+                return None
             redirect = reply.get("redirect") if isinstance(reply, dict) else None
             try:
                 target = Member.from_wire(redirect) if redirect is not None else None
@@ -776,6 +748,8 @@ class Matchmaker:
         if member.peer_id not in lead.joined:
             if len(lead.joined) + 1 >= self.target_group_size:
                 return {"refused": "group is full"}
+            if rnd.registered.get(member.peer_id, member) != member:  # the others would refuse the group
+                return {"refused": "your join differs from your registration for this round"}
             lead.joined[member.peer_id] = member
             # Close in time for this joiner to get the answer before it gives up, but not sooner
             # than half the minimum window (a joiner in a hurry is dropped, not obeyed).

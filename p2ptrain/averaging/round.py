@@ -29,17 +29,18 @@ part arrived complete.
 
 Robust aggregation
 ------------------
-``run(..., aggregation="trimmed_mean" | "median" | "centered_clip")`` (see :mod:`.robust`) replaces
-the streaming weighted mean, which one hostile sender can move anywhere. Such a rule needs every
-contribution to a chunk before combining it, so the owner decodes each sender's chunk into that
-sender's row of a slot ``[group size, chunk_numel]``; once every expected sender has delivered chunk
-c (or failed, or was given up on) the owner combines the rows (its own values included) into the
-accumulator, in the worker, in chunk order. There are ``ROBUST_WINDOW`` (2) slots: a sender may
-store chunk c only after chunk c - 2 is combined, otherwise its stream waits (flow control), so the
-owner holds at most ``2 * size * chunk_numel * 4`` bytes of buffers (64 MiB for 8 members and the
-default chunk) beside the accumulator, however big the shard. The rule's name travels in the header
-(``"agg"``, absent for ``mean``); a mismatch drops the sender like a codec mismatch (the Averager
-also puts it in the schema, so such peers do not meet). Weights are capped at the median weight.
+``run(..., aggregation="trimmed_mean" | "median" | "centered_clip")`` (:mod:`.robust`) replaces the
+streaming weighted mean, which one hostile sender moves anywhere. The owner decodes each sender's
+chunk into its row of a slot ``[group size, chunk_numel]`` and, once every expected sender delivered
+chunk c (or failed, or was given up on), combines the rows (its own included) in the worker, in
+chunk order. With ``ROBUST_WINDOW`` (2) slots a sender may store chunk c only after chunk c - 2 is
+combined (else its stream waits): the buffers beside the accumulator stay within
+``2 * size * chunk_numel * 4`` bytes (64 MiB at 8 members, default chunk). The rule's name travels
+in the header (``"agg"``, absent for ``mean``): a mismatch drops the sender like a codec mismatch.
+Weights are capped at the median, and after the round each member audits the other owners' results
+(:mod:`.audit`): an owner cannot set the others' values beyond what the rule allows. Under any rule
+a sender's weight counts at most what it declared in matchmaking and ``MAX_WEIGHT_RATIO`` times the
+group's median declared weight (:func:`.group.weight_cap`).
 
 Failures
 --------
@@ -120,11 +121,13 @@ from ..compression import Codec, CompressionError, ErrorFeedback, kernels
 from ..compression.base import abs_max, check_finite, frombuffer
 from ..compression.float import NoneCodec
 from ..compression.int8 import Int8Codec
-from .group import Group, partition
+from .group import Group, counted_weight, partition, weight_cap
+from .ledger import chunks as _chunks
 from .robust import aggregate
 
 if TYPE_CHECKING:
     from .allreduce import AllReduceService
+    from .ledger import Ledger
 
 __all__ = ["PROTOCOL", "AllReduceConfig", "AllReduceResult", "ShardResult", "codec_id"]
 
@@ -152,12 +155,9 @@ class AllReduceConfig:
     max_weight: float = 1e12  # larger declared weights are hostile (they would overflow float32)
     #: rounds with at least this many values run codec work in the worker thread; None: never
     offload_min_numel: int | None = 1 << 18
-    #: ... and only when this process may run on at least this many CPUs. The worker thread buys
-    #: overlap only with a core to spare: with fewer, every chunk pays two thread hand-offs and
-    #: GIL waits for nothing. Measured with benchmarks/allreduce_bench.py, N = 2, 256 MB, offloaded
-    #: against inline: 2 cores, none 0.337 / 0.299 s, int8 0.261 / 0.209 s; 4 cores (taskset on a
-    #: 16-core box), none 0.231 / 0.267 s, int8 0.261 / 0.243 s (a wash); 16 cores, none 0.170 /
-    #: 0.286 s, int8 0.222 / 0.271 s.
+    #: ... and only with this many CPUs: with no core to spare each chunk pays two thread hand-offs
+    #: and GIL waits for nothing. allreduce_bench.py, N = 2, 256 MB, offloaded / inline: 2 cores none
+    #: 0.337 / 0.299 s, int8 0.261 / 0.209 s; 4 cores a wash; 16 cores none 0.170 / 0.286 s.
     offload_min_cpus: int = 4
 
     def read_timeout(self, nbytes: int) -> float:
@@ -226,10 +226,6 @@ def codec_id(codec: Codec) -> str:
     return f"{b.name}({b._opts_repr()})"
 
 
-def _chunks(start: int, end: int, cn: int) -> list[tuple[int, int]]:
-    return [(a, min(a + cn, end)) for a in range(start, end, cn)]
-
-
 class _Drop(Exception):
     """A peer broke the protocol: drop it from the round."""
 
@@ -249,11 +245,9 @@ class _PartialResult(CompressionError):
 
 class _Reader:
     """Exact-size reads over a stream's frames, whatever their boundaries (a remainder is kept).
-
-    ``read_exact`` hands out zero-copy views of received frames; only a read that spans frame
-    boundaries copies, into a buffer allocated on that first need (a zero-filled multi-MiB
-    bytearray per stream per round was a third of an N=8 round's CPU time, for a copy that
-    rarely happens)."""
+    ``read_exact`` hands out zero-copy views of received frames; only a read spanning frames copies,
+    into a buffer allocated at that first need (a zero-filled multi-MiB bytearray per stream per
+    round was a third of an N=8 round's CPU time, for a copy that rarely happens)."""
 
     __slots__ = ("stream", "_rest", "_buf", "max_bytes")
 
@@ -341,6 +335,7 @@ class _Round:
     def __init__(self, svc: AllReduceService, group: Group, rank: int, flat: torch.Tensor, weight: float,
                  codec: Codec, gcodec: Codec, cfg: AllReduceConfig, aggregation: str = "mean",
                  absmax: float | None = 0.0):
+        weight = counted_weight(group.members[rank], weight, weight_cap(group.members, weight))  # as others count it
         self.svc, self.group, self.rank, self.flat, self.weight, self.cfg = svc, group, rank, flat, weight, cfg
         self.codec, self.gcodec = codec, gcodec
         # None: ``run`` did not check ``flat``: the encodes of what we send check it, and our own
@@ -375,16 +370,14 @@ class _Round:
         self.buffer_bytes = 0
         self.bytes_sent = self.bytes_received = 0
         self.t_reduce = 0.0
-        # ``none`` on float32 (no error feedback): a chunk's wire bytes are the values themselves.
-        # ``run`` has already checked that ``flat`` is finite, so the sender sends views of ``flat``
-        # directly (no per-chunk encode pass, no worker hop) and the owner folds its own weighted
-        # values into the first foreign contribution in one pass.
+        # ``none`` on float32 (no error feedback): a chunk's wire bytes are its values. ``run`` checked
+        # ``flat`` is finite, so the sender sends views of it (no encode pass, no worker hop) and the
+        # owner folds its own weighted values into the first foreign contribution in one pass.
         self.raw = type(codec) is NoneCodec
         # ``none`` replies: checked and copied into ``flat`` in one pass (see ``_decode``)
         self.raw_reply = type(gcodec) is NoneCodec and kernels.AVAILABLE
-        # Replies go into ``flat`` and nothing in the round reads them again: where ``flat`` is
-        # larger than the last-level cache they would leave it before the caller reads them, so
-        # they are written around it (streaming stores: no read of each line before its write).
+        # Replies go into ``flat`` and nothing in the round reads them again: where ``flat`` outgrows
+        # the last-level cache they are written around it (streaming stores: no read before write).
         self.stream_out = kernels.stream_worthwhile(flat.numel() * flat.element_size())
         self.gdecoder = gcodec
         if self.stream_out and not isinstance(gcodec, ErrorFeedback):
@@ -454,6 +447,8 @@ class _Round:
         self.combined = 0  # robust: chunks of our shard combined so far (a prefix)
         self.combined_ev = asyncio.Event()  # set when ``combined`` grows or the reduce closes
         self.own_shard: ShardResult | None = None
+        self.wcap = weight_cap(group.members, weight)  # the most a sender's weight counts for (group.py)
+        self.ledger: Ledger | None = None  # robust rules: what we keep for auditors (set by the service)
 
     def _enc_nbytes(self, codec: Codec, numel: int) -> int:
         key = (id(codec), numel)
@@ -539,6 +534,8 @@ class _Round:
         w = torch.tensor([self.weight if r == self.rank else self.incoming[r].weight for r in rows],
                          dtype=torch.float32)
         aggregate(self.agg, x, w, out=self.acc[a - self.my_start : b - self.my_start])
+        if self.ledger is not None:
+            self.ledger.combined(ci, rows, x, w)
         self.wsum[ci] = float(w.sum())
         self.count[ci] = len(rows)
 
@@ -636,7 +633,7 @@ class _Round:
             stream.reset(bad)
             self.changed.set()
             return
-        inc = _Incoming(rank, stream, float(stream.header["w"]))
+        inc = _Incoming(rank, stream, counted_weight(self.group.members[rank], float(stream.header["w"]), self.wcap))
         self.incoming[rank] = inc
         try:
             await self._receive(inc)
@@ -805,7 +802,7 @@ class _Round:
                 else:
                     nxt = None
                 res.averaged = b - s
-                await self._broadcast(recips, data)
+                await self._broadcast(recips, self.svc._reply(ci, data))
             res.status = "ok"
             done = True
         except CompressionError as err:  # e.g. the average overflows fp16
@@ -877,7 +874,10 @@ class _Round:
                 else:
                     nxt = None
                 await self.svc._before_chunk(j, ci)
-                for v in self.svc._outgoing(j, ci, views):
+                views = self.svc._outgoing(j, ci, views)
+                if self.ledger is not None:
+                    self.ledger.sent(j, ci, views)
+                for v in views:
                     await stream.write(v, timeout=max(wt, cfg.read_timeout(len(v))))
             stream.write_eof()
             self.t_reduce = max(self.t_reduce, time.monotonic() - self.t0)
