@@ -3,8 +3,8 @@
 A key holds either one plain value or a dictionary of sub-keys, each with its own expiration: a
 group of peers can then share one key (say, a matchmaking round) where every member writes and
 refreshes its own entry without clobbering the others. Owner-signed records outrank unsigned
-ones of the other kind (``replaces_entry``): an unsigned plain value can neither erase nor hide a
-key's owned sub-keys, in a store or in a merged lookup.
+ones (``replaces_entry``): an unsigned plain value can neither erase nor hide a key's owned
+sub-keys, in a store or in a merged lookup, and unsigned sub-keys filling a key give way to owned ones.
 
 Records are validated on every write because they come from untrusted peers. A name carrying an
 ``[owner:<PeerID>]`` marker may only be written by that peer, proven by an Ed25519 signature; since
@@ -232,9 +232,13 @@ class RecordStore:
             old = existing.get(record.subkey)
             if old is not None and record.expiration <= old.expiration:
                 return False
-            if old is None and len(existing) >= self.max_subkeys_per_key:
-                raise InvalidRecord(f"too many subkeys under key {record.key!r}")
             replaced = [(record.key, record.subkey)] if old is not None else []
+            if old is None and len(existing) >= self.max_subkeys_per_key:
+                # a full key: an owned sub-key takes the place of the soonest-expiring unsigned one
+                unowned = [r for r in existing.values() if not is_owned(r)] if is_owned(record) else []
+                if not unowned:
+                    raise InvalidRecord(f"too many subkeys under key {record.key!r}")
+                replaced = [(record.key, min(unowned, key=lambda r: r.expiration).subkey)]
         holder: Holder = (group, source)
         saved = [(self._current(*name), self._ledger.holder(name)) for name in replaced]
         for name in replaced:

@@ -23,6 +23,7 @@ from p2ptrain.testbed.hostile.records import (
     relay_slot_sybil,
     reply_confusion,
     routing_poison,
+    subkey_squat,
     sybil_store_flood,
 )
 
@@ -31,7 +32,7 @@ ATTACKER_IP = "127.0.0.2"  # another loopback address: another address group tha
 
 
 def test_every_attack_here_is_a_registered_mode():
-    for name in ("plain_value_poison", "sybil_store_flood", "routing_poison", "reply_confusion", "relay_slot_sybil"):
+    for name in ("plain_value_poison", "subkey_squat", "sybil_store_flood", "routing_poison", "reply_confusion", "relay_slot_sybil"):
         assert MODES[name].what
 
 
@@ -82,6 +83,16 @@ async def test_a_plain_value_written_first_does_not_block_the_owners(nodes):
             assert await owner.store(key, {"peer": owner.owned("m")}, exp, subkey=owner.owned("m")) >= 3
         got = await reader.get(key, latest=True)
         assert isinstance(got, dict) and set(got) == {a.owned("m"), b.owned("m")}
+
+
+async def test_unsigned_subkeys_filling_a_key_give_way_to_the_owners(nodes):
+    a, attacker, reader = await nodes(3, config=DHTConfig(rpc_timeout=1.0, maintenance_period=60.0))
+    key = "run/mm/round/77"
+    async with asyncio.timeout(30):
+        assert await subkey_squat(attacker, key) >= 2000  # every other peer took all 1000
+        assert await a.store(key, {"peer": 1}, time.time() + 60, subkey=a.owned("m")) >= 2
+        got = await reader.get(key, latest=True)
+        assert got[a.owned("m")].value == {"peer": 1}
 
 
 def test_owned_subkeys_outrank_an_unsigned_plain_value_in_a_store():

@@ -78,6 +78,24 @@ async def plain_value_poison(node: DHTNode, key: str | bytes, value: Any = "pois
     return accepted
 
 
+@mode("subkey_squat", "fill a key (say, a future matchmaking round) with unsigned sub-keys on its k closest "
+      "peers, so that the owners' sub-keys find no room")
+async def subkey_squat(node: DHTNode, key: str | bytes, count: int = 1000) -> int:
+    """Store ``count`` unsigned sub-keys under ``key`` on its k closest peers; how many were taken."""
+    kb = key.encode() if isinstance(key, str) else bytes(key)
+    closest = (await node.lookup_value(kb)).closest
+    records = [_record(kb, b"\xa6squat!", LONGEST_TTL, b"squat/%d" % i) for i in range(count)]
+    taken = 0
+    for contact in closest:
+        for start in range(0, count, 256):
+            try:
+                replies = await node.host.call(contact.peer_id, contact.addr, "store", records[start:start + 256], 10)
+            except DHTError:
+                break
+            taken += sum(1 for r in replies if r is True)
+    return taken
+
+
 # ---------------------------------------------------------------------------------- item 7
 
 
