@@ -30,7 +30,8 @@ from .errors import (
 from .identity import PeerID
 from .noise import REFUSAL_SIZE, CipherState, SwarmKeyMismatch, XXHandshake
 from .sealer import OrderedSender
-from .stream import WINDOW_BODY, Stream
+from .stream import Stream
+from .streamtable import StreamHandler, StreamTable
 from .wire import (
     HEADER_SIZE,
     LEGACY_FRAME_BODY,
@@ -57,7 +58,7 @@ DEFAULT_PROLOGUE = b"p2ptrain/noise/1"
 _HS_LEN = struct.Struct(">H")
 
 RequestHandler = Callable[["Connection", Any], Awaitable[Any]]
-StreamHandler = Callable[[Stream], Awaitable[None]]
+__all__ = ["DEFAULT_PROLOGUE", "Connection", "RequestHandler", "StreamHandler"]
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -88,9 +89,8 @@ class Connection(asyncio.BufferedProtocol):
         self._next_id = 1 if initiator else 2  # odd ids for the dialer, even for the listener
         self._calls: dict[int, asyncio.Future] = {}
         self._serving: dict[int, asyncio.Task] = {}
-        self._streams: dict[int, Stream] = {}
-        self._inbound: set[int] = set()  # ids of the streams the remote side opened
-        self._refused_streams = 0  # its stream opens we refused for capacity (see Limits)
+        #: the open streams, ours and the peer's, and what they hold (``dht.streamtable``)
+        self.streams = StreamTable(self)
         self._tasks: set[asyncio.Task] = set()
         self._write_ok = asyncio.Event()
         self._write_ok.set()
@@ -263,7 +263,8 @@ class Connection(asyncio.BufferedProtocol):
             if self.initiator and n == REFUSAL_SIZE and self._hs_expected == 1:
                 # Handled here, not by the handshake task: the listener closes right after its
                 # refusal, and connection_lost would cancel the task before it read the reason.
-                self._refuse(SwarmKeyMismatch(self._hs_buf[2], refused_by_peer=True))
+                self._refuse(SwarmKeyMismatch(self._hs_buf[2], refused_by_peer=True,
+                                              have_key=self.host.swarm_key is not None))
                 return
             self._hs_inbox.put_nowait(bytes(self._hs_buf[2 : 2 + n]))
             del self._hs_buf[: 2 + n]
@@ -286,7 +287,11 @@ class Connection(asyncio.BufferedProtocol):
             raise ProtocolError("frame shorter than its authentication tag")
         if len(frame) > MAX_CONTROL_FRAME and kind != Kind.STREAM_DATA:
             raise ProtocolError(f"frame of kind {kind} exceeds the {MAX_MESSAGE}-byte message limit")
-        if kind == Kind.STREAM_DATA and ident not in self._streams:
+        if kind == Kind.STREAM_DATA and len(frame) == HEADER_SIZE + TAG_SIZE:
+            # it would cost us a chunk object and count nothing against the window; no sender of
+            # ours writes one
+            raise ProtocolError("empty stream data frame")
+        if kind == Kind.STREAM_DATA and ident not in self.streams:
             # Data for a stream we reset or never had (it was in flight when the reset left, or
             # the peer ignores resets): authenticated, then dropped. Decrypted into one reusable
             # scratch buffer, not a fresh one per frame: a peer pushing data into refused streams
@@ -305,6 +310,8 @@ class Connection(asyncio.BufferedProtocol):
             view = frame[HEADER_SIZE : HEADER_SIZE + n] if not frame.readonly else memoryview(self.host.pool.get(n))[:n]
             self._recv.decrypt_into(header, frame[HEADER_SIZE:], view)
             view = view.toreadonly()
+            if len(view.obj) > 2 * n:  # (an idle pooled buffer much larger than the frame) so that
+                view = memoryview(bytes(view))  # a queued frame holds at most twice its size (Limits)
         else:
             view = memoryview(self._recv.decrypt(header, frame[HEADER_SIZE:]))  # fresh, read-only bytes
         if kind == Kind.REQUEST:
@@ -325,24 +332,11 @@ class Connection(asyncio.BufferedProtocol):
             if task is not None:
                 task.cancel()
         elif kind == Kind.STREAM_OPEN:
-            self._on_stream_open(ident, view)
+            self.streams.open_inbound(ident, view)
         elif kind == Kind.GOAWAY:  # a connection-level frame: its id names no stream
             self.close("peer is going away")
         else:
-            stream = self._streams.get(ident)
-            if stream is None:
-                return  # late frames of a stream we already closed: harmless
-            if kind == Kind.STREAM_DATA:
-                stream._on_data(view)
-            elif kind == Kind.STREAM_END:
-                stream._on_eof()
-            elif kind == Kind.WINDOW:
-                if len(view) != WINDOW_BODY.size:
-                    raise ProtocolError("malformed window update")
-                stream._on_window(WINDOW_BODY.unpack(view)[0])
-            elif kind == Kind.STREAM_RESET:
-                reason = unpack(view) if view else "reset"
-                stream._on_reset(f"reset by peer: {reason if isinstance(reason, str) else 'reset'}")
+            self.streams.on_frame(kind, ident, view)
 
     def _on_request(self, ident: int, body: memoryview) -> None:
         if ident in self._serving:
@@ -408,49 +402,6 @@ class Connection(asyncio.BufferedProtocol):
         self._throttled = None
         if not self._closed and self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
-
-    def _on_stream_open(self, ident: int, body: memoryview) -> None:
-        if ident in self._streams or (ident % 2 == 1) != (not self.initiator):
-            raise ProtocolError("bad stream id")
-        msg = unpack(body)
-        if not (isinstance(msg, list) and len(msg) == 2 and isinstance(msg[0], str)):
-            raise ProtocolError("malformed stream open")
-        protocol, header = msg
-        host, limits = self.host, self.host.limits
-        handler = host._stream_handlers.get(protocol)
-        reason = None
-        if handler is None:
-            reason = f"unknown protocol {protocol!r}"
-        elif len(self._streams) >= limits.max_streams or len(self._inbound) >= limits.max_inbound_streams:
-            reason = "too many streams"
-        elif host.inbound_stream_memory + host.stream_window > host.inbound_stream_cap:
-            reason = "busy: too many incoming streams on this host; retry later"
-            host.log_refusal(self.remote_host, self.remote_port, f"stream {protocol!r} from {self.remote_peer}: {reason}")
-        if reason is not None:
-            self.post(Kind.STREAM_RESET, ident, pack(reason))
-            if handler is not None:
-                self._refused_streams += 1
-                if self._refused_streams > limits.max_refused_streams:
-                    host.log_refusal(self.remote_host, self.remote_port,
-                                     f"{self.remote_peer}: kept opening streams past our limits; disconnected")
-                    self.close(f"opened {self._refused_streams} streams past our limits", abort=True)
-            return
-        stream = self._add_stream(ident, protocol, header)
-        self._inbound.add(ident)
-        host.inbound_stream_memory += host.stream_window
-        self._spawn(self._serve_stream(stream, handler))
-
-    async def _serve_stream(self, stream: Stream, handler: StreamHandler) -> None:
-        try:
-            await handler(stream)
-            stream.write_eof()
-        except asyncio.CancelledError:
-            stream.reset("cancelled")
-        except DHTError as e:
-            stream.reset(str(e)[:200])
-        except Exception:
-            log.exception("stream handler %s failed", stream.protocol)
-            stream.reset("internal error")
 
     # ------------------------------------------------------------------ frames out
 
@@ -572,24 +523,15 @@ class Connection(asyncio.BufferedProtocol):
 
     async def open_stream(self, protocol: str, header: Any = None) -> Stream:
         """Open a bulk stream served by the remote's handler for ``protocol``."""
-        if len(self._streams) >= self.host.limits.max_streams:
+        if len(self.streams) >= self.host.limits.max_streams:
             raise PeerUnreachable(f"too many open streams to {self.remote_peer}")
         ident = self._new_id()
-        stream = self._add_stream(ident, protocol, header)
+        stream = self.streams.add(ident, protocol, header)
         self.send_frame(Kind.STREAM_OPEN, ident, pack([protocol, header]))
         return stream
 
-    def _add_stream(self, ident: int, protocol: str, header: Any) -> Stream:
-        """A stream that accepts our window and sends within the remote's announced one."""
-        stream = Stream(self, ident, protocol, header, self.host.stream_window, self.remote_window)
-        self._streams[ident] = stream
-        return stream
-
     def forget_stream(self, ident: int) -> None:
-        self._streams.pop(ident, None)
-        if ident in self._inbound:
-            self._inbound.discard(ident)
-            self.host.inbound_stream_memory -= self.host.stream_window
+        self.streams.forget(ident)
 
     @property
     def is_closed(self) -> bool:
@@ -597,7 +539,7 @@ class Connection(asyncio.BufferedProtocol):
 
     @property
     def busy(self) -> bool:
-        return bool(self._calls or self._serving or self._streams)
+        return bool(self._calls or self._serving or self.streams)
 
     def close(self, reason: str = "closed", abort: bool = False) -> None:
         if self._closed:
@@ -628,8 +570,7 @@ class Connection(asyncio.BufferedProtocol):
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
-        for stream in list(self._streams.values()):
-            stream._on_reset(self.close_reason)
+        self.streams.reset_all(self.close_reason)
         for task in list(self._tasks):
             task.cancel()
         if self._throttled is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .stream import held_bound
+
 __all__ = ["Limits", "LogThrottle"]
 
 
@@ -37,15 +39,22 @@ class Limits:
     #: windows, 0.223-0.251 (either window) and 0.257-0.314 s inline (see ``dht.sealer``). On 2
     #: cores a wider window only holds more memory (no faster round).
     stream_window: int | None = None
-    #: Memory a peer can make us hold: every stream it opens may fill its window (``stream_window``)
-    #: with data its handler has not read yet, so streams opened by the remote side are capped per
-    #: connection (16 x 8 MiB = 128 MiB per peer, 512 MiB with 32 MiB windows, with at most 64 x
-    #: 1 MiB RPC bodies in flight) and, summed over all connections, to
+    #: Memory a peer can make us hold (the bound; ``peer_stream_memory`` computes it): every
+    #: stream it opens may fill its window (``stream_window``) with data its handler has not read
+    #: yet, in at most twice that memory (a big frame stays in the pooled buffer it arrived in, at
+    #: most twice its size; frames under 64 KiB are copied together, so 1-byte frames cost their
+    #: byte, not a ~300-byte object each, and empty ones close the connection: see ``dht.stream``).
+    #: So streams opened by the remote side are capped per connection: 16 x 2 x 8 MiB = 256 MiB
+    #: per peer (1 GiB with 32 MiB windows), and, summed over all connections, to
     #: ``max_inbound_stream_memory`` of windows (None: 128 windows, 1 GiB with 8 MiB windows, 4 GiB
     #: on the many-core hosts that get 32 MiB ones, so that an averaging group may still have over
-    #: 100 members). Past either cap a new stream is reset with a reason ("too many streams",
-    #: "busy") and the streams already open go on. An averaging round opens 1-2 streams per peer
-    #: pair.
+    #: 100 members; twice that in memory). Past either cap a new stream is reset with a reason
+    #: ("too many streams", "busy") and the streams already open go on. A stream whose handler
+    #: returned is reset unless the peer had ended it, and leaves the count once read to its end,
+    #: so that a peer cannot keep streams queued past their use. An averaging round opens 1-2
+    #: streams per peer pair. Besides streams: at most ``max_concurrent_requests`` RPC bodies of
+    #: 1 MiB each, each decoding to a bounded size (``dht.wire.unpack``: ~20-30 MiB at worst,
+    #: against 72 MiB before), held while its handler runs; a stream's header is at most 16 KiB.
     max_inbound_streams: int = 16
     max_inbound_stream_memory: int | None = None
     #: A peer whose streams were refused for capacity this many times is disconnected: each
@@ -78,6 +87,11 @@ class Limits:
     #: the loop, N = 2 rounds 0.198 s against 0.170 s inline). ``benchmarks/allreduce_bench.py
     #: --seal-threads T --stream-window B`` measures both knobs (see ``stream_window``).
     seal_threads: int | None = None
+
+    def peer_stream_memory(self, window: int) -> int:
+        """The most one peer's streams can make us hold (see ``max_inbound_streams``), with
+        receive windows of ``window`` bytes (``Host.stream_window``)."""
+        return self.max_inbound_streams * held_bound(window)
 
 
 class LogThrottle:

@@ -79,30 +79,43 @@ _LISTENER_REASON = {
     REFUSE_UNEXPECTED_KEY: "the peer uses a swarm key and this peer has none",
 }
 _DIALER_REASON = {
-    REFUSE_NO_KEY: "it is in a private swarm and this peer has no swarm key",
-    REFUSE_WRONG_KEY: "it uses a different swarm key",
-    REFUSE_UNEXPECTED_KEY: "it has no swarm key (a public swarm) and this peer uses one",
+    REFUSE_NO_KEY: "it says it is in a private swarm and this peer has no swarm key",
+    REFUSE_WRONG_KEY: "it says it uses a different swarm key",
+    REFUSE_UNEXPECTED_KEY: "it says it has no swarm key (a public swarm) and this peer uses one",
 }
+#: A refusal is one unauthenticated byte: whoever answers at the address dialed can send any code
+#: (the listener cannot prove its identity to a stranger without showing it, which psk0 avoids).
+#: So a dialer reports what the peer *says*, never advises dropping its own key on that word, and
+#: calls a code that contradicts its own configuration a bogus refusal.
+_UNVERIFIED = "a refusal is not authenticated: make sure that address is a peer of your swarm"
 #: what a person should do about a refusal, by code (the CLI names its own flag)
 REFUSAL_HINT = {
     REFUSE_NO_KEY: "this swarm needs --swarm-key-file (it is private)",
-    REFUSE_WRONG_KEY: "this peer's --swarm-key-file holds another key than the swarm's",
-    REFUSE_UNEXPECTED_KEY: "that swarm is public: drop --swarm-key-file, or give its peers the same key",
+    REFUSE_WRONG_KEY: f"the peer says this peer's --swarm-key-file holds another key than the swarm's ({_UNVERIFIED})",
+    REFUSE_UNEXPECTED_KEY: f"the peer says that swarm is public and has no swarm key ({_UNVERIFIED}; "
+                           "if so, its peers need the same key as this one)",
 }
+_BOGUS_HINT = ("the peer's refusal does not fit this peer's own swarm key setting: not a p2ptrain peer, or "
+               "not the peer you meant to reach")
 
 
 class SwarmKeyMismatch(HandshakeError):
     """The two sides are not in the same swarm: different swarm keys, or only one side has one.
 
     ``code`` is one of ``REFUSE_*``; ``refused_by_peer`` is True on the dialing side (the listener
-    refused us), False on the listening side (we refused the dialer).
+    refused us), False on the listening side (we refused the dialer). ``have_key`` (the dialing
+    side's own setting, when known) tells a refusal that cannot be right: the code is the remote's
+    unauthenticated word (see ``_UNVERIFIED``).
     """
 
-    def __init__(self, code: int, refused_by_peer: bool):
+    def __init__(self, code: int, refused_by_peer: bool, have_key: bool | None = None):
         self.code = code
         self.refused_by_peer = refused_by_peer
+        #: False when the peer's refusal contradicts what we know of our own key (or is unknown)
+        self.plausible = _plausible(code, have_key) if refused_by_peer else True
         if refused_by_peer:
-            why = _DIALER_REASON.get(code, "it is in another swarm")
+            why = _DIALER_REASON.get(code, "it is in another swarm") if self.plausible else (
+                f"with a reason ({code}) that does not fit this peer's own swarm key setting")
             message = f"the peer refused the handshake: {why}"
         else:
             message = f"handshake failed ({_LISTENER_REASON.get(code, 'different swarm key, or none')})"
@@ -110,7 +123,18 @@ class SwarmKeyMismatch(HandshakeError):
 
     @property
     def hint(self) -> str:
+        if not self.plausible:
+            return _BOGUS_HINT
         return REFUSAL_HINT.get(self.code, "check --swarm-key-file on both sides")
+
+
+def _plausible(code: int, have_key: bool | None) -> bool:
+    """Whether a refusal's code can be true of a dialer with (or without) a swarm key."""
+    if code not in REFUSAL_HINT:
+        return False
+    if have_key is None:
+        return True
+    return have_key == (code != REFUSE_NO_KEY)
 
 
 def _pub_bytes(key: X25519PrivateKey) -> bytes:
@@ -363,7 +387,7 @@ class XXHandshake:
                 raise SwarmKeyMismatch(REFUSE_WRONG_KEY, refused_by_peer=False) from None
         elif self.initiator and self._step == 1:  # <- e, ee, s, es
             if len(message) == REFUSAL_SIZE:
-                raise SwarmKeyMismatch(message[0], refused_by_peer=True)
+                raise SwarmKeyMismatch(message[0], refused_by_peer=True, have_key=self._psk is not None)
             if len(message) < DHLEN + DHLEN + TAGLEN + TAGLEN:
                 raise HandshakeError("malformed second handshake message")
             self._read_e(message[:DHLEN])

@@ -8,7 +8,9 @@ The header (frame kind, flags, stream/call id) is sent in clear but authenticate
 data, which lets a tensor chunk be encrypted straight from the caller's buffer into the socket
 buffer with no concatenation copy. Bodies are msgpack for RPC and raw bytes for bulk streams.
 
-Limits: msgpack bodies (every kind but STREAM_DATA) are at most ``MAX_MESSAGE`` (1 MiB); stream
+Limits: msgpack bodies (every kind but STREAM_DATA) are at most ``MAX_MESSAGE`` (1 MiB), a stream's
+open (held while the stream lives) ``MAX_STREAM_HEADER``, and what a body decodes to is bounded
+too (see ``unpack``: 1 MiB of empty maps was 72 MiB of Python objects); stream
 data frames at most ``MAX_FRAME_BODY`` (4 MiB), as each side announces in its handshake payload
 (``"frame"``; a peer that announces nothing gets ``LEGACY_FRAME_BODY`` = 1 MiB frames). Fewer,
 larger frames cut the per-frame Python work, and a 1M-float tensor chunk fits one frame, so the
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import enum
 import struct
+import sys
 from typing import Any
 
 import msgpack
@@ -42,6 +45,16 @@ LEGACY_FRAME_BODY = 1 << 20
 MAX_FRAME = HEADER_SIZE + MAX_FRAME_BODY + TAG_SIZE
 MAX_CONTROL_FRAME = HEADER_SIZE + MAX_MESSAGE + TAG_SIZE  # every kind but STREAM_DATA
 MAX_HANDSHAKE_FRAME = 4096
+#: a STREAM_OPEN body (protocol and header): the header is held as long as the stream is open
+MAX_STREAM_HEADER = 16 << 10
+#: ``unpack``'s bound on what a body decodes to: its containers (lists and maps, by
+#: ``sys.getsizeof``) may take DECODED_PER_BYTE bytes per body byte, plus DECODED_SLACK (so any
+#: DHT value of up to 64 KiB decodes, whatever its shape). Each scalar sits in a container slot
+#: those count, so a 1 MiB body decodes to at most ~25 MiB (measured worst in tests/test_wire.py).
+DECODED_PER_BYTE = 4
+DECODED_SLACK = 512 << 10
+#: bodies up to this size are decoded without the container count (at most ~72x: 288 KiB)
+_UNCOUNTED = 4096
 
 
 class Kind(enum.IntEnum):
@@ -77,10 +90,32 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+class _TooManyObjects(Exception):
+    pass
+
+
 def unpack(data: bytes | memoryview, max_size: int = MAX_MESSAGE) -> Any:
-    """Decode a msgpack body from an untrusted peer; any failure is a ProtocolError."""
-    if len(data) > max_size:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds the {max_size}-byte limit")
+    """Decode a msgpack body from an untrusted peer; any failure is a ProtocolError.
+
+    What it decodes to is bounded, not only its size: no container may claim more elements than
+    the body has bytes (msgpack allocates a list for what its header claims), and the containers'
+    memory, summed, may not pass ``DECODED_PER_BYTE`` per body byte (+ ``DECODED_SLACK``): many
+    tiny containers cost ~72 bytes each for 1 byte of body."""
+    n = len(data)
+    if n > max_size:
+        raise ProtocolError(f"message of {n} bytes exceeds the {max_size}-byte limit")
+    hooks: dict[str, Any] = {}
+    if n > _UNCOUNTED:
+        budget = DECODED_PER_BYTE * n + DECODED_SLACK
+
+        def count(obj: Any, size: Callable[[Any], int] = sys.getsizeof) -> Any:
+            nonlocal budget
+            budget -= size(obj)
+            if budget < 0:
+                raise _TooManyObjects
+            return obj
+
+        hooks = {"list_hook": count, "object_hook": count}
     try:
         return msgpack.unpackb(
             data,
@@ -88,10 +123,14 @@ def unpack(data: bytes | memoryview, max_size: int = MAX_MESSAGE) -> Any:
             strict_map_key=False,
             max_str_len=max_size,
             max_bin_len=max_size,
-            max_array_len=100_000,
-            max_map_len=100_000,
+            max_array_len=min(100_000, n),
+            max_map_len=min(100_000, n),
             max_ext_len=0,
+            **hooks,
         )
+    except _TooManyObjects:
+        raise ProtocolError(f"message of {n} bytes decodes to more than {DECODED_PER_BYTE * n + DECODED_SLACK} "
+                            "bytes of lists and maps") from None
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"malformed message: {type(e).__name__}") from None
 
