@@ -69,6 +69,7 @@ class PeerConfig:
     listen: tuple[str, int] | None = ("0.0.0.0", 0)  # all interfaces, as p2ptrain.DHT; None: client mode
     announce_host: str | None = None
     key_file: str | None = None
+    trusted_writers: Sequence[str] = ()  # PeerIDs whose one checkpoint record makes a run's latest
 
 
 def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None,
@@ -99,7 +100,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             inner_warmup_steps=cfg.inner_warmup_steps, compression=cfg.compression,
             aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
-            checkpoint_dir=cfg.data_dir, model=model,
+            checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers,
         )
         if stop.is_set():  # asked to stop while joining (e.g. Ctrl+C during the state download)
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}

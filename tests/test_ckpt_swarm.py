@@ -129,15 +129,17 @@ async def test_announce_then_find_latest_and_providers(peers):
         await announce(a.node, a.store, info1)
         info2 = b.save(1, epoch=5)
         await announce(b.node, b.store, info2)
-        latest = await find_latest(c.node, RUN)
-        assert latest == info2.record  # newer epoch wins, whoever wrote it
+        assert await find_latest(c.node, RUN) is None  # one writer's claim alone is nobody's latest
+        both = {a.node.peer_id, b.node.peer_id}
+        latest = await find_latest(c.node, RUN, trusted=both)
+        assert latest == info2.record  # newer epoch wins among the writers believed
         provs = await find_providers(c.node, RUN, info1.manifest_id)
         assert [(p.peer, p.record) for p in provs] == [(a.node.peer_id, info1.record)]
         assert provs[0].addr == (a.node.multiaddrs[0].host, a.node.multiaddrs[0].port)
         # a's own newer save replaces its latest entry (one sub-key per writer)
         info3 = a.save(2, epoch=8)
         await announce(a.node, a.store, info3)
-        assert await find_latest(c.node, RUN) == info3.record
+        assert await find_latest(c.node, RUN, trusted=both) == info3.record
 
 
 async def test_forged_latest_records_are_ignored_and_logged_once(peers, caplog):
@@ -160,8 +162,8 @@ async def test_forged_latest_records_are_ignored_and_logged_once(peers, caplog):
         for value in (latest_value(tampered), latest_value(stolen), latest_value(other_run), {"v": 1, "r": b"junk"}, "x"):
             await mallory.node.store(key, value, expiration, subkey=mallory.node.owned("ckpt"))
             expiration += 1  # each write must be newer than the last to replace it
-            assert await find_latest(reader.node, RUN) == real
-            assert await find_latest(reader.node, RUN) == real
+            assert await find_latest(reader.node, RUN, trusted={writer.node.peer_id}) == real
+            assert await find_latest(reader.node, RUN, trusted={writer.node.peer_id}) == real
         warnings = [r.getMessage() for r in caplog.records if "ignoring a checkpoint entry" in r.getMessage()]
         assert len(warnings) == 5, warnings  # one per forgery, however often it is read
         assert "signature does not verify" in warnings[0]
@@ -267,7 +269,9 @@ async def test_interrupted_fetch_resumes_without_downloading_verified_chunks_aga
         def progress(done: int, total: int) -> None:
             if done >= allow * CHUNK:
                 stored.set()
-        fetch = asyncio.create_task(fetch_checkpoint(me.node, me.store, run_id=RUN, progress=progress))
+        trusted = {provider.node.peer_id}  # the only writer: believed because we trust it
+        fetch = asyncio.create_task(fetch_checkpoint(me.node, me.store, run_id=RUN, progress=progress,
+                                                     trusted=trusted))
         await stored.wait()  # `allow` chunks verified and on disk; the provider holds back the rest
         assert server.reached.is_set()
         fetch.cancel()  # the fetching process dies
@@ -278,7 +282,7 @@ async def test_interrupted_fetch_resumes_without_downloading_verified_chunks_aga
         assert len(me.store.missing_chunks(m)) == m.num_chunks - allow
         # a timeout is the other way a fetch stops half-way: a clear error, chunks kept
         with pytest.raises(StateTimeoutError, match="timed out"):
-            await fetch_checkpoint(me.node, me.store, run_id=RUN, timeout=1.0)
+            await fetch_checkpoint(me.node, me.store, run_id=RUN, timeout=1.0, trusted=trusted)
         assert len(me.store.missing_chunks(m)) == m.num_chunks - allow
         missing = me.store.missing_chunks(m)
         server.bytes_sent = 0  # what reaches the wire (streams of the dead fetches were reset)
@@ -300,7 +304,7 @@ async def test_nothing_announced_is_a_clear_error(peers):
         await announce(a.node, a.store, info)
         await a.node.close()  # its entries linger in the DHT, it does not
         with pytest.raises(Exception, match="unreachable|none of 1 providers"):
-            await fetch_checkpoint(me.node, me.store, run_id=RUN, timeout=10)
+            await fetch_checkpoint(me.node, me.store, run_id=RUN, timeout=10, trusted={a.node.peer_id})
         with pytest.raises(CheckpointUnavailable, match="no peer announces checkpoint"):
             await fetch_checkpoint(me.node, me.store, run_id=RUN, manifest_id=b"\x05" * 32)
 
@@ -323,7 +327,8 @@ async def test_checkpointer_finds_the_newest_fetching_it_when_only_the_swarm_has
                 return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
         loop = asyncio.get_running_loop()
-        ck = Checkpointer(me.node, SameLoop(), RUN, b.store, every=3, server=server, meta={})  # type: ignore[arg-type]
+        ck = Checkpointer(me.node, SameLoop(), RUN, b.store, every=3, server=server, meta={},  # type: ignore[arg-type]
+                          trusted_writers=[a.node.peer_id])  # a alone wrote it
         try:
             await ck.start()
             assert (await asyncio.to_thread(ck.find, 20.0, 7)).epoch == 2  # the swarm's is older than 7: not fetched

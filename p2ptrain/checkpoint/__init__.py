@@ -25,7 +25,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(("CheckpointService", "CheckpointUnavailable", "announce", "fetch_checkpoint", "find_latest",
                      "find_providers"), "swarm"),
     **dict.fromkeys(("ChunksUnavailableError", "FetchResult", "NoProviderError", "StateServer", "StateTimeoutError",
-                     "StateTransferError", "fetch_state"), "transfer"),
+                     "StateTooLargeError", "StateTransferError", "fetch_state"), "transfer"),
     **dict.fromkeys(("TensorSpec", "flatten", "unflatten"), "tree"),
 }
 

@@ -13,8 +13,9 @@ epoch, so the disk cost rotates through the swarm.
 The save never blocks training: the copy is taken in a worker thread under the trainer's lock
 (which the training thread holds only while it changes parameters), the hashing and writing
 happen after the lock is released. A peer that starts with no live peer ahead of it loads the
-newest checkpoint it can find, in the DHT ("latest" records, fetched from their providers) or in
-its own store.
+newest checkpoint it can find, in its own store or in the DHT: there only a checkpoint that two
+distinct writers (its two savers) agree on, or that a trusted writer or this peer signed
+(``trust``), never one peer's claim alone; it is fetched from its providers.
 
 ``choose_writers`` is the sans-IO policy; :class:`Checkpointer` is the shell a trainer owns.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +35,9 @@ from dht import DHTError, DHTNode, InvalidRecord, PeerID
 
 from .manifest import ManifestError, build_snapshot, restore
 from .record import CheckpointRecord
-from .swarm import CheckpointService, fetch_checkpoint, find_latest
+from .swarm import CheckpointService, fetch_checkpoint, latest_verdict
 from .transfer import StateServer, StateTransferError
+from .trust import parse_writers
 
 if TYPE_CHECKING:
     from ..loop import LoopThread
@@ -61,13 +63,15 @@ class Checkpointer:
     by it next to the live state. ``meta``: what must match for a checkpoint to load into this
     trainer (mode, schema hash), stored in each manifest. ``labels``: stored in each manifest
     too, never checked (the model's state_dict names, see :mod:`.export`). ``on_saved(info)``:
-    called from the save thread after each checkpoint this peer wrote.
+    called from the save thread after each checkpoint this peer wrote. ``trusted_writers``:
+    PeerIDs (or their strings) whose one record makes a checkpoint in the DHT the run's latest;
+    any other needs two distinct writers agreeing (``trust.QUORUM``).
     """
 
     def __init__(self, node: DHTNode, loop: LoopThread, run_id: str, store: CheckpointStore, *,
                  every: int | None, server: StateServer, meta: dict[str, Any], keep: int = 3, writers: int = 2,
                  ttl: float = 300.0, on_saved: Callable[[CheckpointInfo], None] | None = None,
-                 labels: dict[str, Any] | None = None):
+                 labels: dict[str, Any] | None = None, trusted_writers: Collection[PeerID | str] = ()):
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"checkpoint_every must be a positive number of epochs, got {every!r}")
         if type(keep) is not int or keep < 1:
@@ -83,6 +87,10 @@ class Checkpointer:
         self.writers = writers
         self.meta = dict(meta)
         self.labels = dict(labels or {})
+        try:
+            self.trusted = parse_writers(trusted_writers)
+        except ValueError as e:
+            raise ValueError(f"trusted_writers: {e}") from None
         self.service = CheckpointService(node, store, run_id=run_id, server=server, ttl=ttl)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._future: concurrent.futures.Future | None = None
@@ -177,21 +185,28 @@ class Checkpointer:
     # ------------------------------------------------------------------ resuming
 
     def find(self, timeout: float, at_least: int = 0) -> CheckpointInfo | None:
-        """The newest checkpoint of the run, in the DHT or in our store, in our store on return
-        (fetched from its providers if need be; when that fails, our own newest one). One in the
-        DHT older than epoch ``at_least`` is not fetched (live peers have a newer state). Blocking:
-        call it from the training thread."""
+        """The newest checkpoint of the run, in our store or believed in the DHT (``trust``: agreed
+        by two writers, or signed by a trusted writer or by us), in our store on return (fetched
+        from its providers if need be; when that fails, our own newest one). One in the DHT older
+        than epoch ``at_least`` is not fetched (live peers have a newer state). Our store is our
+        own evidence: what is there we saved, or fetched as believed or by its id. Blocking: call
+        it from the training thread."""
         local = self.store.latest(self.run_id)
         try:
-            remote = self.loop.run(find_latest(self.node, self.run_id), timeout=min(timeout, 30.0))
+            verdict = self.loop.run(latest_verdict(self.node, self.run_id, trusted=self.trusted),
+                                    timeout=min(timeout, 30.0))
         except (DHTError, InvalidRecord, OSError, TimeoutError) as e:
             log.warning("could not look up the run's latest checkpoint in the DHT: %s", e)
-            remote = None
-        if remote is None or remote.epoch < at_least or (local is not None and not remote.newer_than(local.record)):
+            verdict = None
+        if verdict is None or verdict.chosen is None:
+            return local
+        remote = verdict.chosen.record
+        if remote.epoch < at_least or (local is not None and not remote.newer_than(local.record)):
             return local
         held = [i for i in self.store.list(self.run_id) if i.manifest_id == remote.manifest_id]
         if held:
             return held[0]
+        log.info("the run's latest checkpoint is %s (%s)", verdict.chosen.describe(), verdict.basis)
         try:
             info = self.loop.run(fetch_checkpoint(self.node, self.store, run_id=self.run_id,
                                                   manifest_id=remote.manifest_id, timeout=timeout))

@@ -3,11 +3,13 @@
 There is no checkpoint server, so two kinds of DHT entries stand in for one:
 
 * ``{run_id}/ckpt/latest``: one owner-signed sub-key per writer, whose value is that writer's
-  newest :class:`~p2ptrain.checkpoint.record.CheckpointRecord`. A reader takes the newest valid
-  record among all writers. The DHT already refuses writes to a sub-key by anyone but its owner;
-  on top of that a record counts only if its own signature verifies and its writer *is* the
-  sub-key's owner, so nobody can replay another peer's record under their own name, raise an epoch,
-  or point a run at a manifest of their choosing in someone else's name.
+  newest :class:`~p2ptrain.checkpoint.record.CheckpointRecord` and a few of its older ones (so
+  two writers whose newest saves differ still show the checkpoint they agree on). A reader
+  believes the newest claim enough writers agree on (``trust``), not the newest record. The DHT
+  already refuses writes to a sub-key by anyone but its owner; on top of that a record counts only
+  if its own signature verifies and its writer *is* the sub-key's owner, so nobody can replay
+  another peer's record under their own name, raise an epoch, or add a voice to a claim in
+  someone else's name.
 * ``{run_id}/ckpt/{manifest id hex}``: one owner-signed sub-key per provider (a peer that holds
   every chunk of that manifest and serves it), whose value is its address and the signed record
   it holds for the manifest (so a fetch by manifest id finds the record to store with it).
@@ -40,6 +42,8 @@ LATEST_SUBKEY = "ckpt"
 PROVIDER_SUBKEY = "prov"
 #: DHT values here are small; anything larger is hostile
 MAX_ENTRY_BYTES = 4096
+#: records per writer in a latest entry: its newest and older ones (at most ~330 bytes each)
+LATEST_HISTORY = 4
 
 Address = tuple[str, int]
 
@@ -81,9 +85,14 @@ class Provider:
 # ---------------------------------------------------------------------------------- encoding
 
 
-def latest_value(record: CheckpointRecord) -> dict[str, Any]:
-    """What a writer stores under its sub-key of :func:`latest_key`."""
-    return {"v": VERSION, "r": record.to_bytes()}
+def latest_value(record: CheckpointRecord, older: Iterable[CheckpointRecord] = ()) -> dict[str, Any]:
+    """What a writer stores under its sub-key of :func:`latest_key`: its newest record and up to
+    ``LATEST_HISTORY - 1`` of its ``older`` ones (readers before them ignore ``h``)."""
+    value: dict[str, Any] = {"v": VERSION, "r": record.to_bytes()}
+    history = [r.to_bytes() for r in older][: LATEST_HISTORY - 1]
+    if history:
+        value["h"] = history
+    return value
 
 
 def provider_value(addr: Address | None, record: CheckpointRecord) -> dict[str, Any]:
@@ -96,7 +105,7 @@ def provider_value(addr: Address | None, record: CheckpointRecord) -> dict[str, 
 _reported: set[tuple[str, bytes]] = set()
 
 
-def _report_once(owner: str, value: bytes, why: str) -> None:
+def report_once(owner: str, value: bytes, why: str) -> None:
     """Log a rejected entry once per (owner, value): the same forgery is read on every lookup."""
     mark = (owner, blake3.blake3(value).digest()[:16])
     if mark in _reported:
@@ -148,26 +157,35 @@ def _signed_record(raw: Any, owner: PeerID | None, run_id: str) -> tuple[Checkpo
     return rec, ""
 
 
-def parse_latest(record: Record, run_id: str) -> CheckpointRecord | None:
-    """The checkpoint record in one sub-key of :func:`latest_key`, or None (reported once) unless
-    it is a well-formed record for ``run_id``, signed by the sub-key's owner."""
+def parse_latest(record: Record, run_id: str) -> list[CheckpointRecord]:
+    """The checkpoint records in one sub-key of :func:`latest_key` (its writer's newest first),
+    each a well-formed record for ``run_id`` signed by the sub-key's owner; [] (reported once)
+    when the newest is not, and a bad older one is left out (reported once)."""
     owner = _owner_of_subkey(record, LATEST_SUBKEY)
     if owner is None:
-        _report_once("an unowned sub-key", record.value, "a latest-checkpoint entry must sit under its writer's sub-key")
-        return None
+        report_once("an unowned sub-key", record.value, "a latest-checkpoint entry must sit under its writer's sub-key")
+        return []
     value = _decode(record)
-    if value is None:
-        _report_once(owner.short(), record.value, "malformed latest-checkpoint entry")
-        return None
-    rec, why = _signed_record(value.get("r"), owner, run_id)
-    if rec is None:
-        _report_once(owner.short(), record.value, why)
-    return rec
+    history = value.get("h", []) if value is not None else None
+    if value is None or not isinstance(history, list) or len(history) >= LATEST_HISTORY:
+        report_once(owner.short(), record.value, "malformed latest-checkpoint entry")
+        return []
+    found = []
+    for raw in (value.get("r"), *history):
+        rec, why = _signed_record(raw, owner, run_id)
+        if rec is None:
+            report_once(owner.short(), record.value, why)
+            if not found:
+                return []
+        else:
+            found.append(rec)
+    return found
 
 
 def choose_latest(records: Iterable[CheckpointRecord | None]) -> CheckpointRecord | None:
     """The newest of ``records`` (:meth:`CheckpointRecord.newer_than`: higher epoch, then later
-    creation, then lower manifest id; the same choice on every peer)."""
+    creation, then lower manifest id; the same choice on every peer). Not a run's latest from
+    others' records: that is ``trust.decide``'s, which believes no lone claim."""
     best: CheckpointRecord | None = None
     for rec in records:
         if rec is not None and rec.newer_than(best):
@@ -190,18 +208,18 @@ def parse_provider(record: Record, run_id: str, manifest_id: bytes) -> Provider 
     well-formed, under its owner's sub-key, and carries a valid record of that run and manifest."""
     owner = _owner_of_subkey(record, PROVIDER_SUBKEY)
     if owner is None:
-        _report_once("an unowned sub-key", record.value, "a provider entry must sit under its provider's sub-key")
+        report_once("an unowned sub-key", record.value, "a provider entry must sit under its provider's sub-key")
         return None
     value = _decode(record)
     addr = _address(value.get("a")) if value is not None else False
     if value is None or addr is False:
-        _report_once(owner.short(), record.value, "malformed provider entry")
+        report_once(owner.short(), record.value, "malformed provider entry")
         return None
     rec, why = _signed_record(value.get("r"), None, run_id)
     if rec is not None and rec.manifest_id != manifest_id:
         rec, why = None, "its record names another manifest"
     if rec is None:
-        _report_once(owner.short(), record.value, why)
+        report_once(owner.short(), record.value, why)
         return None
     return Provider(owner, addr, rec)  # type: ignore[arg-type]
 

@@ -49,7 +49,11 @@ class ManifestError(ValueError):
 
 
 class StateTooLarge(ManifestError):
-    """A well-formed manifest describes more bytes than the caller's ``max_total`` allows."""
+    """A well-formed manifest describes more bytes (``size``) than the caller's ``max_total`` (``limit``) allows."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"state of {size} bytes exceeds the {limit}-byte limit")
+        self.size, self.limit = size, limit
 
 
 @dataclass(frozen=True)
@@ -165,10 +169,9 @@ class Manifest:
         if len(specs) != len(self.tensors):
             raise ManifestError(f"skeleton references {len(specs)} tensors, the table lists {len(self.tensors)}")
         # Sizes first: a hostile shape may claim exabytes; check before anything is allocated.
-        total_claim = sum(s.nbytes for s in specs)
-        if total_claim > self.max_total:
-            raise StateTooLarge(f"state of {total_claim} bytes exceeds the {self.max_total}-byte limit")
-        expected, _total = layout(specs)
+        expected, total = layout(specs)
+        if total > self.max_total:
+            raise StateTooLarge(total, self.max_total)
         for i, (got, want) in enumerate(zip(self.tensors, expected)):
             if not isinstance(got, TensorEntry) or got != want:
                 raise ManifestError(f"tensor table entry {i} does not match the skeleton's canonical layout")
@@ -290,7 +293,7 @@ def _build_snapshot(obj: Any, meta: dict | None, chunk_size: int, max_total: int
         specs = tensor_specs(skeleton)
         entries, total = layout(specs)
         if total > max_total:
-            raise StateTooLarge(f"state of {total} bytes exceeds the {max_total}-byte limit")
+            raise StateTooLarge(total, max_total)
         buffer = alloc(total) if alloc is not None else torch.empty(total, dtype=torch.uint8)
         pos = 0
         for t, e in zip(tensors, entries):

@@ -4,12 +4,13 @@ With no master there is no checkpoint directory to ask. A peer that holds a chec
 :class:`~p2ptrain.checkpoint.store.CheckpointStore` serves it (a resolver on the host's
 :class:`~p2ptrain.checkpoint.transfer.StateServer` reads chunks from disk on demand) and says so in
 the DHT (``directory``: a provider entry per manifest, and the signed "latest checkpoint" record
-of its run). A peer that wants one looks the record up, finds the providers and downloads chunks
+of its run). A peer that wants one looks the records up, believes the newest that enough writers
+agree on (``trust``: never one self-signed claim), finds the providers and downloads chunks
 from all of them in parallel, each verified against the manifest and written to its own store as
 it lands: a provider that sends bad bytes is dropped and its chunks fetched elsewhere, and a
 fetch that is killed resumes where it stopped.
 
-* :func:`announce`, :func:`find_latest`, :func:`find_providers`: one DHT round each.
+* :func:`announce`, :func:`find_latest` (:func:`latest_verdict`), :func:`find_providers`: one DHT round each.
 * :func:`fetch_checkpoint`: everything a "get the run's latest checkpoint" needs.
 * :class:`CheckpointService`: what a long-running peer owns: serves the store and keeps its
   announcements alive (republished while the checkpoints are held, cancelled on close).
@@ -22,7 +23,7 @@ import logging
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,23 +32,25 @@ from dht import DHTError, DHTNode, InvalidRecord, PeerID
 from dht.aio import cancel_all, wait_event
 
 from .directory import (
+    LATEST_HISTORY,
     LATEST_SUBKEY,
     PROVIDER_SUBKEY,
     Provider,
     announce_period,
-    choose_latest,
     latest_key,
     latest_value,
     parse_latest,
     parse_provider,
     provider_value,
     providers_key,
+    report_once,
     run_of_transfer_key,
     transfer_key,
 )
-from .manifest import Manifest
+from .manifest import DEFAULT_MAX_TOTAL, Manifest
 from .record import CheckpointRecord, RecordError, check_run_id
-from .transfer import ChunkSource, StateServer, StateTimeoutError, StateTransferError, fetch_state
+from .transfer import ChunkSource, StateServer, StateTimeoutError, StateTooLargeError, StateTransferError, fetch_state
+from .trust import QUORUM, Verdict, decide, group_claims, refusal
 
 if TYPE_CHECKING:
     from .store import CheckpointInfo, CheckpointStore
@@ -92,19 +95,42 @@ async def _announce_provider(node: DHTNode, record: CheckpointRecord, ttl: float
 
 async def _announce_latest(node: DHTNode, store: CheckpointStore, run_id: str, ttl: float) -> None:
     own = await asyncio.to_thread(_own_newest, store, run_id, node.peer_id)
-    if own is not None:
-        await node.store(latest_key(run_id), latest_value(own), time.time() + ttl, subkey=node.owned(LATEST_SUBKEY))
+    if own:
+        await node.store(latest_key(run_id), latest_value(own[0], own[1:]), time.time() + ttl,
+                         subkey=node.owned(LATEST_SUBKEY))
 
 
-def _own_newest(store: CheckpointStore, run_id: str, me: PeerID) -> CheckpointRecord | None:
-    return choose_latest(i.record for i in store.list(run_id) if i.record.writer == me)
+def _own_newest(store: CheckpointStore, run_id: str, me: PeerID) -> list[CheckpointRecord]:
+    """Our newest records of ``run_id`` (store order: newest first), as many as a latest entry holds."""
+    return [i.record for i in store.list(run_id) if i.record.writer == me][:LATEST_HISTORY]
 
 
-async def find_latest(node: DHTNode, run_id: str) -> CheckpointRecord | None:
-    """The newest valid "latest checkpoint" record of ``run_id`` in the DHT (forged, tampered or
-    replayed entries are ignored and logged once), or None when there is none."""
+async def latest_verdict(node: DHTNode, run_id: str, *, trusted: Collection[PeerID] = (),
+                         quorum: int = QUORUM, report: bool = True) -> Verdict:
+    """Which "latest checkpoint" claim of ``run_id`` in the DHT to believe (``trust.decide``:
+    ``quorum`` distinct writers, a ``trusted`` writer, or our own record). Forged, tampered or
+    replayed entries are ignored and logged once; so are (``report``) the newer claims that are
+    not believed, by their writers."""
     result = await node.lookup_value(latest_key(run_id), latest=True)
-    return choose_latest(parse_latest(r, run_id) for r in result.records)
+    verdict = decide((rec for r in result.records for rec in parse_latest(r, run_id)), trusted=trusted,
+                     me=node.peer_id, quorum=quorum)
+    if report:
+        report_refused(verdict, quorum)
+    return verdict
+
+
+def report_refused(verdict: Verdict, quorum: int = QUORUM) -> None:
+    """Name in the log, once each, the writers of the claims ``verdict`` refused."""
+    for claim in verdict.refused:
+        key = claim.record.manifest_id + claim.record.epoch.to_bytes(8, "big")
+        report_once(", ".join(sorted(str(w) for w in claim.writers)), key, refusal(claim, quorum))
+
+
+async def find_latest(node: DHTNode, run_id: str, *, trusted: Collection[PeerID] = (),
+                      quorum: int = QUORUM) -> CheckpointRecord | None:
+    """The record of the run's latest believed checkpoint (see :func:`latest_verdict`), or None."""
+    verdict = await latest_verdict(node, run_id, trusted=trusted, quorum=quorum)
+    return verdict.chosen.record if verdict.chosen is not None else None
 
 
 async def find_providers(node: DHTNode, run_id: str, manifest_id: bytes) -> list[Provider]:
@@ -133,16 +159,23 @@ class CheckpointFetch:
 async def download_checkpoint(
     node: DHTNode, store: CheckpointStore, record: CheckpointRecord, providers: list[Provider], *,
     progress: Callable[[int, int], None] | None = None, timeout: float = 600.0, stall_timeout: float = 10.0,
-    rpc_timeout: float = 5.0,
+    rpc_timeout: float = 5.0, agreeing: Iterable[CheckpointRecord] = (), max_size: int | None = None,
 ) -> CheckpointFetch:
-    """Download ``record``'s checkpoint from ``providers`` into ``store`` and commit it.
+    """Download ``record``'s checkpoint from ``providers`` into ``store`` and commit it, with the
+    ``agreeing`` records of other writers of the same claim (the evidence ``ckpt ls`` shows).
 
     Chunks the store holds already are skipped; every other chunk is verified as it lands and
     written to the store at once, so an interrupted download loses at most the chunks in flight.
+    The download is sized by the record: a manifest larger than the record's size, or a record
+    larger than ``max_size`` bytes, is refused (:class:`StateTooLargeError`) before any chunk.
     ``progress(done, total)`` (bytes) is called from the event loop as chunks land.
     """
     if not record.verify():
         raise CheckpointUnavailable(f"the record of checkpoint {record.manifest_id.hex()[:12]} is not validly signed")
+    limit = DEFAULT_MAX_TOTAL if max_size is None else max_size
+    if record.size > limit:
+        raise StateTooLargeError(f"checkpoint {record.manifest_id.hex()[:12]} of run {record.run_id!r} is "
+                                 f"{record.size} bytes (its record says), more than the {limit} expected here: refused")
     wire = [(p.peer, p.addr) for p in providers if p.peer != node.peer_id]
     done = 0
 
@@ -168,9 +201,9 @@ async def download_checkpoint(
             f"{record.run_id!r}: its providers have left; try again later or fetch an older one")
     result = await fetch_state(node.host, transfer_key(record.run_id), wire, manifest_id=record.manifest_id,
                                have=have, on_chunk=on_chunk, timeout=timeout, stall_timeout=stall_timeout,
-                               rpc_timeout=rpc_timeout)
+                               rpc_timeout=rpc_timeout, max_total=record.size)
     try:
-        info = await asyncio.to_thread(store.commit, result.manifest, record)
+        info = await asyncio.to_thread(_commit, store, result.manifest, record, agreeing)
     except RecordError as e:  # a validly signed record that does not describe this manifest (its size)
         raise CheckpointUnavailable(f"checkpoint {record.manifest_id.hex()[:12]} of run {record.run_id!r}: {e}") from None
     log.info("fetched checkpoint %s (epoch %d, %.1f MB) of run %r: %d chunks from %d providers, %d already held, "
@@ -180,12 +213,33 @@ async def download_checkpoint(
                            result.dropped, result.corrupt, result.seconds)
 
 
+def _commit(store: CheckpointStore, manifest: Manifest, record: CheckpointRecord,
+            agreeing: Iterable[CheckpointRecord]) -> CheckpointInfo:
+    info = store.commit(manifest, record)
+    for other in agreeing:
+        try:
+            store.commit(manifest, other)
+        except RecordError as e:  # (a claim's records name one manifest and size: not expected)
+            log.debug("not keeping %s's record of checkpoint %s: %s", other.writer.short(), info.cid, e)
+    return info
+
+
+def _unbelieved(run_id: str, verdict: Verdict) -> str:
+    more = len(verdict.refused) - 1
+    return (f"no checkpoint of run {run_id!r} in the DHT is confirmed: {refusal(verdict.refused[0])}; or fetch it "
+            f"by its CID" + (f" ({more} more unconfirmed claim{'s' * (more > 1)})" if more else ""))
+
+
 async def fetch_checkpoint(
     node: DHTNode, store: CheckpointStore, *, run_id: str, manifest_id: bytes | None = None,
     progress: Callable[[int, int], None] | None = None, timeout: float = 600.0,
+    trusted: Collection[PeerID] = (), max_size: int | None = None,
 ) -> CheckpointInfo:
     """Fetch a checkpoint of ``run_id`` from the swarm into ``store``: ``manifest_id``, or the
-    run's latest announced one. Returns at once when the store holds it already.
+    run's latest (the newest claim that ``QUORUM`` distinct writers, one ``trusted`` writer or
+    our own record vouch for; see ``trust``). Returns at once when the store holds it already.
+    ``max_size``: refuse a checkpoint larger than that many bytes (default: the record's size,
+    up to 64 GiB).
 
     Chunks come from every provider in parallel, each verified; a fetch interrupted earlier
     resumes from the chunks it stored. When a :class:`CheckpointService` runs on ``node``, the
@@ -201,12 +255,16 @@ async def fetch_checkpoint(
     try:
         async with deadline:
             record: CheckpointRecord | None = None
+            agreeing: tuple[CheckpointRecord, ...] = ()
             if manifest_id is None:
-                record = await find_latest(node, run_id)
-                if record is None:
-                    raise CheckpointUnavailable(
+                verdict = await latest_verdict(node, run_id, trusted=trusted, report=False)
+                if verdict.chosen is None:  # (the error names the claimants: no log line besides)
+                    raise CheckpointUnavailable(_unbelieved(run_id, verdict) if verdict.refused else (
                         f"no checkpoint of run {run_id!r} is announced in the DHT: check the run id and the "
-                        "bootstrap peers (a peer announces its checkpoints while it runs)")
+                        "bootstrap peers (a peer announces its checkpoints while it runs)"))
+                report_refused(verdict)
+                record, *rest = verdict.chosen.records
+                agreeing = tuple(rest)
                 manifest_id = record.manifest_id
             local = await asyncio.to_thread(_held, store, run_id, manifest_id)
             if local is not None:
@@ -214,14 +272,16 @@ async def fetch_checkpoint(
                     progress(local.record.size, local.record.size)
                 return local
             providers = await find_providers(node, run_id, manifest_id)
-            if record is None:
-                record = choose_latest(p.record for p in providers)
+            if record is None and providers:  # by id: the content is the caller's choice, any record names it
+                record, *rest = group_claims(p.record for p in providers)[0].records
+                agreeing = tuple(rest)
             if record is None:
                 raise CheckpointUnavailable(
                     f"no peer announces checkpoint {manifest_id.hex()[:12]} of run {run_id!r}: check the id "
                     "(p2ptrain ckpt ls on a peer that has it) and that such a peer is running")
             remaining = max(0.001, timeout - (time.monotonic() - t0))
-            fetched = await download_checkpoint(node, store, record, providers, progress=progress, timeout=remaining)
+            fetched = await download_checkpoint(node, store, record, providers, progress=progress, timeout=remaining,
+                                                agreeing=agreeing, max_size=max_size)
     except TimeoutError:
         if not deadline.expired():
             raise

@@ -88,6 +88,10 @@ class NoProviderError(StateTransferError):
     """No reachable provider holds the requested state (or a valid manifest for it)."""
 
 
+class StateTooLargeError(NoProviderError):
+    """The state offered is larger than the fetch expects (``max_total``): refused before allocating it."""
+
+
 class ChunksUnavailableError(StateTransferError):
     """Every provider of the chosen manifest failed before all chunks were verified."""
 
@@ -626,6 +630,7 @@ class _Fetch:
         self.holders: dict[bytes, list[PeerID]] = collections.defaultdict(list)
         self.blobs: dict[bytes, bytes] = {}  # manifest id -> verified encoded manifest
         self.sizes: dict[bytes, int] = {}
+        self.too_large: dict[bytes, int] = {}  # manifest id -> its total, refused (over max_total)
         self.phase = "asking providers for their manifests"
         self.manifest: Manifest | None = None
         self.schedule: ChunkSchedule | None = None
@@ -732,6 +737,7 @@ class _Fetch:
         try:
             return Manifest.from_bytes(blob, max_total=self.max_total)
         except StateTooLarge as e:  # our limit, not the providers' fault
+            self.too_large[mid] = e.size
             for peer in self.holders.get(mid, ()):
                 self.drop(peer, f"holds state {mid.hex()[:12]} that is too large here: {e}")
             return None
@@ -768,7 +774,8 @@ class _Fetch:
                 raise NoProviderError(self._no_provider(f"holds manifest {manifest_id.hex()[:12]}"))
             m = await self._manifest(manifest_id)
             if m is None:
-                raise NoProviderError(self._no_provider(f"could supply a valid manifest {manifest_id.hex()[:12]}"))
+                raise self._too_large(manifest_id) if manifest_id in self.too_large else NoProviderError(
+                    self._no_provider(f"could supply a valid manifest {manifest_id.hex()[:12]}"))
             return m
         votes = collections.Counter(self.latest.values())
         for count in sorted(set(votes.values()), reverse=True):
@@ -776,7 +783,15 @@ class _Fetch:
             found = [m for mid in tied if (m := await self._manifest(mid)) is not None]
             if found:
                 return min(found, key=lambda m: (-m.epoch, m.id))
+        if self.too_large:
+            raise self._too_large(max(self.too_large, key=lambda mid: votes.get(mid, 0)))
         raise NoProviderError(self._no_provider("holds a valid manifest"))
+
+    def _too_large(self, mid: bytes) -> StateTooLargeError:
+        holders = ", ".join(map(_short, self.holders.get(mid, ())[:4]))
+        return StateTooLargeError(
+            f"state {self.key!r} ({mid.hex()[:12]}) offered by {holders} is {self.too_large[mid]} bytes, too large "
+            f"here: more than the {self.max_total} bytes this fetch expects (max_total); refused before allocating it")
 
     def _no_provider(self, what: str) -> str:
         reasons = "; ".join(f"{_short(p)}: {r}" for p, r in list(self.dropped.items())[:6])
@@ -1001,9 +1016,12 @@ async def fetch_state(
     ``FetchResult.restore`` rebuilds the state from it. Its targets change as chunks land, before
     the fetch is complete.
 
-    Raises ``NoProviderError``, ``ChunksUnavailableError`` or ``StateTimeoutError`` (all
-    ``StateTransferError``). The state's size is checked against ``max_total`` before the
-    buffer is allocated.
+    ``max_total``: the most bytes the caller expects (the state of its model, the size a
+    checkpoint's record gives); a larger manifest is refused with ``StateTooLargeError`` before
+    anything is allocated or downloaded. The default, 64 GiB, is only a ceiling: pass what you expect.
+
+    Raises ``NoProviderError`` (``StateTooLargeError``), ``ChunksUnavailableError`` or
+    ``StateTimeoutError`` (all ``StateTransferError``).
     """
     if have is not None and on_chunk is None:
         raise ValueError("have= needs on_chunk=: chunks the caller holds are not in the downloaded buffer")

@@ -53,9 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--json", action="store_true", help="print the checkpoint as JSON")
     a.set_defaults(ckpt_func=_save)
 
-    a = actions.add_parser("ls", parents=[common], help="list stored checkpoints, newest first")
+    a = actions.add_parser("ls", parents=[common], help="list stored checkpoints, newest first",
+                           description="List stored checkpoints, newest first, with their writers. A checkpoint "
+                           "is confirmed when two distinct writers signed it, or one of --trusted-writers did; "
+                           "an unconfirmed one is a single writer's claim, which no peer takes as a run's latest.")
     a.add_argument("--run-id", help="only this run's checkpoints")
     a.add_argument("--json", action="store_true", help="print a JSON list")
+    add_trusted_writers(a, "count a checkpoint these PeerIDs signed as confirmed (repeatable, or comma-separated)")
     a.set_defaults(ckpt_func=_ls)
 
     a = actions.add_parser("show", parents=[common], help="a checkpoint's tensors, chunks, writer and signature")
@@ -103,12 +107,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
     a.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole fetch (default: %(default)s)")
     a.add_argument("--json", action="store_true", help="print the fetched checkpoint as JSON")
+    add_trusted_writers(a, "'latest' is the newest checkpoint that two distinct writers agree on or that one of "
+                         "these PeerIDs signed (repeatable, or comma-separated)")
     from .common import add_swarm_key_arg
 
     add_swarm_key_arg(a)
     a.set_defaults(ckpt_func=_get)
 
     p.set_defaults(func=main, ckpt_parser=p)
+
+
+def add_trusted_writers(parser: argparse.ArgumentParser, text: str) -> None:
+    """``--trusted-writers PEERID`` (repeatable, or comma-separated), here and on ``p2ptrain peer``."""
+    parser.add_argument("--trusted-writers", action="append", metavar="PEERID", help=text)
+
+
+def trusted_writers_of(args: argparse.Namespace) -> frozenset[Any]:
+    """The PeerIDs of ``--trusted-writers``; a ConfigError naming a value that is not one."""
+    from ..checkpoint.trust import parse_writers
+
+    try:
+        return parse_writers(args.trusted_writers or ())
+    except ValueError as e:
+        raise ConfigError(f"--trusted-writers: {e}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -294,13 +315,23 @@ def _joined(values: list[Any]) -> str:
     return ", ".join(dict.fromkeys(map(str, values)))
 
 
+def _confirmed(group: list[Any], trusted: frozenset[Any]) -> str | None:
+    """Why the newest claim on a checkpoint is believed (``trust.evidence``), or None: one writer's word."""
+    from ..checkpoint.trust import evidence, group_claims
+
+    return evidence(group_claims(i.record for i in group)[0].writers, trusted=trusted)
+
+
 def _ls(args: argparse.Namespace) -> int:
     store = _store(args)
+    trusted = trusted_writers_of(args)
     checkpoints = _by_checkpoint(store.list(_run_id(args.run_id) if args.run_id is not None else None))
+    confirmed = [_confirmed(g, trusted) for g in checkpoints]
     if args.json:
         # run and epoch of the newest record (one state saved under two runs is rare)
         _print_json([{**{k: v for k, v in _info_json(g[0]).items() if k != "writer"},
-                      "writers": [str(i.writer) for i in g]} for g in checkpoints])
+                      "writers": [str(i.writer) for i in g], "confirmed": basis is not None}
+                     for g, basis in zip(checkpoints, confirmed)])
         return EXIT_OK
     bad = store.invalid_records()
     if bad:
@@ -314,12 +345,12 @@ def _ls(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"{_n(len(checkpoints), 'checkpoint')} in {store.root}", title_justify="left")
-    for col in ("cid", "run", "epoch", "size", "created", "writers", "pinned"):
+    for col in ("cid", "run", "epoch", "size", "created", "writers", "confirmed", "pinned"):
         table.add_column(col, justify="right" if col in ("epoch", "size") else "left", no_wrap=col == "cid")
-    for g in checkpoints:
+    for g, basis in zip(checkpoints, confirmed):
         table.add_row(g[0].cid, _joined([i.run_id for i in g]), _joined([i.epoch for i in g]), _size(g[0].size),
                       _when(max(i.created for i in g)), _joined([i.writer.short() for i in g]),
-                      "yes" if g[0].pinned else "")
+                      basis or "[yellow]no: one writer's claim[/yellow]", "yes" if g[0].pinned else "")
     _console().print(table)
     return EXIT_OK
 
@@ -471,6 +502,7 @@ def _get(args: argparse.Namespace) -> int:
         raise ConfigError("get fetches from the swarm: give --bootstrap MULTIADDR of any peer (a peer prints its "
                           "address when it starts), or entries in bootstrap_peers.txt")
     swarm_key = swarm_key_of(args)
+    trusted = trusted_writers_of(args)
     store = _store(args)
 
     async def session(stop: asyncio.Event) -> int:
@@ -486,7 +518,7 @@ def _get(args: argparse.Namespace) -> int:
             with _progress("fetching") as update:
                 try:
                     info = await until(stop, fetch_checkpoint(node, store, run_id=run_id, manifest_id=manifest_id,
-                                                              progress=update, timeout=args.timeout))
+                                                              progress=update, timeout=args.timeout, trusted=trusted))
                 except (StateTransferError, StoreError) as e:
                     return fail(str(e))
             if info is None:  # Ctrl+C: what was fetched stays, a later get resumes

@@ -18,6 +18,7 @@ from .common import (ANNOUNCE_HELP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXI
                      SWARM_KEY_ENV, add_peer_cache_args,
                      add_swarm_key_arg, bootstrap_addrs, fail, interrupts, joining, parse_listen, peer_cache_of,
                      split_relayed, swarm_key_of)
+from .ckpt_cmd import add_trusted_writers, trusted_writers_of
 from .relay_opts import add_relay_args, relay_vias, start_relaying
 
 
@@ -40,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="client mode, for a peer behind NAT or a firewall: dial out, accept no connections "
                    "(it trains and averages, but owns no shard and serves no state; --listen is ignored)")
     p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
+    add_trusted_writers(p, "a checkpoint in the DHT is the run's latest (what a peer resumes from) when two distinct "
+                        "writers signed it, or one of these PeerIDs did (repeatable, or comma-separated); never "
+                        "one peer's claim alone")
     add_swarm_key_arg(p)
     add_peer_cache_args(p)
     add_relay_args(p)
@@ -171,6 +175,7 @@ def check_training_args(args: argparse.Namespace) -> None:
 
 def _config(args: argparse.Namespace) -> Any:
     check_training_args(args)
+    trusted = sorted(map(str, trusted_writers_of(args)))
     if not args.bootstrap_timeout > 0:
         raise ConfigError("--bootstrap-timeout must be a positive number of seconds")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -192,6 +197,7 @@ def _config(args: argparse.Namespace) -> Any:
         threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
+        trusted_writers=trusted,
     )
 
 

@@ -135,6 +135,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     of the swarm, not all) into the store at ``checkpoint_dir`` (default: ``$P2PTRAIN_DATA_DIR`` or
     the user's cache directory), keeping the newest ``checkpoint_keep`` per run. With either set,
     a peer that finds no live peer ahead of it resumes from the newest checkpoint (DHT or disk).
+    In the DHT a checkpoint counts only when two distinct writers signed it, or one of
+    ``trusted_writers`` (PeerIDs or their strings) did: never one peer's claim alone.
 
     ``model``: the module whose parameters ``optimizer`` trains (optional). Checkpoints then
     record its ``state_dict`` names, so ``p2ptrain ckpt export`` writes a file that
@@ -172,6 +174,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         checkpoint_dir: str | Path | None = None,
         checkpoint_keep: int = 3,
         checkpoint_writers: int = 2,
+        trusted_writers: Sequence[PeerID | str] = (),
         model: torch.nn.Module | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -310,6 +313,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                     server=self.state_sync.server, keep=checkpoint_keep, writers=checkpoint_writers,
                     meta={"mode": mode, "schema": self.averager.schema.hash}, on_saved=self._checkpoint_saved,
                     labels={"state_dict": self._state_names} if self._state_names else None,
+                    trusted_writers=trusted_writers,
                 )
             self._loop.run(self._start())
         except BaseException:
