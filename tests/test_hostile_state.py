@@ -104,6 +104,19 @@ def test_a_loaded_state_keeps_our_hyper_parameters_and_replays_our_schedule(node
         provider.close()
 
 
+def test_a_state_larger_than_our_model_is_refused_before_it_is_fetched(nodes):
+    _, liar = make(nodes(), 0)
+    try:
+        source = MODES["huge_state"].run(liar, 3, 60 << 30)
+        _, joiner = make(nodes(), 1, load_state_timeout=10.0)
+        try:
+            assert joiner.stats.state_loads == 0 and joiner.epoch == 0 and source.chunks_sent == 0
+        finally:
+            joiner.close()
+    finally:
+        liar.close()
+
+
 # ---- sans-IO parts
 
 

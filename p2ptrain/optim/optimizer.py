@@ -303,6 +303,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                                     version=lambda: self._version)
         self.scheduler = scheduler(self) if callable(scheduler) and not hasattr(scheduler, "step") else scheduler
         self._schedule = Schedule(self.inner, self.scheduler)  # a loaded state's lr: ours, replayed
+        # the most a peer's state download may take: the shared tensors and 7 more copies of them
+        # (optimizer moments and more) plus 16 MiB of counters; a larger manifest is refused unread
+        self._state_cap = 8 * sum(t.numel() * max(4, t.element_size()) for t in self.params) + (16 << 20)
         self.checkpointer: Checkpointer | None = None
         try:
             if checkpoint_every is not None or checkpoint_dir is not None:
@@ -822,7 +825,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 raise StateTransferError(f"no peer at or past our epoch {at_least} serves it")
             try:
                 return self._loop.run(self.state_sync.fetch(providers, max(1.0, deadline - time.monotonic()),
-                                                            into=into, at_least=at_least, strict=strict))
+                                                            into=into, at_least=at_least, strict=strict,
+                                                            max_total=self._state_cap))
             except StateTransferError as e:
                 self.tracker.ignore([p.peer for p in providers])
                 attempt += 1

@@ -145,12 +145,14 @@ class StateSync:
 
     async def fetch(self, providers: list[PeerReport], timeout: float,
                     into: dict[str, list[torch.Tensor]] | None = None, *, at_least: int = 0,
-                    strict: bool = False) -> FetchResult:
+                    strict: bool = False, max_total: int | None = None) -> FetchResult:
         """Download the state most of ``providers`` hold, from all of them at once.
 
         Its epoch label is a claim too: it must lie between ``at_least`` and the epoch the
         providers report (already judged, see ``claims``), and with ``strict`` a strict majority of
         two or more providers must name its manifest. Else StateTransferError, naming them.
+        ``max_total``: the most bytes a state of ours can take; a larger manifest is refused
+        before anything is allocated (default: the transfer's own ceiling).
 
         ``into``: top-level key of the state -> our tensors of that list (e.g. ``{"params":
         parameters}``): their bytes are written straight into them as chunks land, and the
@@ -172,8 +174,9 @@ class StateSync:
             return placement
 
         # providers snapshot lazily when asked: give the manifest request time for that
+        extra = {} if max_total is None else {"max_total": max_total}
         result = await fetch_state(self.host, self.key, wire, timeout=timeout, rpc_timeout=min(timeout, 30.0),
-                                   place=place if into else None)
+                                   place=place if into else None, **extra)
         vet(result, providers, at_least, strict)
         log.info("loaded the swarm's state (epoch %s, %.1f MB) from %d peers in %.2f s",
                  result.manifest.meta.get("epoch"), result.manifest.total_size / 1e6, len(result.contributors),

@@ -28,3 +28,18 @@ def epoch_claim(opt: Any, epoch: int = 10**9, *, lr: float = 1000.0, scale: floa
     opt.epoch = epoch
     opt.tracker.report(epoch, 0, opt._sps)
     opt._loop.run(opt.tracker.refresh_now(timeout=10))
+
+
+@mode("huge_state", "claim an epoch and serve, as the training state, a manifest of far more bytes than the model")
+def huge_state(opt: Any, epoch: int = 3, total: int = 60 << 30) -> Any:
+    """Make ``opt`` serve a ``total``-byte state of zeros (every chunk valid) labelled ``epoch``,
+    and claim that epoch; returns the source, whose ``chunks_sent`` tells what a fetcher took."""
+    from .checkpoints import huge_manifest
+
+    server, key = opt.state_sync.server, opt.state_sync.key
+    server._providers.pop(key, None)  # (what nothing publishes is left to the resolvers)
+    source = huge_manifest(server, key, total, meta={"epoch": epoch})
+    opt.epoch = opt._applied = epoch
+    opt.tracker.report(epoch, 0, opt._sps)
+    opt._loop.run(opt.tracker.refresh_now(timeout=10))
+    return source
