@@ -213,7 +213,7 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
         import cProfile
 
         prof = cProfile.Profile()
-    codecs = {name: get_codec(name) for name in job["codecs"]}
+    codecs = {name: get_codec(name.split("+")[0]) for name in job["codecs"]}
     try:
         for rnd in itertools.count():
             name = (await readline()).strip()  # barrier: "go" with the codec to run; EOF ends
@@ -227,7 +227,11 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
             _reset_peak_rss()
             u0 = resource.getrusage(resource.RUSAGE_SELF)  # (microseconds: os.times counts 10 ms ticks)
             start = time.monotonic()
-            res = await svc.run(group, rank, flat, 1.0, codec)
+            # "none+trimmed_mean": that codec under a robust rule; "+noaudit": without its audits
+            parts = name.split("+")
+            if hasattr(svc, "audit"):
+                svc.audit.chunks = 0 if "noaudit" in parts else 1
+            res = await svc.run(group, rank, flat, 1.0, codec, aggregation=parts[1] if len(parts) > 1 else "mean")
             end = time.monotonic()
             u1 = resource.getrusage(resource.RUSAGE_SELF)
             if profiling:

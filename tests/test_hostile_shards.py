@@ -74,6 +74,24 @@ async def test_a_tampering_owner_is_named_and_its_shard_recomputed_without_it(sw
 
 
 @pytest.mark.timeout(60)
+async def test_a_tampered_run_as_long_as_the_audit_stride_is_always_found(swarm):
+    """Under a coordinate-wise rule an auditor checks every 16th value of a chunk from a random
+    offset: an owner that tampers with only the first 16 values of its reply is still caught."""
+    async with asyncio.timeout(40):
+        cfg = AllReduceConfig(chunk_numel=4096, timeout=8.0, join_timeout=2.0, stall_timeout=1.0)
+        group, _, services = await swarm.group(4, config=cfg)
+        assert services[0].audit.stride == 16
+        MODES["owner_tamper"].run(services[3], first=16)
+        xs, ws = data(4, 8000, seed=3)
+        flats = [x.clone() for x in xs]
+        results = await run_all(group, services, flats, ws, "none", aggregation="median")
+        a, b = partition(8000, group.members)[3]
+        for r in range(3):
+            torch.testing.assert_close(flats[r][a:b], rule_over("median", xs, ws, [0, 1, 2], a, b, 4096))
+            assert "failed the audit" in results[r].failed.get(3, ""), results[r].failed
+
+
+@pytest.mark.timeout(60)
 async def test_a_member_lying_to_auditors_frames_no_honest_owner(swarm):
     """Rank 4 shows auditors its parts times -100: the recomputations then differ from the honest
     owners' replies, but their copies of the parts clear them; the values stay within the range of

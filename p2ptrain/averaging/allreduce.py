@@ -176,8 +176,8 @@ class AllReduceService:
         simulate an owner that tampers with its result: ``p2ptrain.testbed.hostile.shards``)."""
         return data
 
-    _audit_answer: Callable[[str, int, int, memoryview], memoryview] | None = None
-    """Hook on the bytes of each audit answer (tests: a member that lies to auditors)."""
+    _audit_answer: Callable[[str, int, int, torch.Tensor], torch.Tensor] | None = None
+    """Hook on the values of each audit answer (tests: a member that lies to auditors)."""
 
     # ------------------------------------------------------------------ audits (audit.py)
     def _keep_ledger(self, gid: bytes, ledger: Ledger) -> None:
@@ -314,7 +314,7 @@ class AllReduceService:
         gid = group.group_id
         ledger = None
         if aggregation != "mean" and self.audit.chunks > 0 and group.size >= MIN_ROBUST_GROUP:
-            ledger = rnd.ledger = Ledger(group, my_rank, weight, rnd.bounds, rnd.cn, _base(codec),
+            ledger = rnd.ledger = Ledger(group, my_rank, weight, rnd.bounds, rnd.cn, _base(codec), rnd.rmeta,
                                          lambda nbytes: self._take(self._ledger_bufs, nbytes, torch.uint8))
             self._keep_ledger(gid, ledger)
         self._rounds[gid] = rnd
@@ -330,7 +330,7 @@ class AllReduceService:
             if ledger is not None:
                 ledger.finished.set()
                 try:
-                    await audit_round(rnd, result, self.audit.chunks)
+                    await audit_round(rnd, result, self.audit)
                 except TimeoutError:
                     log.warning("all-reduce %s: the audit of the owners' results ran out of time; the chunks not "
                                 "checked by then are kept as their owners sent them", gid.hex()[:8])

@@ -2,19 +2,26 @@
 reply is the rule over the members' parts, so that an owner cannot set the others' values beyond
 what the rule allows (issue 27, item 3).
 
+What is checked: of every other owner's shard, ``AuditConfig.chunks`` chunks drawn at random (all of
+a shard that small: the examples' models are checked whole, every round, by every member), and of
+each drawn chunk, under a coordinate-wise rule (``trimmed_mean``, ``median``), every ``stride``-th
+value from a random offset (``centered_clip`` mixes a chunk's values: whole chunks). The parts of
+those values are fetched from each contributor and the rule recomputed. Tampering with a run of
+``stride`` values or more is always found; a value tampered alone escapes one auditor with
+probability ``1 - 1 / stride``, so an owner that moves enough values to matter is caught; the
+draws are the auditor's own (``random.SystemRandom``), made after the owner replied.
+
 Why audits and not two owners per shard: a second owner doubles the reduce traffic and the rule's
-work in every round, and two colluding owners of one shard (2 hostile peers of 8 share a shard in
-about a quarter of the rounds) still pass. An audit costs, per round and member, one chunk of every
-other owner's shard (``AuditConfig.chunks``) fetched from each contributor and recomputed; a
-shard of up to that many chunks is checked whole, every round, by every member (the small models
-of the examples: each owner is checked completely); in a bigger shard a cheating owner is found
-with the probability that one of its tampered chunks is drawn, by members it cannot predict.
+work in every round, and two colluding owners of one shard (2 hostile peers of 8 share one in
+about a quarter of the rounds) still pass. What audits cost: ``benchmarks/allreduce_bench.py --codecs
+none+trimmed_mean none+trimmed_mean+noaudit`` (a rule with and without its audits, same run).
 
 Protocol ``p2ptrain/allreduce-audit/1``: the auditor opens one stream per member it asks, header
-``{"g": group id, "q": [[kind, x, y], ...]}`` with kind ``"s"`` (the bytes you sent owner ``x`` for
-chunk ``y`` of its shard) or ``"r"`` (you are the owner: your row of rank ``y`` in chunk ``x``, as
-you combined it), half-closes, and reads per item ``u32 length | msgpack {"w": weight, "n": bytes}``
-and the bytes, or ``{"e": why}``. What members keep for this is their :class:`.ledger.Ledger`.
+``{"g": group id, "q": [[kind, x, y, offset, stride], ...]}`` with kind ``"s"`` (your part of
+chunk ``y`` of owner ``x``'s shard, as you sent it) or ``"r"`` (you are the owner: row ``y`` of
+your chunk ``x``, as you combined it), half-closes, and reads per item ``u32 length | msgpack
+{"w": weight, "n": bytes}`` and the float32 values ``[offset::stride]`` of that part, or ``{"e":
+why}``. What members keep for this is their :class:`.ledger.Ledger`.
 
 Who is believed (see :mod:`.verify`): each part as its sender shows it. A member that shows the
 auditor another part than it sent the owner only changes a hostile row, which the rule tolerates;
@@ -25,8 +32,8 @@ is recomputed from the members' parts without its own; a mismatch that only a di
 another member and the owner explains is fixed for that chunk and named to nobody.
 
 Not covered: ``mean`` (it trusts peers: no audit); an owner that drops honest senders as if they
-had failed (each of them names it, the others average without them); tampering confined to chunks
-of a large shard that no auditor drew this round.
+had failed (each of them names it, the others average without them); tampering confined to values
+no auditor drew this round.
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ import logging
 import random
 import struct
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +54,6 @@ from dht.aio import wait_event
 from dht.stream import Stream
 from dht.wire import pack, unpack
 
-from ..compression import CompressionError
 from .group import counted_weight, weight_cap
 from .ledger import Ledger, chunks
 from .verify import Part, agrees, judge, recompute
@@ -63,65 +69,82 @@ AUDIT_PROTOCOL = "p2ptrain/allreduce-audit/1"
 _PREFIX = struct.Struct(">I")
 _MAX_META = 256
 MAX_ITEMS = 1 << 14  # items one audit stream may ask for
+#: rules whose value at a coordinate depends on that coordinate only: audited on strided samples
+COORDINATE_WISE = ("trimmed_mean", "median")
 
 
 @dataclass
 class AuditConfig:
-    """``chunks``: chunks of every other owner's shard a member recomputes per round under a robust
-    rule (0: no audits; a shard of at most that many chunks is checked whole). ``kept``: rounds whose
-    ledgers a service keeps for late auditors. ``max_streams``: audit streams one member may open
-    per round of ours (an auditor needs at most three)."""
+    """``chunks``: chunks of every other owner's shard a member checks per round under a robust rule
+    (0: no audits); ``stride``: of those, every ``stride``-th value under a coordinate-wise rule (1:
+    all); ``owners``: audit only this many other owners per round, drawn at random (None: all; fewer
+    is cheaper, but the values of an owner not drawn are taken unchecked that round). ``kept``: rounds
+    whose ledgers a service keeps for the others' audits (each about two vectors' bytes: what we
+    sent, and the rows we combined). ``max_streams``: audit streams one member may open per round of
+    ours (an auditor needs at most three)."""
 
     chunks: int = 1
+    stride: int = 16
+    owners: int | None = None
     kept: int = 2
     max_streams: int = 4
+
+
+Item = tuple[str, int, int, int, int]  # (kind, x, y, offset, stride): see the module docstring
+
+
+def _sampled(n: int, off: int, stride: int) -> int:
+    return len(range(off, n, stride))
 
 
 # ---------------------------------------------------------------------------- serving
 
 
-def _parse_items(q: Any, ledger: Ledger) -> list[tuple[str, int, int]] | None:
+def _parse_items(q: Any) -> list[Item] | None:
     if not isinstance(q, list) or len(q) > MAX_ITEMS:
         return None
     out = []
     for item in q:
-        if not (isinstance(item, list) and len(item) == 3 and item[0] in ("s", "r")
-                and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 for v in item[1:])):
+        if not (isinstance(item, list) and len(item) == 5 and item[0] in ("s", "r")
+                and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31 for v in item[1:])
+                and item[4] >= 1):
             return None
-        out.append((item[0], item[1], item[2]))
+        out.append((item[0], item[1], item[2], item[3], item[4]))
     return out
 
 
-def _lookup(ledger: Ledger, kind: str, x: int, y: int) -> tuple[float, memoryview] | None:
+def _lookup(ledger: Ledger, item: Item) -> tuple[float, torch.Tensor] | None:
+    kind, x, y, off, stride = item
     if kind == "s":
-        data = ledger.sent_bytes(x, y)
-        return None if data is None else (ledger.weight, data)
-    row = ledger.row(x, y) if x < len(ledger.my_chunks) and y < ledger.group.size else None
-    return None if row is None else (row[0], memoryview(row[1].numpy()).cast("B"))
+        values = ledger.sent_values(x, y) if x < ledger.group.size else None
+        got = None if values is None else (ledger.weight, values)
+    else:
+        got = ledger.row(x, y) if x < len(ledger.my_chunks) and y < ledger.group.size else None
+    return None if got is None else (got[0], got[1][off::stride].contiguous())
 
 
 async def serve(ledger: Ledger, stream: Stream, wait: float, write_timeout: float,
-                answer: Callable[[str, int, int, memoryview], memoryview] | None = None) -> None:
+                answer: Callable[[str, int, int, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Answer one audit stream from what ``ledger`` holds; what we do not hold yet is waited for
     until our round is over (at most ``wait`` seconds). ``answer`` (tests: a member that lies to
-    auditors) may replace the bytes of each answer."""
+    auditors) may replace the values of each answer."""
     hdr = stream.header
-    items = _parse_items(hdr.get("q") if isinstance(hdr, dict) else None, ledger)
+    items = _parse_items(hdr.get("q") if isinstance(hdr, dict) else None)
     if items is None:
         stream.reset("malformed audit request")
         return
     try:
-        for kind, x, y in items:
-            got = _lookup(ledger, kind, x, y)
+        for item in items:
+            got = _lookup(ledger, item)
             if got is None and await wait_event(ledger.finished, wait):
-                got = _lookup(ledger, kind, x, y)
+                got = _lookup(ledger, item)
             if got is not None and answer is not None:
-                got = (got[0], answer(kind, x, y, got[1]))
-            meta = {"e": "not held"} if got is None else {"w": got[0], "n": len(got[1])}
-            body = pack(meta)
+                got = (got[0], answer(item[0], item[1], item[2], got[1]))
+            data = None if got is None else memoryview(got[1].numpy()).cast("B")
+            body = pack({"e": "not held"} if data is None else {"w": got[0], "n": len(data)})  # type: ignore[index]
             await stream.write(_PREFIX.pack(len(body)) + body, timeout=write_timeout)
-            if got is not None:
-                await stream.write(got[1], timeout=write_timeout)
+            if data is not None:
+                await stream.write(data, timeout=write_timeout)
         stream.write_eof()
     except (DHTError, TimeoutError) as e:
         stream.reset(f"audit answer failed: {e}"[:200])
@@ -130,9 +153,10 @@ async def serve(ledger: Ledger, stream: Stream, wait: float, write_timeout: floa
 # ---------------------------------------------------------------------------- asking
 
 
-async def _fetch(rnd: _Round, rank: int, items: list[list], sizes: list[int]) -> list[Any]:
-    """Ask member ``rank`` for ``items`` (expected sizes ``sizes``): one answer per item, or raise."""
-    from .round import _Reader  # (round imports this module's users; import late)
+async def _fetch(rnd: _Round, rank: int, items: list[Item], sizes: list[int]) -> list[Any]:
+    """Ask member ``rank`` for ``items`` (of ``sizes`` values): per item (weight, float32 values)
+    or why there is none; raises if the member cannot be asked or answers out of protocol."""
+    from .round import _Reader  # (round.py is imported by the service, which imports us)
 
     cfg, member = rnd.cfg, rnd.group.members[rank]
     host = rnd.svc.host
@@ -141,11 +165,11 @@ async def _fetch(rnd: _Round, rank: int, items: list[list], sizes: list[int]) ->
         if member.addr is None:
             raise PeerUnreachable("no connection to a client-mode member")
         conn = await host.connect(member.addr[0], member.addr[1], member.peer_id, cfg.connect_timeout)
-    stream = await conn.open_stream(AUDIT_PROTOCOL, {"g": rnd.group.group_id, "q": items})
+    stream = await conn.open_stream(AUDIT_PROTOCOL, {"g": rnd.group.group_id, "q": [list(i) for i in items]})
     done = False
     try:
         stream.write_eof()
-        reader = _Reader(stream, max(sizes, default=0))
+        reader = _Reader(stream, 4 * max(sizes, default=0))
         head = bytearray(_PREFIX.size)
         out: list[Any] = []
         for size in sizes:
@@ -160,13 +184,14 @@ async def _fetch(rnd: _Round, rank: int, items: list[list], sizes: list[int]) ->
                 out.append(str(meta["e"])[:200])
                 continue
             w = meta.get("w") if isinstance(meta, dict) else None
-            if (meta.get("n") if isinstance(meta, dict) else None) != size or isinstance(w, bool) \
+            if (meta.get("n") if isinstance(meta, dict) else None) != 4 * size or isinstance(w, bool) \
                     or not isinstance(w, (int, float)) or not 0 < w <= cfg.max_weight:
                 raise ProtocolError("malformed audit answer")
-            data = await reader.read_exact(size, cfg.read_timeout(size))
+            data = await reader.read_exact(4 * size, cfg.read_timeout(4 * size))
             if data is None:
                 raise ProtocolError("audit answer ended early")
-            out.append((float(w), bytearray(data)))
+            values = torch.frombuffer(bytearray(data), dtype=torch.float32) if size else torch.empty(0)
+            out.append((float(w), values) if bool(torch.isfinite(values).all()) else "NaN or inf in its answer")
         done = True
         return out
     finally:
@@ -174,12 +199,12 @@ async def _fetch(rnd: _Round, rank: int, items: list[list], sizes: list[int]) ->
             stream.reset("audit aborted")
 
 
-async def _ask(rnd: _Round, wanted: dict[int, list[tuple[list, int]]]) -> dict[int, list[Any]]:
-    """``wanted``: rank -> [(item, size)]; every member asked at once. A member that fails answers
-    its reason for every item."""
+async def _ask(rnd: _Round, wanted: dict[int, list[tuple[Item, int]]]) -> dict[int, list[Any]]:
+    """``wanted``: rank -> [(item, values expected)]; every member asked at once. A member that
+    fails answers its reason for each item."""
 
-    async def one(rank: int, req: list[tuple[list, int]]) -> list[Any]:
-        total = sum(s for _, s in req)
+    async def one(rank: int, req: list[tuple[Item, int]]) -> list[Any]:
+        total = 4 * sum(s for _, s in req)
         try:
             async with asyncio.timeout(rnd.cfg.connect_timeout + rnd.cfg.read_timeout(total)):
                 return await _fetch(rnd, rank, [i for i, _ in req], [s for _, s in req])
@@ -196,190 +221,175 @@ async def _ask(rnd: _Round, wanted: dict[int, list[tuple[list, int]]]) -> dict[i
 
 @dataclass(eq=False)
 class _Chunk:
+    """One drawn chunk [a, b) of ``owner``'s shard, audited at values ``[off::stride]`` of it."""
+
     owner: int
     ci: int
     a: int
     b: int
     contributors: set[int]
+    off: int = 0
+    stride: int = 1
     parts: dict[int, Part] = field(default_factory=dict)  # rank -> part as its sender showed it
     copies: dict[int, Part] | None = None  # the owner's copies (asked for on a mismatch)
+
+    @property
+    def size(self) -> int:
+        return _sampled(self.b - self.a, self.off, self.stride)
+
+    def item(self, rank: int) -> tuple[Item, int]:
+        """What to ask ``rank`` for (its part; the owner: its own row), and how many values."""
+        head = ("r", self.ci, rank) if rank == self.owner else ("s", self.owner, self.ci)
+        return (*head, self.off, self.stride), self.size
+
+    def reply(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.a : self.b][self.off :: self.stride]
 
 
 class _Audit:
     """The auditor's side of one round (``rnd`` after its run, ``result`` its result)."""
 
-    def __init__(self, rnd: _Round, result: AllReduceResult, per_shard: int):
-        self.rnd, self.result, self.per_shard = rnd, result, per_shard
+    def __init__(self, rnd: _Round, result: AllReduceResult, cfg: AuditConfig):
+        self.rnd, self.result, self.cfg = rnd, result, cfg
         self.me, self.members = rnd.rank, rnd.group.members
-        self.codec = rnd.ledger.codec if rnd.ledger is not None else None
         self.gname = getattr(rnd.gcodec, "name", "?")
-        self.rng = random.SystemRandom()  # an owner must not predict which chunks we draw
+        self.rng = random.SystemRandom()  # an owner must not predict what we draw
         self.caps: dict[int, float] = {}  # owner -> weight cap at that owner (from its own weight)
         self.named: dict[int, str] = {}  # owner -> why it failed the audit
-        self.checked = self.mismatched = 0
-
-    # -- parts
-    def _nbytes(self, n: int) -> int:
-        return self.rnd._enc_nbytes(self.codec, n)
-
-    def _decode(self, buf: Any, n: int) -> torch.Tensor | None:
-        out = torch.empty(n, dtype=torch.float32)
-        try:
-            self.codec.decode(dict(self.rnd.rmeta, numel=n), buf, out=out)
-        except CompressionError:
-            return None
-        return out
+        self.checked = self.disputes = 0
 
     def _cap(self, owner: int) -> float:
         return self.caps.get(owner, weight_cap(self.members, self.rnd.weight))
 
     def _sent_part(self, c: _Chunk, rank: int, answer: Any) -> Part | None:
-        """A member's part of ``c`` from its answer (its own header weight, counted as the owner counts it)."""
-        if not isinstance(answer, tuple):
+        """A member's part from its answer: its header weight, counted as its owner counts it."""
+        if not isinstance(answer, tuple) or answer[1].numel() != c.size:
             return None
-        values = self._decode(answer[1], c.b - c.a)
-        return None if values is None else (counted_weight(self.members[rank], answer[0], self._cap(c.owner)), values)
+        return counted_weight(self.members[rank], answer[0], self._cap(c.owner)), answer[1]
 
     @staticmethod
-    def _row(answer: Any, n: int) -> Part | None:
-        """A row as an owner combined it (weight as counted there, float32 values)."""
-        if not isinstance(answer, tuple) or len(answer[1]) != 4 * n:
-            return None
-        values = torch.frombuffer(answer[1], dtype=torch.float32)
-        return (answer[0], values) if bool(torch.isfinite(values).all()) else None
+    def _copy(c: _Chunk, answer: Any) -> Part | None:
+        """A row as the owner combined it (the weight it counted it with)."""
+        return answer if isinstance(answer, tuple) and answer[1].numel() == c.size else None
 
     def _mine(self, c: _Chunk) -> Part | None:
         assert self.rnd.ledger is not None
-        data = self.rnd.ledger.sent_bytes(c.owner, c.ci)
-        values = None if data is None else self._decode(data, c.b - c.a)
+        values = self.rnd.ledger.sent_values(c.owner, c.ci)
         if values is None:
             return None
-        return counted_weight(self.members[self.me], self.rnd.weight, self._cap(c.owner)), values
+        w = counted_weight(self.members[self.me], self.rnd.weight, self._cap(c.owner))
+        return w, values[c.off :: c.stride].contiguous()
 
-    # -- plan
-    def plan(self) -> list[_Chunk]:
-        out = []
-        for s in self.result.shards:
-            if s.owner == self.me or s.status != "ok" or not s.numel:
-                continue
-            cks = chunks(s.start, s.end, self.rnd.cn)
-            n = len(cks)
-            drawn = range(n) if n <= self.per_shard else sorted(self.rng.sample(range(n), self.per_shard))
-            for ci in drawn:
-                who = set(s.contributors) | {r for r, k in s.partial.items() if k > ci}
-                out.append(_Chunk(s.owner, ci, *cks[ci], who))
-        return out
-
-    # -- waves
-    async def first_look(self, todo: list[_Chunk]) -> list[_Chunk]:
-        """Ask every contributor for its part of each drawn chunk and each owner for its own row;
-        the chunks whose reply does not match (or lack a part) are returned."""
-        wanted: dict[int, list[tuple[list, int]]] = {}
+    async def _ask_parts(self, todo: list[_Chunk], ranks: Callable[[_Chunk], list[int]]) -> None:
+        """Fill each chunk's ``parts`` with what ``ranks(chunk)`` show (owners first: their own
+        weight sets the weight cap at that owner)."""
+        wanted: dict[int, list[tuple[Item, int]]] = {}
         back: list[tuple[_Chunk, int, int]] = []  # (chunk, rank asked, index of its answer)
         for c in todo:
-            for r in sorted(c.contributors - {self.me}):
-                item, size = ((["r", c.ci, r], 4 * (c.b - c.a)) if r == c.owner
-                              else (["s", c.owner, c.ci], self._nbytes(c.b - c.a)))
-                wanted.setdefault(r, []).append((item, size))
+            for r in ranks(c):
+                wanted.setdefault(r, []).append(c.item(r))
                 back.append((c, r, len(wanted[r]) - 1))
-        answers = await _ask(self.rnd, wanted)
-        for c, r, i in back:  # the owners' own rows first: they set the weight caps
-            if r == c.owner and (row := self._row(answers[r][i], c.b - c.a)) is not None:
+        answers = await _ask(self.rnd, wanted) if wanted else {}
+        for c, r, i in back:
+            if r == c.owner and (row := self._copy(c, answers[r][i])) is not None:
                 c.parts[r] = row
                 self.caps.setdefault(c.owner, weight_cap(self.members, row[0]))
-        bad = []
         for c in todo:
-            mine = self._mine(c)
-            if mine is None:
-                continue  # (we did not send it whole: not a chunk we can check)
-            c.parts[self.me] = mine
+            if self.me not in c.parts and (mine := self._mine(c)) is not None:
+                c.parts[self.me] = mine
         for c, r, i in back:
             if r != c.owner and (part := self._sent_part(c, r, answers[r][i])) is not None:
                 c.parts[r] = part
+
+    # -- the waves
+    def plan(self) -> list[_Chunk]:
+        out = []
+        stride = max(1, self.cfg.stride) if self.rnd.agg in COORDINATE_WISE else 1
+        shards = [s for s in self.result.shards if s.owner != self.me and s.status == "ok" and s.numel]
+        if self.cfg.owners is not None and len(shards) > self.cfg.owners:
+            shards = self.rng.sample(shards, max(0, self.cfg.owners))
+        for s in shards:
+            cks = chunks(s.start, s.end, self.rnd.cn)
+            n, k = len(cks), self.cfg.chunks
+            for ci in (range(n) if n <= k else sorted(self.rng.sample(range(n), k))):
+                who = set(s.contributors) | {r for r, done in s.partial.items() if done > ci}
+                a, b = cks[ci]
+                out.append(_Chunk(s.owner, ci, a, b, who, self.rng.randrange(min(stride, b - a)), stride))
+        return out
+
+    async def first_look(self, todo: list[_Chunk]) -> list[_Chunk]:
+        """Fetch every contributor's part of the drawn values; returns the chunks whose reply does
+        not match the rule over them (or that lack a part)."""
+        await self._ask_parts(todo, lambda c: sorted(c.contributors - {self.me}))
+        bad = []
         for c in todo:
             if self.me not in c.parts:
-                continue
+                continue  # (we did not send it whole: not ours to check)
             self.checked += 1
             if self.me not in c.contributors or c.owner not in c.contributors:
                 self.named.setdefault(c.owner, "left us (or itself) out of the contributors it reported, yet replied")
-                continue
-            if c.contributors <= c.parts.keys():
-                value = await self.rnd._compute(recompute, self.rnd.agg, c.parts)
-                if agrees(self.rnd.flat[c.a : c.b], value, self.gname):
-                    continue
-            bad.append(c)
+            elif not (c.contributors <= c.parts.keys()
+                      and agrees(c.reply(self.rnd.flat), await self.rnd._compute(recompute, self.rnd.agg, c.parts),
+                                 self.gname)):
+                bad.append(c)
         return bad
 
     async def settle(self, bad: list[_Chunk]) -> None:
         """Ask the owners of mismatching chunks for the parts they combined, and judge."""
-        wanted: dict[int, list[tuple[list, int]]] = {}
+        wanted: dict[int, list[tuple[Item, int]]] = {}
         for c in bad:
             for r in sorted(c.contributors):
-                wanted.setdefault(c.owner, []).append((["r", c.ci, r], 4 * (c.b - c.a)))
+                wanted.setdefault(c.owner, []).append((("r", c.ci, r, c.off, c.stride), c.size))
         answers = await _ask(self.rnd, wanted)
         at: dict[int, int] = {}
         for c in bad:
-            got = answers[c.owner][at.get(c.owner, 0) : at.get(c.owner, 0) + len(c.contributors)]
-            at[c.owner] = at.get(c.owner, 0) + len(c.contributors)
-            rows = {r: row for r, a in zip(sorted(c.contributors), got) if (row := self._row(a, c.b - c.a)) is not None}
-            c.copies = rows if rows else None
+            i = at.get(c.owner, 0)
+            at[c.owner] = i + len(c.contributors)
+            got = zip(sorted(c.contributors), answers[c.owner][i : i + len(c.contributors)])
+            c.copies = {r: row for r, a in got if (row := self._copy(c, a)) is not None} or None
             if c.owner in self.named:
                 continue
-            reply = self.rnd.flat[c.a : c.b]
             supplied = {r: p for r, p in c.parts.items() if r not in (self.me, c.owner)}
+            reply = c.reply(self.rnd.flat)
             verdict = judge(self.rnd.agg, reply, self.gname, c.contributors, self.me, c.parts[self.me], supplied,
                             c.copies)
             if verdict.cheat is not None:
                 self.named[c.owner] = verdict.cheat
                 continue
-            # no proof against the owner: believe each part as its sender showed it, the owner's
+            # no proof against the owner: believe each part as its sender shows it, the owner's
             # copies only where a sender showed nothing
-            parts = {**{r: p for r, p in (c.copies or {}).items()}, **c.parts}
-            value = await self.rnd._compute(recompute, self.rnd.agg, parts)
+            value = await self.rnd._compute(recompute, self.rnd.agg, {**(c.copies or {}), **c.parts})
             if not agrees(reply, value, self.gname):
-                self.mismatched += 1
-                self.rnd.flat[c.a : c.b].copy_(value)
+                self.disputes += 1
+                if c.stride == 1:  # (a strided sample cannot fix the chunk; the dispute is logged)
+                    self.rnd.flat[c.a : c.b].copy_(value)
                 log.warning("all-reduce %s: audit of owner %d, chunk %d: the parts of ranks %s differ from the "
                             "owner's copies (one of the two lied); using the parts as their senders show them",
                             self.rnd.group.group_id.hex()[:8], c.owner, c.ci, verdict.disputed)
 
-    async def exclude(self, owner: int, why: str, seen: list[_Chunk]) -> None:
+    async def exclude(self, owner: int, why: str) -> None:
         """Recompute ``owner``'s whole shard from the other members' parts, without its own."""
         s = next(s for s in self.result.shards if s.owner == owner)
-        have = {c.ci: c for c in seen if c.owner == owner}
-        todo = []
-        for ci, (a, b) in enumerate(chunks(s.start, s.end, self.rnd.cn)):
-            who = set(s.contributors) | {r for r, k in s.partial.items() if k > ci}
-            todo.append(have.get(ci) or _Chunk(owner, ci, a, b, who))
-        wanted: dict[int, list[tuple[list, int]]] = {}
-        back = []
-        for c in todo:
-            if self.me not in c.parts and (mine := self._mine(c)) is not None:
-                c.parts[self.me] = mine
-            for r in sorted(c.contributors - {self.me, owner} - c.parts.keys()):
-                wanted.setdefault(r, []).append((["s", owner, c.ci], self._nbytes(c.b - c.a)))
-                back.append((c, r, len(wanted[r]) - 1))
-        answers = await _ask(self.rnd, wanted) if wanted else {}
-        for c, r, i in back:
-            if (part := self._sent_part(c, r, answers[r][i])) is not None:
-                c.parts[r] = part
+        todo = [_Chunk(owner, ci, a, b, set(s.contributors) | {r for r, k in s.partial.items() if k > ci})
+                for ci, (a, b) in enumerate(chunks(s.start, s.end, self.rnd.cn))]
+        await self._ask_parts(todo, lambda c: sorted(c.contributors - {self.me, owner}))
         for c in todo:
             parts = {r: p for r, p in c.parts.items() if r != owner}
             if self.me in parts:
                 self.rnd.flat[c.a : c.b].copy_(await self.rnd._compute(recompute, self.rnd.agg, parts))
         s.contributors = sorted(set(s.contributors) - {owner})
         s.error = f"recomputed by the audit without its owner ({why})"
-        self.result.failed[owner] = f"owner {owner} failed the audit of its shard: {why}; its shard was recomputed " \
-                                    f"from the members' parts without it"
-        log.warning("all-reduce %s: rank %d %s", self.rnd.group.group_id.hex()[:8], owner, self.result.failed[owner])
+        self.result.failed[owner] = (f"owner {owner} failed the audit of its shard: {why}; its shard was "
+                                     "recomputed from the members' parts without it")
+        log.warning("all-reduce %s: %s", self.rnd.group.group_id.hex()[:8], self.result.failed[owner])
 
 
-async def audit_round(rnd: _Round, result: AllReduceResult, per_shard: int) -> None:
-    """Audit the other owners' replies of ``rnd`` (over, ``result`` its result): fixes ``rnd.flat``
+async def audit_round(rnd: _Round, result: AllReduceResult, cfg: AuditConfig) -> None:
+    """Audit the other owners' replies of ``rnd`` (over; ``result`` its result): fixes ``rnd.flat``
     and names cheating owners in ``result.failed``. Bounded by the round's ``timeout``."""
     t0 = time.monotonic()
-    audit = _Audit(rnd, result, per_shard)
-    todo = audit.plan() if audit.codec is not None else []
+    audit = _Audit(rnd, result, cfg)
+    todo = audit.plan()
     if not todo:
         return
     async with asyncio.timeout(rnd.cfg.timeout):
@@ -387,6 +397,6 @@ async def audit_round(rnd: _Round, result: AllReduceResult, per_shard: int) -> N
         if bad:
             await audit.settle(bad)
         for owner, why in sorted(audit.named.items()):
-            await audit.exclude(owner, why, todo)
+            await audit.exclude(owner, why)
     log.debug("all-reduce %s: audited %d chunks in %.3f s (%d owners named, %d disputes)",
-              rnd.group.group_id.hex()[:8], audit.checked, time.monotonic() - t0, len(audit.named), audit.mismatched)
+              rnd.group.group_id.hex()[:8], audit.checked, time.monotonic() - t0, len(audit.named), audit.disputes)

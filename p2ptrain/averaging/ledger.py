@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..compression import Codec
+from ..compression import Codec, CompressionError
+from ..compression.float import NoneCodec
 from .group import Group
 
 __all__ = ["Ledger", "chunks"]
@@ -33,9 +34,9 @@ class Ledger:
     the service to take back."""
 
     def __init__(self, group: Group, rank: int, weight: float, bounds: list[tuple[int, int]], cn: int,
-                 codec: Codec, take: Callable[[int], torch.Tensor]):
+                 codec: Codec, meta: dict, take: Callable[[int], torch.Tensor]):
         self.group, self.rank, self.weight, self.bounds, self.cn = group, rank, weight, bounds, cn
-        self.codec = codec  # the reduce codec (its base: no error feedback), to decode what was sent
+        self.codec, self.meta = codec, meta  # the reduce codec (its base) and meta: to decode what we sent
         self._at: dict[tuple[int, int], tuple[int, int]] = {}  # (owner, chunk) -> (offset, nbytes)
         off = 0
         for j, (a, b) in enumerate(bounds):
@@ -78,12 +79,20 @@ class Ledger:
         self.rows[ci] = (list(ranks), [float(v) for v in w])
 
     # ------------------------------------------------------------------ read by the audit handler
-    def sent_bytes(self, owner: int, ci: int) -> memoryview | None:
-        """What we sent ``owner`` for chunk ``ci`` of its shard; None if we did not send it whole."""
+    def sent_values(self, owner: int, ci: int) -> torch.Tensor | None:
+        """What we sent ``owner`` for chunk ``ci`` of its shard, decoded as the owner decodes it;
+        None if we did not send it whole."""
         if (owner, ci) not in self._sent:
             return None
         off, nb = self._at[(owner, ci)]
-        return memoryview(self.sent_buf.numpy())[off : off + nb]
+        a, b = chunks(*self.bounds[owner], self.cn)[ci]
+        data = memoryview(self.sent_buf.numpy())[off : off + nb]
+        if isinstance(self.codec, NoneCodec) and nb == 4 * (b - a):  # the values themselves: no copy
+            return torch.frombuffer(data, dtype=torch.float32)
+        try:
+            return self.codec.decode(dict(self.meta, numel=b - a), data)
+        except CompressionError:  # (what we sent decoded at the owner, or it dropped us)
+            return None
 
     def row(self, ci: int, rank: int) -> tuple[float, torch.Tensor] | None:
         """Owner side: (weight, values) of ``rank``'s row in chunk ``ci`` of our shard as we combined

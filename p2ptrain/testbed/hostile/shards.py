@@ -18,23 +18,26 @@ from ._registry import mode
 __all__ = ["audit_lie", "bandwidth_inflate", "leader_group_forge", "owner_tamper", "weight_inflate"]
 
 
-def _scaled_f32(data: Any, scale: float) -> memoryview:
-    """A copy of float32 wire bytes (a ``none`` codec's chunk) with every value times ``scale``."""
+def _scaled_f32(data: Any, scale: float, first: int | None = None) -> memoryview:
+    """A copy of float32 wire bytes (a ``none`` codec's chunk), its ``first`` values (all: None)
+    times ``scale``."""
     values = torch.frombuffer(bytearray(memoryview(data).cast("B")), dtype=torch.float32)
-    return memoryview(values.mul_(scale).numpy()).cast("B")
+    values[:first].mul_(scale)
+    return memoryview(values.numpy()).cast("B")
 
 
 @mode("owner_tamper", "an owner sends every member its shard's result times -100 (float32 replies)")
-def owner_tamper(service: Any, scale: float = -100.0) -> None:
-    """``service``: the hostile peer's AllReduceService; its own values stay honest."""
-    service._reply = lambda index, data: _scaled_f32(data, scale)
+def owner_tamper(service: Any, scale: float = -100.0, first: int | None = None) -> None:
+    """``service``: the hostile peer's AllReduceService; its own values stay honest. ``first``:
+    tamper with only the first ``first`` values of each chunk of the reply."""
+    service._reply = lambda index, data: _scaled_f32(data, scale, first)
 
 
 @mode("audit_lie", "a member shows auditors its parts times -100, not what it sent the owners")
 def audit_lie(service: Any, scale: float = -100.0) -> None:
-    """``service``: the hostile peer's AllReduceService (float32 parts: the ``none`` codec). It
-    would frame honest owners, whose replies then differ from a recomputation with its lie."""
-    service._audit_answer = lambda kind, x, y, data: _scaled_f32(data, scale) if kind == "s" else data
+    """``service``: the hostile peer's AllReduceService. It would frame honest owners, whose replies
+    then differ from a recomputation with its lie."""
+    service._audit_answer = lambda kind, x, y, values: values * scale if kind == "s" else values
 
 
 @mode("bandwidth_inflate", "a member declares a bandwidth of 1e14, to own (nearly) the whole vector")
