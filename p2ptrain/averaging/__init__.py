@@ -1,11 +1,15 @@
 """Decentralized averaging: groups formed on the fly through the DHT, then a compressed,
 fault-tolerant butterfly all-reduce among their members.
 
-    group.py        Member, Group, partition (sans-IO)
+    group.py        Member, Group, partition; bandwidth and weight caps (sans-IO)
     schema.py       tensor schema hash: peers with different models or codecs never meet
+    claims.py       what a peer believes of matchmaking: registrations, the leader's group
     matchmaking.py  Matchmaker: DHT sub-keys + a leader per group, adaptive waits
     round.py        one all-reduce round: the protocol, config/result types, the state machine
-    allreduce.py    AllReduceService: runs rounds (stream handler, registry, worker, kept buffers)
+    allreduce.py    AllReduceService: runs rounds (stream handlers, registry, worker, kept buffers)
+    ledger.py       what a member keeps of a robust round for the others' audits (sans-IO)
+    verify.py       recompute an owner's chunk, tell a cheating owner from a lying member (sans-IO)
+    audit.py        shard audits under a robust rule: the protocol, both sides
     robust.py       robust aggregation rules (trimmed mean, median, CenteredClip), sans-IO
     averager.py     Averager / BlockingAverager: the public API
 """

@@ -19,8 +19,9 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -60,6 +61,11 @@ MAX_WAITING_PER_PEER = 4
 
 def _noop() -> None:
     pass
+
+
+def _group_id(stream: Stream) -> Any:
+    hdr = stream.header
+    return hdr.get("g") if isinstance(hdr, dict) else None
 
 
 class AllReduceService:
@@ -189,12 +195,8 @@ class AllReduceService:
                                                        if k[0] in self._ledgers})
 
     async def _on_audit_stream(self, stream: Stream) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            hdr = stream.header
-            gid = hdr.get("g") if isinstance(hdr, dict) else None
+        with self._owned():
+            gid = _group_id(stream)
             ledger = self._ledgers.get(gid) if isinstance(gid, bytes) else None
             if ledger is None:
                 stream.reset("no audited round of that group held here")
@@ -210,17 +212,22 @@ class AllReduceService:
             cfg = self.config
             await serve_audit(ledger, stream, cfg.timeout, max(cfg.stall_timeout, cfg.read_timeout(1 << 22)),
                               self._audit_answer)
+
+    @contextlib.contextmanager
+    def _owned(self) -> Iterator[None]:
+        """The running task (a stream handler) is this service's until it returns: close() cancels it."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            yield
         finally:
             self._tasks.discard(task)
 
     # ------------------------------------------------------------------ incoming streams
     async def _on_stream(self, stream: Stream) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            hdr = stream.header
-            gid = hdr.get("g") if isinstance(hdr, dict) else None
+        with self._owned():
+            gid = _group_id(stream)
             if not isinstance(gid, bytes) or len(gid) > 64:
                 stream.reset("malformed header")
                 return
@@ -255,8 +262,6 @@ class AllReduceService:
                     if not self._waiting_by_peer[peer]:
                         del self._waiting_by_peer[peer]
             await rnd.serve_sender(stream)
-        finally:
-            self._tasks.discard(task)
 
     # ------------------------------------------------------------------ rounds
     async def run(self, group: Group, my_rank: int, flat: torch.Tensor, weight: float = 1.0,
