@@ -151,6 +151,38 @@ def train(model: torch.nn.Module, opt: DecentralizedOptimizer, gen: torch.Genera
         step(model, opt, gen)
 
 
+def test_a_round_that_fails_for_every_peer_is_skipped_by_all_alike(nodes):
+    """Every peer missed the round: nobody holds its update, so nobody waits to load it (going back
+    to the epoch before, each found that round over and missed it again, for good)."""
+    peers = [make(nodes(), 0, target=32) for _ in range(2)]
+    for _, opt in peers:
+        real = opt.averager.step
+
+        async def fail_first(*args, _real=real, _failed=[], **kw):
+            result = await _real(*args, **kw)
+            if kw.get("round_id") == "e0" and not _failed:  # (its group is over: the round cannot be had again)
+                _failed.append(True)
+                raise RuntimeError("the round failed")
+            return result
+
+        opt.averager.step = fail_first
+    try:
+        assert all(o.wait_for_peers(2, timeout=30) == 2 for _, o in peers)
+        threads = [threading.Thread(target=lambda m=m, o=o, i=i: [step(m, o, torch.Generator().manual_seed(i))
+                                                                  for _ in iter(lambda: o.epoch < 4, False)])
+                   for i, (m, o) in enumerate(peers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert all(o.epoch >= 4 for _, o in peers), [o.epoch for _, o in peers]
+        assert all(o.stats.failed_rounds >= 1 for _, o in peers)
+        assert all(torch.equal(a, b) for a, b in zip(peers[0][1].params, peers[1][1].params)), [(o.epoch, o._applied, o.stats.state_loads, o.stats.failed_rounds, o.stats.rounds) for _, o in peers]
+    finally:
+        for _, o in peers:
+            o.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_swarm_run_again_with_more_epochs_resumes_together_and_ends_as_one(tmp_path, child_pids):

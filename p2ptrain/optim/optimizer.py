@@ -62,7 +62,7 @@ from ..gil import short_gil_waits
 from .adopt import Schedule, optimizer_state
 from .claims import EpochJudge
 from .progress import PeerReport, ProgressTracker, SwarmView
-from .state_sync import StateSync
+from .state_sync import NoProviders, StateSync
 from .warmup import warmed_step
 
 log = logging.getLogger("p2ptrain.optim")
@@ -733,7 +733,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         ``missed``: we ended our epoch but missed its round: only a state with that update in it
         will do (a provider still in the round serves the one before: taking it and our epoch
         number would leave us an update short of the swarm for good). Without one we go back to
-        the epoch our state holds, and catch up from there."""
+        the epoch our state holds and catch up from there, unless nobody has it: then the whole
+        round failed, and every peer skips that update alike."""
         t0 = time.perf_counter()
         if self._pending is not None:  # a round still in flight would land on top of the new state
             self._round_result(self._pending)
@@ -766,6 +767,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 # flight: join at their epoch (that update reaches us with the next state round)
                 epoch = max(epoch, view.epoch)
         except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            missed = missed and not isinstance(e, NoProviders)  # (nobody holds the update we missed)
             if result is not None:  # fetched, but it does not fit us: not a state to follow either
                 self.tracker.ignore(list(result.contributors))
             quiet = self._load_warnings.allow("state load", time.monotonic())
@@ -822,7 +824,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 view = self._loop.run(self.tracker.wait_fresh(0.5))
                 continue
             if not providers:
-                raise StateTransferError(f"no peer at or past our epoch {at_least} serves it")
+                raise NoProviders(f"no peer at or past our epoch {at_least} serves it")
             try:
                 return self._loop.run(self.state_sync.fetch(providers, max(1.0, deadline - time.monotonic()),
                                                             into=into, at_least=at_least, strict=strict,

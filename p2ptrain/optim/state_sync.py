@@ -37,6 +37,10 @@ log = logging.getLogger("p2ptrain.optim.state")
 MAX_PROVIDERS = 4
 
 
+class NoProviders(StateTransferError):
+    """No peer serves a state as advanced as the one asked for."""
+
+
 class StateSync:
     """Serves ``state()`` (returns ``(epoch, nested state)``; called in a worker thread with
     ``lock`` held, which the training thread holds while it changes parameters, so a snapshot never
