@@ -14,7 +14,7 @@ fault-tolerant butterfly all-reduce among their members.
     averager.py     Averager / BlockingAverager: the public API
 """
 
-from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService
+from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService, AuditConfig
 from .averager import Averager, BlockingAverager, StepResult
 from .group import Group, Member, partition
 from .matchmaking import Matchmaker
@@ -26,6 +26,7 @@ __all__ = [
     "AllReduceConfig",
     "AllReduceResult",
     "AllReduceService",
+    "AuditConfig",
     "Averager",
     "BlockingAverager",
     "Group",

@@ -186,13 +186,18 @@ class AllReduceService:
     """Hook on the values of each audit answer (tests: a member that lies to auditors)."""
 
     # ------------------------------------------------------------------ audits (audit.py)
-    def _keep_ledger(self, gid: bytes, ledger: Ledger) -> None:
-        self._ledgers[gid] = ledger
-        while len(self._ledgers) > max(1, self.audit.kept):
+    def _new_ledger(self, rnd: _Round, weight: float, codec: Codec) -> Ledger:
+        """A ledger for ``rnd``, kept for the others' audits in place of the oldest one kept, whose
+        buffers it reuses (so that ``audit.kept`` ledgers is all this service holds)."""
+        while len(self._ledgers) >= max(1, self.audit.kept):
             _, old = self._ledgers.popitem(last=False)
-            self._ledger_bufs = (self._ledger_bufs + old.buffers)[-2 * self.audit.kept:]
-            self._audit_streams = collections.Counter({k: v for k, v in self._audit_streams.items()
-                                                       if k[0] in self._ledgers})
+            self._ledger_bufs = (self._ledger_bufs + old.buffers)[-2:]
+        self._audit_streams = collections.Counter({k: v for k, v in self._audit_streams.items()
+                                                   if k[0] in self._ledgers})
+        ledger = self._ledgers[rnd.group.group_id] = Ledger(
+            rnd.group, rnd.rank, weight, rnd.bounds, rnd.cn, _base(codec), rnd.rmeta,
+            lambda nbytes: self._take(self._ledger_bufs, nbytes, torch.uint8))
+        return ledger
 
     async def _on_audit_stream(self, stream: Stream) -> None:
         with self._owned():
@@ -319,9 +324,7 @@ class AllReduceService:
         gid = group.group_id
         ledger = None
         if aggregation != "mean" and self.audit.chunks > 0 and group.size >= MIN_ROBUST_GROUP:
-            ledger = rnd.ledger = Ledger(group, my_rank, weight, rnd.bounds, rnd.cn, _base(codec), rnd.rmeta,
-                                         lambda nbytes: self._take(self._ledger_bufs, nbytes, torch.uint8))
-            self._keep_ledger(gid, ledger)
+            ledger = rnd.ledger = self._new_ledger(rnd, weight, codec)
         self._rounds[gid] = rnd
         waiting = self._waiting.pop(gid, None)
         if waiting is not None and not waiting.done():
