@@ -20,8 +20,18 @@ process starts (from source address 127.0.0.2, so a per-IP limit can tell it fro
   victim accepts (64 tried), headed for rounds that never start (the victim's service holds such a
   stream up to its accept wait, unread), and filling each one's flow-control window with junk;
   every stream the victim resets is opened again. What a peer can make another hold in memory.
+* ``tiny``: the same all-reduce streams, but each window sent as 1-byte data frames (hostile mode
+  ``tiny_frames``): each cost the victim a ~300-byte chunk object before frames were coalesced.
+* ``zombie``: the victim runs ``--relay``; ``--rpc-conns`` identities each open 16 relay hop streams
+  that the relay refuses (its handler answers and returns) and fill each one's window without
+  ever ending it (hostile mode ``zombie_streams``), then hold them: a returned handler's stream
+  stayed open, its data queued, and kept the connection busy until the victim's streams were
+  reset after their handler.
+* ``bomb``: ``--rpc-conns`` identities, 4 calls in flight each, of ``find_node`` with a 1 MiB
+  body of empty maps (hostile mode ``msgpack_bomb``: it decoded to ~72 MiB of objects).
 
-Per row: the victim's local samples/s over the attack window (its progress events), the ratio to
+Per row: the victim's local samples/s over the attack window (its progress events from the
+attacker's first report on: the attacker's imports take seconds on a loaded box), the ratio to
 ``none``, how long the swarm took to finish, the victim's RSS (MB, at attack start and the max) and
 open fds (max), and what the attacker got done (connections opened / answered RPCs).
 """
@@ -60,7 +70,7 @@ def _raise_nofile() -> int:
 class _Counts:
     def __init__(self) -> None:
         self.opened = self.closed_by_victim = self.refused = self.rpcs = self.rpc_errors = 0
-        self.streams = self.stream_resets = self.junk_mb = 0
+        self.streams = self.stream_resets = self.junk_mb = self.frames = 0
 
 
 async def _hold(host: str, port: int, counts: _Counts, first: Callable[[], bytes] | None, stop: asyncio.Event) -> None:
@@ -150,6 +160,74 @@ async def _spam(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.
     await _as_fresh_peers(host, port, peer, counts, stop, inflight, loop_calls)
 
 
+async def _tiny_streams(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, per_conn: int) -> None:
+    """Fresh identities, each with ``per_conn`` stream slots: open an all-reduce stream for a
+    made-up group and send its window as 1-byte frames, 4096 at a time; reopen when reset."""
+    from p2ptrain.averaging.allreduce import PROTOCOL
+    from p2ptrain.testbed.hostile.streams import send_tiny
+
+    async def slot(conn) -> None:  # type: ignore[no-untyped-def]
+        while not stop.is_set() and not conn.is_closed:
+            try:
+                stream = await conn.open_stream(PROTOCOL, {"g": os.urandom(16)})
+                counts.streams += 1
+                for _ in range(conn.remote_window // 4096):
+                    await send_tiny(conn, stream, 4096)
+                    counts.frames += 4096
+                await stream.read(timeout=60)
+            except Exception:
+                counts.stream_resets += 1
+                await asyncio.sleep(0.05)
+
+    await _as_fresh_peers(host, port, peer, counts, stop, per_conn, slot)
+
+
+async def _zombies(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, per_conn: int) -> None:
+    """Fresh identities, each with ``per_conn`` slots: open a relay hop stream to a peer with no
+    reservation (refused: the relay's handler answers and returns), fill its window, never end
+    it; hold it while the victim keeps it, else open another."""
+    from dht.identity import Identity
+    from dht.relay import HOP_PROTOCOL
+    from p2ptrain.testbed.hostile.streams import zombie_streams
+
+    async def slot(conn) -> None:  # type: ignore[no-untyped-def]
+        while not stop.is_set() and not conn.is_closed:
+            try:
+                window = conn.remote_window
+                sent = await zombie_streams(conn, HOP_PROTOCOL, {"peer": Identity().peer_id.to_bytes()}, streams=1,
+                                            data=window, piece=1 << 20)
+                counts.streams += 1
+                counts.junk_mb += sent >> 20
+                if sent >= window:  # all of it taken: the victim holds it; so do we
+                    await stop.wait()
+                counts.stream_resets += 1
+                await asyncio.sleep(0.05)
+            except Exception:
+                counts.stream_resets += 1
+                await asyncio.sleep(0.05)
+
+    await _as_fresh_peers(host, port, peer, counts, stop, per_conn, slot)
+
+
+async def _bombs(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, inflight: int) -> None:
+    """Fresh identities, each with ``inflight`` loops calling find_node with a 1 MiB msgpack bomb."""
+    from dht import PeerUnreachable
+    from p2ptrain.testbed.hostile.streams import msgpack_bomb
+
+    async def loop_calls(conn) -> None:  # type: ignore[no-untyped-def]
+        while not stop.is_set() and not conn.is_closed:
+            try:
+                await msgpack_bomb(conn, "find_node", timeout=30)
+                counts.rpcs += 1
+            except PeerUnreachable:  # dropped (a closing socket raises before any await: no retry)
+                counts.rpc_errors += 1
+                return
+            except Exception:
+                counts.rpc_errors += 1
+
+    await _as_fresh_peers(host, port, peer, counts, stop, inflight, loop_calls)
+
+
 async def _fill_streams(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, per_conn: int) -> None:
     """Fresh identities, each with ``per_conn`` stream slots: open an all-reduce stream for a
     made-up group, write a window of junk, wait for the victim's reset, repeat."""
@@ -171,6 +249,10 @@ async def _fill_streams(host: str, port: int, peer: str, counts: _Counts, stop: 
                 await asyncio.sleep(0.05)
 
     await _as_fresh_peers(host, port, peer, counts, stop, per_conn, slot)
+
+
+#: the attacks of issue 27 item 6/9 (hostile modes): mode -> (attack, lanes per connection)
+_STREAM_ATTACKS = {"tiny": (_tiny_streams, 16), "zombie": (_zombies, 16), "bomb": (_bombs, 4)}
 
 
 def _from_attacker(orig: Callable) -> Callable:
@@ -195,6 +277,11 @@ async def _attack(args: argparse.Namespace) -> None:
     elif args.mode == "streams":
         loop.create_connection = _from_attacker(loop.create_connection)  # type: ignore[method-assign]
         tasks = [loop.create_task(_fill_streams(host, int(port), args.peer, counts, stop, 64))
+                 for _ in range(args.rpc_conns)]
+    elif args.mode in _STREAM_ATTACKS:
+        loop.create_connection = _from_attacker(loop.create_connection)  # type: ignore[method-assign]
+        attack, lanes = _STREAM_ATTACKS[args.mode]
+        tasks = [loop.create_task(attack(host, int(port), args.peer, counts, stop, lanes))
                  for _ in range(args.rpc_conns)]
     else:
         first = _msg1_factory() if args.mode == "stall" else None
@@ -221,6 +308,9 @@ def attacker_main(args: argparse.Namespace) -> None:
     if args.mode == "cpu":
         _burn()
         return
+    if args.mode in ("streams", *_STREAM_ATTACKS):  # (imports torch: seconds, not to be spent in the attack)
+        import p2ptrain.averaging.allreduce  # noqa: F401
+        import p2ptrain.testbed.hostile.streams  # noqa: F401
     try:
         import uvloop
 
@@ -267,7 +357,7 @@ def run_row(mode: str, args: argparse.Namespace) -> dict:
               "--compute-delay", str(args.compute_delay)]
     peer = [sys.executable, "-m", "p2ptrain", "peer", *common]
     with Children("flood") as kids:
-        victim = kids.spawn("victim", [*peer, "--data-seed", "0"])
+        victim = kids.spawn("victim", [*peer, "--data-seed", "0", *(["--relay"] if mode == "zombie" else [])])
         _, _, started = kids.wait_for(lambda n, e: n == "victim" and e.get("event") == "started", 90)
         addr = started["multiaddrs"][0]
         parts = addr.split("/")
@@ -280,6 +370,17 @@ def run_row(mode: str, args: argparse.Namespace) -> dict:
             kids.spawn("attacker", [sys.executable, os.path.abspath(__file__), "attack", "--mode", mode,
                                     "--target", target, "--peer", peer_id, "--sockets", str(args.sockets),
                                     "--rpc-conns", str(args.rpc_conns)], stdin=True)
+        early: dict[str, dict] = {}  # peers done before the attack started (none, unless very short)
+
+        def before_attack(name: str, _t: float, ev: dict) -> None:
+            nonlocal first
+            if name == "victim" and ev.get("event") == "progress":
+                first = ev  # the victim's rate is measured from the attack's first report on
+            elif ev.get("event") == "done":
+                early[name] = ev
+
+        if mode not in ("none", "cpu"):  # (the cpu attacker reports nothing)
+            kids.wait_for(lambda n, e: n == "attacker" and e.get("event") == "attack", 60, on_event=before_attack)
         stop = threading.Event()
 
         def sample() -> None:
@@ -291,13 +392,13 @@ def run_row(mode: str, args: argparse.Namespace) -> dict:
         joins: list[tuple[bool, float]] = []
         prober = threading.Thread(target=lambda: asyncio.run(_probe_joins(target, peer_id, stop, joins)), daemon=True)
         prober.start()
-        done: dict[str, dict] = {}
+        done: dict[str, dict] = dict(early)
         deadline = time.monotonic() + args.timeout
         while len(done) < 3:
             name, t, ev = kids.wait_for(lambda n, e: e.get("event") in ("done", "_eof"), max(1.0, deadline - time.monotonic()))
             if ev.get("event") == "done":
                 done[name] = ev
-            elif name != "attacker":
+            elif name != "attacker" and name not in done:  # (a peer done before the victim exits)
                 raise RuntimeError(f"{name} exited early:\n{kids.kids[name].stderr_tail()}")
         stop.set()
         sampler.join()
@@ -313,7 +414,8 @@ def run_row(mode: str, args: argparse.Namespace) -> dict:
             "rounds": v["rounds"], "failed": v["failed_rounds"], "rss0": rss0,
             "rss_max": max((s[0] for s in samples), default=rss0), "fds_max": max((s[1] for s in samples), default=0),
             "opened": last.get("opened", 0), "rpcs": last.get("rpcs", 0), "t_first": t_first,
-            "streams": last.get("streams", 0), "junk_mb": last.get("junk_mb", 0),
+            "streams": last.get("streams", 0), "junk_mb": last.get("junk_mb", 0), "frames": last.get("frames", 0),
+            "rpc_errors": last.get("rpc_errors", 0),
             "joins_ok": sum(ok for ok, _ in joins), "joins": len(joins),
             "join_ms": 1e3 * statistics.median([t for ok, t in joins if ok]) if any(ok for ok, _ in joins) else float("nan")}
 
@@ -322,7 +424,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd")
     a = sub.add_parser("attack", help="(internal) the attacker process")
-    a.add_argument("--mode", required=True, choices=["cpu", "connect", "stall", "rpc", "streams"])
+    a.add_argument("--mode", required=True, choices=["cpu", "connect", "stall", "rpc", "streams", *_STREAM_ATTACKS])
     a.add_argument("--target", required=True, help="host:port")
     a.add_argument("--peer", required=True, help="the victim's PeerID")
     a.add_argument("--sockets", type=int, default=2000)
@@ -355,7 +457,8 @@ def main() -> None:
               f"{r['wall']:5.1f} s  acc {r['acc']:.3f}  rounds {r['rounds']} (failed {r['failed']})  "
               f"RSS {r['rss0']:.0f} -> max {r['rss_max']:.0f} MB  fds max {r['fds_max']}  "
               f"newcomers {r['joins_ok']}/{r['joins']} in {r['join_ms']:.0f} ms  "
-              f"attacker: {r['opened']} conns, {r['rpcs']} rpcs, {r['streams']} streams, {r['junk_mb']} MB sent",
+              f"attacker: {r['opened']} conns, {r['rpcs']} rpcs ({r['rpc_errors']} failed), {r['streams']} streams, "
+              f"{r['junk_mb']} MB + {r['frames']} tiny frames sent",
               flush=True)
 
 

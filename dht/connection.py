@@ -29,8 +29,9 @@ from .errors import (
 )
 from .identity import PeerID
 from .noise import REFUSAL_SIZE, CipherState, SwarmKeyMismatch, XXHandshake
+from .pacing import SMALL_FRAME_COST, RequestPacer
 from .sealer import OrderedSender
-from .stream import Stream
+from .stream import COALESCE_BELOW, Stream
 from .streamtable import StreamHandler, StreamTable
 from .wire import (
     HEADER_SIZE,
@@ -56,6 +57,10 @@ log = logging.getLogger("dht.transport")  # (one logger for the transport layer,
 
 DEFAULT_PROLOGUE = b"p2ptrain/noise/1"
 _HS_LEN = struct.Struct(">H")
+#: why a request or stream open over ``Limits.request_rate`` is refused
+PACED = "busy: more requests than this peer serves per second"
+#: stream data frames shorter than this (header and tag included) are paced (``dht.pacing``)
+SMALL_DATA_FRAME = HEADER_SIZE + COALESCE_BELOW + TAG_SIZE
 
 RequestHandler = Callable[["Connection", Any], Awaitable[Any]]
 __all__ = ["DEFAULT_PROLOGUE", "Connection", "RequestHandler", "StreamHandler"]
@@ -104,8 +109,7 @@ class Connection(asyncio.BufferedProtocol):
         self.opened_at = now
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._tokens = float(host.limits.request_burst)  # request_rate's bucket
-        self._tokens_at = now
+        self._pacer = RequestPacer(host.limits.request_burst, now)  # request_rate's bucket
         self._throttled: asyncio.TimerHandle | None = None
         self.throttled_s = 0.0  # time this peer's socket was left unread for going over the rate
 
@@ -291,6 +295,8 @@ class Connection(asyncio.BufferedProtocol):
             # it would cost us a chunk object and count nothing against the window; no sender of
             # ours writes one
             raise ProtocolError("empty stream data frame")
+        if kind == Kind.STREAM_DATA and len(frame) < SMALL_DATA_FRAME:
+            self._spend_request_token(SMALL_FRAME_COST)  # (taken all the same: paced by not reading on)
         if kind == Kind.STREAM_DATA and ident not in self.streams:
             # Data for a stream we reset or never had (it was in flight when the reset left, or
             # the peer ignores resets): authenticated, then dropped. Decrypted into one reusable
@@ -318,7 +324,7 @@ class Connection(asyncio.BufferedProtocol):
             if self._spend_request_token():
                 self._on_request(ident, view)
             else:  # frames of one read already in hand: refused cheaply, no handler runs
-                self.post(Kind.ERROR, ident, pack("busy: more requests than this peer serves per second"))
+                self.post(Kind.ERROR, ident, pack(PACED))
         elif kind == Kind.RESPONSE or kind == Kind.ERROR:
             fut = self._calls.get(ident)
             if fut is not None and not fut.done():
@@ -332,7 +338,10 @@ class Connection(asyncio.BufferedProtocol):
             if task is not None:
                 task.cancel()
         elif kind == Kind.STREAM_OPEN:
-            self.streams.open_inbound(ident, view)
+            if self._spend_request_token():
+                self.streams.open_inbound(ident, view)
+            else:
+                self.post(Kind.STREAM_RESET, ident, pack(PACED))
         elif kind == Kind.GOAWAY:  # a connection-level frame: its id names no stream
             self.close("peer is going away")
         else:
@@ -377,22 +386,15 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             self._serving.pop(ident, None)
 
-    def _spend_request_token(self) -> bool:
-        """Account one request against ``Limits.request_rate``: False when the bucket is empty.
-        Then the socket is left unread until a token is due, and the requests of the current read
-        that are over the limit get a "busy" error (the caller may retry) instead of a handler."""
-        rate = self.host.limits.request_rate
-        if rate <= 0:
-            return True
-        now = time.monotonic()
-        self._tokens = min(float(self.host.limits.request_burst), self._tokens + (now - self._tokens_at) * rate)
-        self._tokens_at = now
-        allowed = self._tokens >= 1.0
-        if allowed:
-            self._tokens -= 1.0
-        if self._tokens < 1.0 and self._throttled is None and self._transport is not None:
-            # the bucket is empty: read this peer's next request only once it has a token
-            wait = (1.0 - self._tokens) / rate
+    def _spend_request_token(self, cost: float = 1.0) -> bool:
+        """Account one request (or a frame that costs as much, see ``dht.pacing``) against
+        ``Limits.request_rate``: False when the bucket is empty. Then the socket is left unread
+        until a token is due, and the requests of the current read that are over the limit get a
+        "busy" error (the caller may retry) instead of a handler."""
+        limits = self.host.limits
+        allowed, wait = self._pacer.spend(time.monotonic(), limits.request_rate, limits.request_burst, cost)
+        if wait and self._throttled is None and self._transport is not None:
+            # the bucket is empty: read this peer's next frame only once it has a token
             self.throttled_s += wait
             self._transport.pause_reading()
             self._throttled = self.host.loop.call_later(wait, self._unthrottle)
@@ -400,7 +402,14 @@ class Connection(asyncio.BufferedProtocol):
 
     def _unthrottle(self) -> None:
         self._throttled = None
-        if not self._closed and self._transport is not None and not self._transport.is_closing():
+        if self._closed or self._transport is None or self._transport.is_closing():
+            return
+        limits = self.host.limits
+        wait = self._pacer.due(time.monotonic(), limits.request_rate, limits.request_burst)
+        if wait:  # the rest of the read that paused us went into debt: wait that out too
+            self.throttled_s += wait
+            self._throttled = self.host.loop.call_later(wait, self._unthrottle)
+        else:
             self._transport.resume_reading()
 
     # ------------------------------------------------------------------ frames out

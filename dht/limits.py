@@ -22,9 +22,12 @@ class Limits:
     idle_timeout: float = 300.0  # connections with nothing in flight are closed after this
     max_concurrent_requests: int = 64  # per connection; more get a "busy" error
     #: Requests a peer may send on one connection per second, with bursts of ``request_burst``
-    #: (a token bucket; 0 disables). Past it we stop reading that peer's socket until a token is
-    #: due: its requests wait in the kernel's buffers and TCP pushes back on it, instead of every
-    #: one costing us a decrypt, a decode and a handler on the event loop that training shares.
+    #: (a token bucket, ``dht.pacing``; 0 disables). Past it we stop reading that peer's socket
+    #: until a token is due: its requests wait in the kernel's buffers and TCP pushes back on it,
+    #: instead of every one costing us a decrypt, a decode and a handler on the event loop that
+    #: training shares. A stream open spends a token too, a stream data frame under 64 KiB a
+    #: quarter (a flood of 1-byte frames cut the victim's training to 0.3x); a big frame nothing,
+    #: and senders join small writes (``dht.stream_transport``), so bulk data is not paced.
     #: Honest peers send tens to a few hundred per second: about 18 per epoch (matchmaking polls,
     #: progress reports, DHT lookups), measured at up to 146/s per connection in a 4-peer swarm
     #: taking 8 epochs a second; the default leaves such fast small-model swarms a wide margin.
@@ -55,6 +58,7 @@ class Limits:
     #: streams per peer pair. Besides streams: at most ``max_concurrent_requests`` RPC bodies of
     #: 1 MiB each, each decoding to a bounded size (``dht.wire.unpack``: ~20-30 MiB at worst,
     #: against 72 MiB before), held while its handler runs; a stream's header is at most 16 KiB.
+    #: Shared by all peers, on top: the frame buffer pool (``buffer_pool_bytes``).
     max_inbound_streams: int = 16
     max_inbound_stream_memory: int | None = None
     #: A peer whose streams were refused for capacity this many times is disconnected: each

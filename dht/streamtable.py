@@ -1,4 +1,4 @@
-"""The streams of one connection (``StreamTable``): opening ours, admitting the peer's, serving them, routing their frames.
+"""One connection's streams (``StreamTable``): opening ours, admitting the peer's, serving them, routing frames.
 
 Kept apart from ``connection`` so that what a peer's streams may make us hold is enforced in one
 place (the bound itself is stated in ``Limits``): streams the peer opens are capped per connection
@@ -107,7 +107,8 @@ class StreamTable:
             reason = "too many streams"
         elif host.inbound_stream_memory + host.stream_window > host.inbound_stream_cap:
             reason = "busy: too many incoming streams on this host; retry later"
-            host.log_refusal(conn.remote_host, conn.remote_port, f"stream {protocol!r} from {conn.remote_peer}: {reason}")
+            host.log_refusal(conn.remote_host, conn.remote_port,
+                             f"stream {protocol!r} from {conn.remote_peer}: {reason}")
         if reason is not None:
             conn.post(Kind.STREAM_RESET, ident, pack(reason))
             if handler is not None:

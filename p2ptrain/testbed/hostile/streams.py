@@ -26,13 +26,20 @@ STREAM_DATA = 6
 async def tiny_frames(conn: Connection, protocol: str, header: Any = None, *, frames: int, size: int = 1) -> Any:
     """Returns the stream (still open on our side; the victim may have reset it or dropped us)."""
     stream = await conn.open_stream(protocol, header)
+    await send_tiny(conn, stream, frames, size)
+    return stream
+
+
+async def send_tiny(conn: Connection, stream: Any, frames: int, size: int = 1) -> None:
+    """``frames`` data frames of ``size`` bytes on ``stream`` (0: empty frames, sent raw)."""
     piece = b"x" * size
-    for _ in range(frames):
+    for i in range(frames):
         if size == 0:
             conn.send_frame(STREAM_DATA, stream.id, b"")  # type: ignore[arg-type]
         else:
             await stream.write(piece, timeout=10)
-    return stream
+        if i % 1024 == 1023:  # a write that need not wait never yields: let the loop run
+            await asyncio.sleep(0)
 
 
 @mode("zombie_streams", "open `streams` streams, wait until their handler is done, then keep writing `data` bytes "
