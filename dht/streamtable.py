@@ -127,7 +127,7 @@ class StreamTable:
         try:
             await handler(stream)
             stream.write_eof()
-            if not stream.closed:  # the peer has not ended its side: nothing here reads it any more
+            if stream.id in self._streams:  # not ended and read to its end: nobody here reads it now
                 stream.reset(HANDLER_DONE)
         except asyncio.CancelledError:
             stream.reset("cancelled")

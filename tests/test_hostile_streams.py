@@ -178,6 +178,27 @@ async def test_a_returned_handlers_stream_is_reset_and_its_connection_can_idle(m
     assert not vconn.busy  # so the idle timeout can close it
 
 
+async def test_what_a_returned_handler_left_unread_is_dropped(make_host):
+    """The peer sent data and its end, the handler returned without reading them: the stream
+    must not stay in the count holding them (it is ended both ways, yet not drained)."""
+    victim, conn, vconn = await _pair(make_host)
+    go = asyncio.Event()
+
+    async def ignore(stream: Stream) -> None:
+        await go.wait()
+
+    victim.on_stream("ignore", ignore)
+    stream = await conn.open_stream("ignore")
+    await stream.write(bytes(100 * KiB), timeout=5)
+    stream.write_eof()
+    assert await conn.call("echo", 1) == 1  # the data and the end are queued on the victim
+    assert vconn.streams.queued_bytes == 100 * KiB
+    go.set()
+    assert await stream.read(timeout=5) is None  # the handler's end: it has returned
+    assert await conn.call("echo", 2) == 2
+    assert len(vconn.streams) == 0 and vconn.streams.queued_bytes == 0 and not vconn.busy
+
+
 async def test_an_honest_reply_survives_the_handlers_reset(make_host):
     """The reset that follows a returned handler leaves its complete reply readable to the
     opener, which never ended its own side."""
