@@ -12,7 +12,11 @@ test-only ``_corrupt`` hook rewrites the gradients they are about to average:
 * ``scaled``: their real gradient x100;
 * ``sign_flip``: x-100;
 * ``random``: gaussian noise, 100x the norm of their real gradient (per tensor);
-* ``nan``: NaN on the wire (the service's ``_outgoing`` hook: a peer's own ``run`` refuses NaN input).
+* ``nan``: NaN on the wire (the service's ``_outgoing`` hook: a peer's own ``run`` refuses NaN input);
+* ``owner_tamper``: as the owner of a shard, they send everyone its result x-100
+  (``p2ptrain.testbed.hostile.shards``; honest members audit owners under a robust rule);
+* ``bandwidth_inflate``: they declare a bandwidth of 1e14, to own the whole vector, and tamper with
+  their replies as ``owner_tamper`` does (owning shards is worth it only to set them).
 
 Runs: ``clean/mean`` (nobody hostile), then per attack ``<attack>/mean`` and ``<attack>/<rule>`` for
 each ``--rules``. Printed per run: the test accuracy of the honest peers (mean over them; they end
@@ -35,8 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from p2ptrain import DHT, DecentralizedOptimizer  # noqa: E402
 from p2ptrain.tasks.digits import DigitsTask  # noqa: E402
+from p2ptrain.testbed.hostile import MODES  # noqa: E402
 
-ATTACKS = ("scaled", "sign_flip", "random", "nan")
+ATTACKS = ("scaled", "sign_flip", "random", "nan", "owner_tamper", "bandwidth_inflate")
+
+
+def _shard_attack(attack: str, opt: DecentralizedOptimizer) -> None:
+    """Turn ``opt``'s peer into an owner_tamper / bandwidth_inflate attacker."""
+    if attack == "bandwidth_inflate":
+        MODES["bandwidth_inflate"].run(opt.averager.matchmaker)
+    MODES["owner_tamper"].run(opt.averager.service)
 
 
 def corrupter(attack: str, seed: int):
@@ -87,6 +99,8 @@ def run_swarm(*, peers: int, hostile: int, attack: str | None, aggregation: str,
             if i < hostile and attack is not None:
                 if attack == "nan":
                     opt.averager.service._outgoing = _nan_wire  # type: ignore[method-assign]
+                elif attack in ("owner_tamper", "bandwidth_inflate"):
+                    _shard_attack(attack, opt)
                 else:
                     opt._corrupt = corrupter(attack, seed=1000 + i)
         for o in opts:
