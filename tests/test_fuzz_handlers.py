@@ -227,12 +227,14 @@ def _stream_strategies(target: Target) -> dict[str, st.SearchStrategy]:
         "p2ptrain.state.manifest/1": ANY | mutated(state, idents),
         "p2ptrain.state.chunks/1": ANY | mutated(chunks, counts) | mutated(chunks, idents),
         "p2ptrain/allreduce/1": ANY | mutated(allreduce),
+        "p2ptrain/allreduce-audit/1": ANY | mutated({"g": os.urandom(16), "q": [["s", 0, 0, 0, 1], ["r", 0, 1, 3, 16]]}),
     }
 
 
 #: every handler a peer registers, and how it is fuzzed (the keys are checked against the host)
 RPC_METHODS = {"ping", "find_node", "find_value", "store", "p2ptrain.mm.join", "p2ptrain.state.manifest"}
-STREAM_PROTOCOLS = {"p2ptrain.state.manifest/1", "p2ptrain.state.chunks/1", "p2ptrain/allreduce/1"}
+STREAM_PROTOCOLS = {"p2ptrain.state.manifest/1", "p2ptrain.state.chunks/1", "p2ptrain/allreduce/1",
+                    "p2ptrain/allreduce-audit/1"}
 
 
 def test_every_registered_handler_is_fuzzed(target):
