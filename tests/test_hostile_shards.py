@@ -192,3 +192,47 @@ async def test_an_inflated_weight_under_mean_counts_as_eight_median_peers(nodes)
             torch.testing.assert_close(t, torch.full((1000,), want), atol=1e-4, rtol=0)
     finally:
         await asyncio.gather(*(a.close() for a in avgs))
+
+
+@pytest.mark.timeout(60)
+async def test_audit_requests_out_of_protocol_are_refused_and_good_ones_answered(swarm):
+    """After a robust round, member 1 asks member 0 (which holds the round's ledger) for parts: a
+    malformed request is reset, an item it does not hold is answered "not held", a stranger and a
+    member past its stream allowance are refused; the service stays up for the next round."""
+    from dht.stream import StreamReset
+    from p2ptrain.averaging.audit import AUDIT_PROTOCOL
+
+    async with asyncio.timeout(40):
+        group, hosts, services = await swarm.group(3, config=CFG)
+        xs, ws = data(3, 3000, seed=4)
+        await run_all(group, services, [x.clone() for x in xs], ws, "none", aggregation="median")
+        owner0 = partition(3000, group.members)[0]
+
+        async def ask(host, q, gid=group.group_id) -> bytes:
+            conn = await host.connect("127.0.0.1", hosts[0].listen_port, hosts[0].peer_id)
+            stream = await conn.open_stream(AUDIT_PROTOCOL, {"g": gid, "q": q})
+            stream.write_eof()
+            return bytes(await stream.read_all(1 << 22, timeout=5))
+
+        # a good item: rank 1's row of chunk 0 of member 0's shard, every 16th value from 3
+        got = await ask(hosts[1], [["r", 0, 1, 3, 16]])
+        n = len(range(3, min(CFG.chunk_numel, owner0[1] - owner0[0]), 16))
+        assert len(got) > 4 * n and torch.equal(torch.frombuffer(bytearray(got[-4 * n:]), dtype=torch.float32),
+                                                xs[1][owner0[0] : owner0[0] + CFG.chunk_numel][3::16])
+        assert b"not held" in await ask(hosts[1], [["s", 1, 99, 0, 1]])
+        services[0].audit.max_streams = 10
+        for bad in ("q", [["s", 0, 0, 0, 0]], [["x", 0, 0, 0, 1]], [["s", True, 0, 0, 1]], [["s", -1, 0, 0, 1]]):
+            with pytest.raises(StreamReset, match="malformed audit request"):
+                await ask(hosts[2], bad)
+        services[0].audit.max_streams = 6  # (its own audit in the round took one: 6 so far)
+        with pytest.raises(StreamReset, match="too many audit streams"):
+            await ask(hosts[2], [["s", 1, 0, 0, 1]])
+        with pytest.raises(StreamReset, match="no audited round"):
+            await ask(hosts[1], [["s", 1, 0, 0, 1]], gid=b"\x00" * 16)
+        stranger = await swarm.host()
+        with pytest.raises(StreamReset, match="not a member"):
+            await ask(stranger, [["s", 1, 0, 0, 1]])
+        flats = [x.clone() for x in xs]
+        nxt = type(group)(b"next round" + bytes(6), group.members)
+        results = await run_all(nxt, services, flats, ws, "none", aggregation="median")
+        assert all(r.ok and not r.failed for r in results)
