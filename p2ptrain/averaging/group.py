@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 #: the largest share of the vector a member owns, in multiples of the median member's (see above)
 MAX_BANDWIDTH_RATIO = 2.0
-#: under ``mean``, the most samples one sender counts for, in multiples of the group's median
-#: declared weight: a real gap (a GPU beside CPUs) fits, a claim of 1e12 does not (issue 27)
+#: the most samples one member counts for, in multiples of the group's median declared weight
+#: (what matters under ``mean``: a robust rule caps at the median): a GPU beside CPUs fits, 1e12 not
 MAX_WEIGHT_RATIO = 8.0
 
 from dht import PeerID
@@ -124,7 +124,7 @@ def partition(numel: int, members: tuple[Member, ...] | list[Member], align: int
 
 
 def weight_cap(members: tuple[Member, ...] | list[Member], own: float) -> float:
-    """The most samples one sender of this group counts for under ``mean``: ``MAX_WEIGHT_RATIO``
+    """The most samples one member of this group counts for: ``MAX_WEIGHT_RATIO``
     times the median of the weights the members declared in matchmaking (signed, and checked by
     every member against the DHT), or of ``own`` where nobody declared one (a group built by hand)."""
     declared = [m.weight for m in members if m.weight is not None]
