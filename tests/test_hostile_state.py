@@ -168,6 +168,8 @@ def test_a_fetched_state_must_carry_the_epoch_asked_for_and_under_a_robust_rule_
     with pytest.raises(StateTransferError, match="1 of the 2 peers"):
         vet(_fetched(9, (1, 2)), providers, 9, strict=True)
     vet(_fetched(9, (1, 2)), providers, 9, strict=False)  # mean: the plurality, as before
+    # providers snapshot when asked: past what they published, as far as a fresh read believes
+    vet(_fetched(12, (2, 2)), providers, 9, strict=True, claimed=13)
     # a robust rule downloads from an epoch two peers serve, not from a lone peer ahead of them
     lone = [_report(a, 12), _report(b, 9), _report(Identity().peer_id, 9)]
     assert {p.epoch for p in StateSync.choose(lone, quorum=True)} == {9}

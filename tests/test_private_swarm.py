@@ -458,7 +458,7 @@ def test_swarm_command_gives_every_child_the_key(tmp_path, monkeypatch):
     launched: list[list[str]] = []
 
     class FakeChild:
-        def __init__(self, index, argv, events):
+        def __init__(self, index, argv, events, log=None):
             self.index = index
             launched.append(argv)
             self.proc = SimpleNamespace(wait=lambda *a, **k: 0, poll=lambda: 0, returncode=0)

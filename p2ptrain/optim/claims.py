@@ -4,9 +4,11 @@ A peer that claims an epoch far ahead would make every honest peer think it fell
 that peer's state, so a claim is believed only with evidence (sans-IO: reports in, verdicts out):
 
 * **quorum**: the *quorum epoch* is the highest epoch that a strict majority of the distinct peers
-  we hear from are at or past (us included once we hold state of our own: a fresh joiner at epoch 0
-  has no say). A claim at most ``slack`` epochs past it is believed (peers finishing a round are
-  one epoch apart);
+  we hear from (reports younger than ``live_window``: a dead peer's record lingers) are at or past
+  (us included once we hold state of our own: a fresh joiner at epoch 0 has no say). A claim is
+  believed up to ``slack`` epochs past it, plus what the swarm trains in ``live_window`` at the
+  median peer's samples/s (reports lag their peers by up to a refresh, and fast epochs spread them
+  apart; a minority cannot move the median);
 * **rate** (``mean`` only): a claim further ahead is still believed when the peer got there from an
   epoch the quorum believed, no faster than the swarm's throughput allows: ``rate_factor`` times
   (our measured samples/s x the peers we hear from) / samples per epoch. It lets a small swarm whose
@@ -36,8 +38,10 @@ class _Anchor:
 class EpochJudge:
     """Verdicts on the epochs peers claim; keep one per optimizer (it remembers what it believed)."""
 
-    def __init__(self, *, strict: bool, slack: int = 1, rate_factor: float = 8.0, max_peers: int = 10_000):
+    def __init__(self, *, strict: bool, slack: int = 1, rate_factor: float = 8.0, live_window: float = 3.0,
+                 max_peers: int = 10_000):
         self.strict = strict
+        self.live_window = live_window
         self.slack = slack
         self.rate_factor = rate_factor
         self.max_peers = max_peers
@@ -56,11 +60,14 @@ class EpochJudge:
         for r in reports:
             if r.peer != me.peer and (r.peer not in latest or r.time > latest[r.peer].time):
                 latest[r.peer] = r
-        if not latest:
+        live = [r for r in latest.values() if now - r.time <= self.live_window]
+        if not live:
             return {}
-        epochs = [r.epoch for r in latest.values()] + ([me.epoch] if counts_me else [])
+        epochs = [r.epoch for r in live] + ([me.epoch] if counts_me else [])
         quorum = self.quorum_epoch(epochs)
-        limit = quorum + self.slack
+        speeds = sorted(r.sps for r in live)
+        lag = self.live_window * speeds[len(speeds) // 2] * len(epochs) / max(1, samples_per_epoch)
+        limit = quorum + self.slack + int(lag)
         # epochs per second the swarm could train: our own measured throughput as the yardstick
         rate = self.rate_factor * max(my_sps, 0.0) * len(epochs) / max(1, samples_per_epoch)
         refused: dict[PeerID, str] = {}

@@ -252,7 +252,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             allreduce_config=AllReduceConfig(timeout=averaging_timeout),
         )
         # epoch claims are believed on evidence only (a quorum; under mean also a plausible rate)
-        self._judge = EpochJudge(strict=self.aggregation != "mean")
+        self._judge = EpochJudge(strict=self.aggregation != "mean", live_window=max(3.0, 4 * refresh_period))
         self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.hash,
                                        self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
                                        refresh=refresh_period, judge=self._judge_claims, on_refused=self._refused)
@@ -799,6 +799,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             return {}
         return {"params" if self.mode == "sync" else "outer": ours}
 
+    async def _newest(self) -> int:
+        """(on the loop) The newest epoch a fresh read of the swarm's progress shows, as believed
+        (see ``claims``), plus the one a provider may have reached since it published."""
+        return (await self.tracker.refresh_now(timeout=_FRESH_LOOK)).epoch + 1
+
     def _fetch_state(self, view: SwarmView, at_least: int | None = None, attempts: int = 3,
                      into: dict[str, list[torch.Tensor]] | None = None) -> Any:
         """Download the state from the most advanced peers of ``view``; if none of them can give
@@ -828,7 +833,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             try:
                 return self._loop.run(self.state_sync.fetch(providers, max(1.0, deadline - time.monotonic()),
                                                             into=into, at_least=at_least, strict=strict,
-                                                            max_total=self._state_cap))
+                                                            max_total=self._state_cap, newest=self._newest))
             except StateTransferError as e:
                 self.tracker.ignore([p.peer for p in providers])
                 attempt += 1

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -149,11 +149,14 @@ class StateSync:
 
     async def fetch(self, providers: list[PeerReport], timeout: float,
                     into: dict[str, list[torch.Tensor]] | None = None, *, at_least: int = 0,
-                    strict: bool = False, max_total: int | None = None) -> FetchResult:
+                    strict: bool = False, max_total: int | None = None,
+                    newest: Callable[[], Awaitable[int]] | None = None) -> FetchResult:
         """Download the state most of ``providers`` hold, from all of them at once.
 
         Its epoch label is a claim too: it must lie between ``at_least`` and the epoch the
-        providers report (already judged, see ``claims``), and with ``strict`` a strict majority of
+        providers report (already judged, see ``claims``; providers snapshot when asked, so a
+        label past that is checked against ``newest()``, the newest epoch believed now), and with
+        ``strict`` a strict majority of
         two or more providers must name its manifest. Else StateTransferError, naming them.
         ``max_total``: the most bytes a state of ours can take; a larger manifest is refused
         before anything is allocated (default: the transfer's own ceiling).
@@ -181,16 +184,22 @@ class StateSync:
         extra = {} if max_total is None else {"max_total": max_total}
         result = await fetch_state(self.host, self.key, wire, timeout=timeout, rpc_timeout=min(timeout, 30.0),
                                    place=place if into else None, **extra)
-        vet(result, providers, at_least, strict)
+        claimed = max(p.epoch for p in providers)
+        if newest is not None and result.manifest.meta.get("epoch", 0) > claimed:
+            claimed = max(claimed, await newest())
+        vet(result, providers, at_least, strict, claimed)
         log.info("loaded the swarm's state (epoch %s, %.1f MB) from %d peers in %.2f s",
                  result.manifest.meta.get("epoch"), result.manifest.total_size / 1e6, len(result.contributors),
                  result.seconds)
         return result
 
 
-def vet(result: FetchResult, providers: list[PeerReport], at_least: int, strict: bool) -> None:
-    """StateTransferError unless the state fetched from ``providers`` is one to believe (see ``fetch``)."""
-    epoch, claimed = result.manifest.meta.get("epoch"), max(p.epoch for p in providers)
+def vet(result: FetchResult, providers: list[PeerReport], at_least: int, strict: bool,
+        claimed: int | None = None) -> None:
+    """StateTransferError unless the state fetched from ``providers`` is one to believe (see
+    ``fetch``): labelled from ``at_least`` to ``claimed`` (default: what the providers report)."""
+    epoch = result.manifest.meta.get("epoch")
+    claimed = max(p.epoch for p in providers) if claimed is None else claimed
     who = ", ".join(p.peer.short() for p in providers[:4])
     if type(epoch) is not int or not at_least <= epoch <= claimed:
         raise StateTransferError(f"the state from {who} is labelled epoch {epoch!r:.20}, not one between {at_least} "
