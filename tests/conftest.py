@@ -47,6 +47,23 @@ def child_pids() -> Callable[[], set[int]]:
 
 
 @pytest.fixture
+def dhts():
+    """``dhts()``: a new ``p2ptrain.DHT`` on loopback, joined through the first one made; all
+    closed at the end (newest first)."""
+    from p2ptrain import DHT
+
+    made: list[DHT] = []
+
+    def new() -> DHT:
+        made.append(DHT([str(made[0].multiaddrs[0])] if made else []))
+        return made[-1]
+
+    yield new
+    for node in reversed(made):
+        node.close()
+
+
+@pytest.fixture
 async def loop_errors():
     """Collect what the event loop reports (e.g. "Task exception was never retrieved"); the test
     fails if anything was: a swallowed error in a background task is a bug, not noise."""
