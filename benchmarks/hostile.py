@@ -15,6 +15,8 @@ test-only ``_corrupt`` hook rewrites the gradients they are about to average:
 * ``nan``: NaN on the wire (the service's ``_outgoing`` hook: a peer's own ``run`` refuses NaN input);
 * ``owner_tamper``: as the owner of a shard, they send everyone its result x-100
   (``p2ptrain.testbed.hostile.shards``; honest members audit owners under a robust rule);
+* ``epoch_claim``: they report epoch 1e9 and serve, under it, a state with lr 1000 and parameters
+  x1000 (``p2ptrain.testbed.hostile.state``), then only serve; a peer that believed them would load it;
 * ``bandwidth_inflate``: they declare a bandwidth of 1e14, to own the whole vector, and tamper with
   their replies as ``owner_tamper`` does (owning shards is worth it only to set them).
 
@@ -41,7 +43,7 @@ from p2ptrain import DHT, DecentralizedOptimizer  # noqa: E402
 from p2ptrain.tasks.digits import DigitsTask  # noqa: E402
 from p2ptrain.testbed.hostile import MODES  # noqa: E402
 
-ATTACKS = ("scaled", "sign_flip", "random", "nan", "owner_tamper", "bandwidth_inflate")
+ATTACKS = ("scaled", "sign_flip", "random", "nan", "owner_tamper", "bandwidth_inflate", "epoch_claim")
 
 
 def _shard_attack(attack: str, opt: DecentralizedOptimizer) -> None:
@@ -101,10 +103,13 @@ def run_swarm(*, peers: int, hostile: int, attack: str | None, aggregation: str,
                     opt.averager.service._outgoing = _nan_wire  # type: ignore[method-assign]
                 elif attack in ("owner_tamper", "bandwidth_inflate"):
                     _shard_attack(attack, opt)
-                else:
+                elif attack != "epoch_claim":  # (claimed once every peer is up, below)
                     opt._corrupt = corrupter(attack, seed=1000 + i)
         for o in opts:
             o.wait_for_peers(peers, timeout=30)
+        claimants = set(range(hostile)) if attack == "epoch_claim" else set()
+        for i in claimants:  # epoch 1e9, lr 1000, parameters x1000, served to whoever believes it
+            MODES["epoch_claim"].run(opts[i], 10**9)
         errors: list[BaseException] = []
         deadline = time.monotonic() + timeout
 
@@ -112,7 +117,7 @@ def run_swarm(*, peers: int, hostile: int, attack: str | None, aggregation: str,
             try:
                 it = task.batches(batch_size, seed=7, rank=i, world=peers)
                 opt, model = opts[i], models[i]
-                while opt.epoch < epochs and time.monotonic() < deadline:
+                while opt.epoch < epochs and time.monotonic() < deadline and i not in claimants:
                     task.loss(model, next(it)).backward()
                     opt.step()
                     opt.zero_grad()
