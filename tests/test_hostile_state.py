@@ -122,6 +122,11 @@ def test_the_judge_believes_a_majority_and_a_plausible_pace_not_a_jump():
     verdict = judge.judge([_report(a, 7), _report(b, 8), _report(liar, 10**9)], _report(me, 7), counts_me=True,
                           now=100.0, my_sps=100.0, samples_per_epoch=1000)
     assert set(verdict) == {liar} and "claims epoch 1000000000" in verdict[liar]
+    # a claimed speed does not buy a lead: with one honest peer, the slower of the two speeds counts
+    fast = EpochJudge(strict=True)
+    fast_liar = PeerReport(liar, 10**6, 0, 1e11, 100.0, "s", addr=("127.0.0.1", 1))
+    assert set(fast.judge([_report(a, 7), fast_liar], _report(me, 7), counts_me=True, now=100.0, my_sps=100.0,
+                          samples_per_epoch=1000)) == {liar}
     # a fresh joiner (no say) with one honest peer and one liar: neither is a majority of two
     fresh = EpochJudge(strict=False)
     assert set(fresh.judge([_report(a, 7), _report(liar, 10**9)], _report(me, 0), counts_me=False, now=100.0,

@@ -65,8 +65,8 @@ class EpochJudge:
             return {}
         epochs = [r.epoch for r in live] + ([me.epoch] if counts_me else [])
         quorum = self.quorum_epoch(epochs)
-        speeds = sorted(r.sps for r in live)
-        lag = self.live_window * speeds[len(speeds) // 2] * len(epochs) / max(1, samples_per_epoch)
+        speeds = sorted(r.sps for r in live)  # (the lower median: with two peers, the slower one's)
+        lag = self.live_window * speeds[(len(speeds) - 1) // 2] * len(epochs) / max(1, samples_per_epoch)
         limit = quorum + self.slack + int(lag)
         # epochs per second the swarm could train: our own measured throughput as the yardstick
         rate = self.rate_factor * max(my_sps, 0.0) * len(epochs) / max(1, samples_per_epoch)
@@ -84,8 +84,3 @@ class EpochJudge:
                              f"{quorum} or before" + ("" if self.strict or anchor is None else
                                                       f" and it was at {anchor.epoch} {now - anchor.time:.0f} s ago"))
         return refused
-
-    def forget(self, peers: Iterable[PeerID]) -> None:
-        """Drop what we believed of ``peers`` (they left)."""
-        for p in peers:
-            self._anchors.pop(p, None)
