@@ -400,7 +400,7 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
         return fresh
 
     fake = types.SimpleNamespace(
-        _applied=0, load_state_timeout=10.0, matchmaking_timeout=1.0, aggregation="mean", _state_cap=1 << 30, _newest=None,
+        _applied=0, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, _newest=None,
         state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
         tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend,
                                       refresh_now=refresh_now),
@@ -594,7 +594,7 @@ def test_state_is_never_loaded_from_peers_behind_us():
         return "state"
 
     fake = types.SimpleNamespace(
-        _applied=5, load_state_timeout=10.0, matchmaking_timeout=1.0, aggregation="mean", _state_cap=1 << 30, _newest=None,
+        _applied=5, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, _newest=None,
         state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
         tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me)),
         _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),

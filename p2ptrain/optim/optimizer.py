@@ -252,7 +252,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             allreduce_config=AllReduceConfig(timeout=averaging_timeout),
         )
         # epoch claims are believed on evidence only (a quorum; under mean also a plausible rate)
-        self._judge = EpochJudge(strict=self.aggregation != "mean", live_window=max(3.0, 4 * refresh_period))
+        self._strict = self.aggregation != "mean"  # a robust rule: what a minority claims steers nothing
+        self._judge = EpochJudge(strict=self._strict, live_window=max(3.0, 4 * refresh_period))
         self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.hash,
                                        self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
                                        refresh=refresh_period, judge=self._judge_claims, on_refused=self._refused)
@@ -818,7 +819,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         at_least = self._applied if at_least is None else at_least
         deadline = time.monotonic() + self.load_state_timeout
         patience = time.monotonic() + self.matchmaking_timeout
-        strict = self.aggregation != "mean"
+        strict = self._strict
         attempt = 0
         while True:
             me = self.tracker.me.peer
@@ -1014,11 +1015,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def _refused(self, refused: dict[PeerID, str]) -> None:
         """(on the loop) Name the peers whose epoch claim we refused: once in the log, in ``stats.excluded``."""
         for peer, why in refused.items():
-            name = str(peer)
-            if self.stats.excluded.get(name) is None and len(self.stats.excluded) < 64:
+            if self._exclude(str(peer), f"epoch claim refused: it {why}"):
                 log.warning("not believing peer %s: it %s; it is left out until it says otherwise", peer.short(), why)
-            if name in self.stats.excluded or len(self.stats.excluded) < 64:
-                self.stats.excluded[name] = f"epoch claim refused: it {why}"
+
+    def _exclude(self, peer: str, why: str) -> bool:
+        """Record why ``peer`` was left out in ``stats.excluded`` (at most 64 peers kept); whether
+        it was not there yet."""
+        new = peer not in self.stats.excluded
+        if not new or len(self.stats.excluded) < 64:
+            self.stats.excluded[peer] = why
+        return new and peer in self.stats.excluded
 
     def _observe(self, view: SwarmView) -> None:
         training = view.training  # (not only those at our epoch: right after a round, others still report the last)
@@ -1042,8 +1048,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self.stats.failed_rounds += 1
         for rank, why in result.failed.items():
             peer = str(result.members[rank]) if rank < len(result.members) else f"rank {rank}"
-            if peer in self.stats.excluded or len(self.stats.excluded) < 64:
-                self.stats.excluded[peer] = why
+            self._exclude(peer, why)
             log.warning("epoch %d: peer %s excluded from the round: %s", self.epoch, peer, why)
         log.debug("epoch %d: averaged with %d peers in %.3f s (matchmaking %.3f s, %d peers seen)", self.epoch,
                   result.group_size, result.total_s, result.matchmaking_s, self.stats.peers)
