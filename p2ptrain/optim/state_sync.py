@@ -184,8 +184,8 @@ class StateSync:
         extra = {} if max_total is None else {"max_total": max_total}
         result = await fetch_state(self.host, self.key, wire, timeout=timeout, rpc_timeout=min(timeout, 30.0),
                                    place=place if into else None, **extra)
-        claimed = max(p.epoch for p in providers)
-        if newest is not None and result.manifest.meta.get("epoch", 0) > claimed:
+        claimed, label = max(p.epoch for p in providers), result.manifest.meta.get("epoch")
+        if newest is not None and type(label) is int and label > claimed:  # (vet refuses a label of another type)
             claimed = max(claimed, await newest())
         vet(result, providers, at_least, strict, claimed)
         log.info("loaded the swarm's state (epoch %s, %.1f MB) from %d peers in %.2f s",
