@@ -206,21 +206,22 @@ class Gated(StateServer):
 
 async def test_fetch_from_several_providers_bit_exact_and_resumes_nothing_twice(peers):
     async with asyncio.timeout(30):
-        a, b, me = await peers(3)
+        a, b, c, me = await peers(4)
         info = a.save(0, epoch=4)
-        assert b.save(0, epoch=4).manifest_id == info.manifest_id  # the same state, saved by another peer
-        for p in (a, b):
+        for p in (b, c):  # the same state, saved by the epoch's other writers
+            assert p.save(0, epoch=4).manifest_id == info.manifest_id
+        for p in (a, b, c):
             await p.serve()
             await announce(p.node, p.store, info)
         seen: list[tuple[int, int]] = []
         got = await fetch_checkpoint(me.node, me.store, run_id=RUN, progress=lambda d, t: seen.append((d, t)))
-        assert got.manifest_id == info.manifest_id and got.record == b.store.latest(RUN).record
+        assert got.manifest_id == info.manifest_id and got.record == c.store.latest(RUN).record
         m, buf = me.store.load(got.manifest_id)
         assert_state_equal(restore(m, buf), make_state(0))
         assert seen[-1] == (m.total_size, m.total_size) and len(seen) > m.num_chunks // 2
-        # both providers served (their records name different writers; the newest one was kept)
+        # every provider served (their records name different writers; the newest one was kept)
         provs = await find_providers(me.node, RUN, info.manifest_id)
-        assert {p.peer for p in provs} == {a.node.peer_id, b.node.peer_id}
+        assert {p.peer for p in provs} == {a.node.peer_id, b.node.peer_id, c.node.peer_id}
         # fetching what the store holds is free: no provider is asked
         assert (await fetch_checkpoint(me.node, me.store, run_id=RUN, manifest_id=info.manifest_id)) == got
 
@@ -509,18 +510,19 @@ async def test_saved_in_one_process_fetched_by_another_bit_exact(tmp_path, child
     try:
         p1, hello1 = await asyncio.to_thread(_spawn, tmp_path / "a", 7, 9)
         procs.append(p1)
-        p2, hello2 = await asyncio.to_thread(_spawn, tmp_path / "b", 7, 9, hello1["addr"])  # the same state
-        procs.append(p2)
-        assert hello1["manifest"] == hello2["manifest"]
+        for name in ("b", "c"):  # the same state, saved by the epoch's other writers (a quorum of three)
+            proc, hello = await asyncio.to_thread(_spawn, tmp_path / name, 7, 9, hello1["addr"])
+            procs.append(proc)
+            assert hello["manifest"] == hello1["manifest"]
         async with asyncio.timeout(60):
             await node.start([hello1["addr"]])
             store = CheckpointStore(tmp_path / "me")
             record = await find_latest(node, RUN)
             assert record is not None and record.epoch == 9 and record.manifest_id.hex() == hello1["manifest"]
             providers = await find_providers(node, RUN, record.manifest_id)
-            assert len(providers) == 2
+            assert len(providers) == 3
             result = await download_checkpoint(node, store, record, providers)
-            assert set(result.contributors) == {p.peer for p in providers}  # both processes served
+            assert set(result.contributors) == {p.peer for p in providers}  # every process served
             m, buf = store.load(record.manifest_id)
             assert m.meta == {"epoch": 9}
             assert_state_equal(restore(m, buf), make_state(7))

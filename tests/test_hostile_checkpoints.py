@@ -1,5 +1,5 @@
-"""Hostile checkpoint peers (issue 27, items 2 and 9): a lone self-signed "latest" claim and a
-manifest far larger than the fetcher expects.
+"""Hostile checkpoint peers (issue 27, items 2 and 9): a "latest" claim signed by one or two
+colluding identities, and a manifest far larger than the fetcher expects.
 
 Each attack comes from ``p2ptrain.testbed.hostile.checkpoints`` and is met where a user meets it:
 ``find_latest``/``fetch_checkpoint``, a ``DecentralizedOptimizer`` resuming from the swarm's
@@ -94,55 +94,66 @@ async def serve(swarm, peer: Peer) -> CheckpointService:
 # ---------------------------------------------------------------------------- the latest claim
 
 
-async def test_a_lone_self_signed_claim_at_epoch_2_63_is_not_the_runs_latest(swarm, caplog):
-    """Two writers saved epoch 6 (the same state, as the swarm's two writers do); a fresh identity
-    claims epoch 2**63-1 for a manifest of its own. Before: find_latest and every fetch of
-    "latest" went to the attacker's manifest. Now the writers' agreement wins and the claimant
-    is named in the log."""
-    caplog.set_level(logging.WARNING, logger="p2ptrain.checkpoint")
-    async with asyncio.timeout(30):
-        h1, h2, evil, me = await swarm(4)
-        for h in (h1, h2):
-            honest = await h.write(0, epoch=6)
-            await serve(swarm, h)
+async def _honest_and_colluders(swarm, epoch: int) -> tuple[list[Peer], list[Peer], Peer, object]:
+    """Three writers saved ``epoch`` (the same state, as an epoch's three writers do) and serve it;
+    two colluding identities sign and serve one manifest of their own as epoch 2**63-1. Returns
+    (writers, colluders, a bystander, the writers' checkpoint)."""
+    *writers, evil1, evil2, me = await swarm(6)
+    for h in writers:
+        honest = await h.write(0, epoch=epoch)
+        await serve(swarm, h)
+    for evil in (evil1, evil2):  # the same state and meta: one manifest, signed twice
         attack = await MODES["latest_claim"].run(evil.node, evil.store, RUN, state(666))
         swarm.closers.append(attack.close)
+    return writers, [evil1, evil2], me, honest
+
+
+async def test_two_colluding_identities_claiming_epoch_2_63_are_not_the_runs_latest(swarm, caplog):
+    """Before: find_latest and every fetch of "latest" went to the highest epoch any one writer
+    signed (then: to any two that agreed, which two identities of one party do). Now the three
+    writers' agreement wins and the colluders are named in the log, once."""
+    caplog.set_level(logging.WARNING, logger="p2ptrain.checkpoint")
+    async with asyncio.timeout(30):
+        writers, colluders, me, honest = await _honest_and_colluders(swarm, epoch=6)
+        h1 = writers[0]
 
         found = await find_latest(me.node, RUN)
         assert found is not None and found.epoch == 6 and found.manifest_id == honest.manifest_id
         verdict = await latest_verdict(me.node, RUN)
-        assert verdict.basis == "agreed by 2 writers"
-        assert [c.writers for c in verdict.refused] == [frozenset({evil.node.peer_id})]
+        assert verdict.basis == "agreed by 3 writers"
+        assert [c.writers for c in verdict.refused] == [frozenset(e.node.peer_id for e in colluders)]
         assert verdict.refused[0].record.epoch == MAX_EPOCH
-        named = [r.getMessage() for r in caplog.records if str(evil.node.peer_id) in r.getMessage()]
+        named = [r.getMessage() for r in caplog.records if str(colluders[1].node.peer_id) in r.getMessage()]
         assert len(named) == 1 and "is not the run's latest" in named[0], named  # once, however often read
 
         got = await fetch_checkpoint(me.node, me.store, run_id=RUN, timeout=20)
         assert got.manifest_id == honest.manifest_id and got.epoch == 6
-        # the evidence is kept: both writers' records, so `ckpt ls` shows it confirmed
-        assert {i.writer for i in me.store.infos(honest.manifest_id)} == {h1.node.peer_id, h2.node.peer_id}
+        # the evidence is kept: every writer's record, so `ckpt ls` shows it confirmed
+        assert {i.writer for i in me.store.infos(honest.manifest_id)} == {h.node.peer_id for h in writers}
 
         # a trusted writer's one record suffices (and the attacker's stays refused)
         alone = await h1.write(1, epoch=8)
         assert await find_latest(me.node, RUN) == found
         assert await find_latest(me.node, RUN, trusted={h1.node.peer_id}) == alone.record
         # our own record is evidence for us: the attacker believes its claim, nobody else does
-        assert (await find_latest(evil.node, RUN)).epoch == MAX_EPOCH
+        assert (await find_latest(colluders[0].node, RUN)).epoch == MAX_EPOCH
 
 
 async def test_writers_whose_newest_saves_differ_still_agree_on_an_older_one(swarm):
-    """One of an epoch's two writers skipped its save (the previous one was still being written):
-    the newest epoch then has one record, and the run's latest is the one before, which both
-    writers still list in their entries (each entry holds a writer's few newest records)."""
+    """Some of an epoch's writers skipped their save (the previous one was still being written):
+    the newest epochs then have too few records, and the run's latest is the one before, which
+    every writer still lists in its entry (each entry holds a writer's few newest records)."""
     async with asyncio.timeout(30):
-        h1, h2, me = await swarm(3)
-        both = await h1.write(0, epoch=4)
+        h1, h2, h3, me = await swarm(4)
+        agreed = await h1.write(0, epoch=4)
         await h2.write(0, epoch=4)
+        await h3.write(0, epoch=4)
         await h1.write(1, epoch=6)
-        await h1.write(2, epoch=8)  # h1's entry: 8, 6, 4; h2's: 4
+        await h3.write(1, epoch=6)  # two of three: not enough
+        await h1.write(2, epoch=8)  # h1's entry: 8, 6, 4; h2's: 4; h3's: 6, 4
         verdict = await latest_verdict(me.node, RUN)
-        assert verdict.chosen is not None and verdict.chosen.record.manifest_id == both.manifest_id
-        assert verdict.chosen.writers == {h1.node.peer_id, h2.node.peer_id}
+        assert verdict.chosen is not None and verdict.chosen.record.manifest_id == agreed.manifest_id
+        assert verdict.chosen.writers == {h1.node.peer_id, h2.node.peer_id, h3.node.peer_id}
         assert [c.record.epoch for c in verdict.refused] == [8, 6]
 
 
@@ -168,20 +179,20 @@ def test_one_identity_signing_a_claim_twice_is_one_writer():
     from dht import Identity
     from p2ptrain.checkpoint.trust import decide, parse_writers
 
-    evil, a, b = Identity(), Identity(), Identity()
+    evil, evil2, a, b, c = Identity(), Identity(), Identity(), Identity(), Identity()
 
     def rec(who, epoch, mid, created=1.0):
         return CheckpointRecord.sign(who, run_id=RUN, epoch=epoch, manifest_id=mid, size=10, created=created)
 
-    honest = [rec(a, 4, b"\x01" * 32), rec(b, 4, b"\x01" * 32)]
+    honest = [rec(w, 4, b"\x01" * 32) for w in (a, b, c)]
     spam = [rec(evil, MAX_EPOCH, b"\x02" * 32, created=t) for t in (1.0, 2.0, 3.0)]
-    verdict = decide([*spam, *spam, *honest])
-    assert verdict.chosen.record.epoch == 4 and verdict.basis == "agreed by 2 writers"
-    assert len(verdict.refused) == 1 and len(verdict.refused[0].records) == 1
+    verdict = decide([*spam, *spam, *honest, rec(evil2, MAX_EPOCH, b"\x02" * 32)])
+    assert verdict.chosen.record.epoch == 4 and verdict.basis == "agreed by 3 writers"
+    assert len(verdict.refused) == 1 and len(verdict.refused[0].records) == 2  # two colluders: two voices
     assert decide(spam, me=evil.peer_id).chosen.record.epoch == MAX_EPOCH
     assert decide([*spam, *honest], trusted=parse_writers([f"{evil.peer_id},{a.peer_id}"])).chosen.record.epoch \
         == MAX_EPOCH  # whom you trust, you follow
-    assert decide(spam).chosen is None and decide(honest, quorum=3).chosen is None
+    assert decide(spam).chosen is None and decide(honest, quorum=4).chosen is None
     with pytest.raises(ValueError, match="'12D3KooWnot-base58!' is not valid base58"):
         parse_writers(["12D3KooWnot-base58!"])
 
@@ -198,10 +209,10 @@ def _make(dht: DHT, seed: int, store: Path, **kw) -> tuple[torch.nn.Module, Dece
 
 
 def test_an_optimizer_resuming_from_the_swarm_does_not_load_the_attackers_checkpoint(tmp_path):
-    """A swarm restarts: its two writers serve epoch 3; an attacker serves a checkpoint that loads
-    into the same model (meta copied from the honest one: the same schema) with parameters of 1000
-    and lr 1000 at epoch 10**6. Before: the new peer resumed from the attacker's checkpoint, lr and
-    all. Now it resumes from the writers' checkpoint."""
+    """A swarm restarts: its three writers serve epoch 3; two colluding identities serve a
+    checkpoint that loads into the same model (meta copied from the honest one: the same schema)
+    with parameters of 1000 and lr 1000 at epoch 10**6. Before: the new peer resumed from the
+    attackers' checkpoint, lr and all. Now it resumes from the writers' checkpoint."""
     dhts: list[DHT] = []
     services: list[tuple[DHT, CheckpointService]] = []
 
@@ -232,19 +243,21 @@ def test_an_optimizer_resuming_from_the_swarm_does_not_load_the_attackers_checkp
         saved = [p.detach().clone() for p in model.parameters()]
         first = CheckpointStore(tmp_path / "w0")
         manifest, buffer = first.load(first.latest(RUN).manifest_id)
-        second_dht, second = node(), CheckpointStore(tmp_path / "w1")  # the epoch's other writer
-        second.save(manifest, buffer, run_id=RUN, epoch=3, identity=second_dht.node.identity)
         serve_from(trainer_dht, first)
-        serve_from(second_dht, second)
+        for name in ("w1", "w2"):  # the epoch's other writers
+            other_dht, other = node(), CheckpointStore(tmp_path / name)
+            other.save(manifest, buffer, run_id=RUN, epoch=3, identity=other_dht.node.identity)
+            serve_from(other_dht, other)
 
         evil = restore(manifest, buffer, copy=True)
         evil["params"] = [torch.full_like(p, 1000.0) for p in evil["params"]]
         for group in evil["inner"]["param_groups"]:
             group["lr"] = 1000.0
-        evil_dht = node()
-        attack = evil_dht.run(latest_claim(evil_dht.node, CheckpointStore(tmp_path / "evil"), RUN, evil,
-                                           meta=dict(manifest.meta), epoch=10**6), timeout=20)
-        services.append((evil_dht, attack))
+        for name in ("evil1", "evil2"):
+            evil_dht = node()
+            attack = evil_dht.run(latest_claim(evil_dht.node, CheckpointStore(tmp_path / name), RUN, evil,
+                                               meta=dict(manifest.meta), epoch=10**6), timeout=20)
+            services.append((evil_dht, attack))
 
         model2, resumed = _make(node(), 5, tmp_path / "victim", checkpoint_every=3)
         try:
@@ -268,24 +281,19 @@ def _ckpt(*args: str, data: Path) -> subprocess.CompletedProcess:
 
 
 async def test_ckpt_get_latest_fetches_the_agreed_checkpoint_and_ls_marks_evidence(swarm, tmp_path):
-    """``p2ptrain ckpt get latest`` with an attacker at epoch 2**63-1 beside two writers: the
-    writers' checkpoint is fetched (before: the attacker's), the attacker is named on stderr, and
-    ``ckpt ls`` shows the fetched checkpoint confirmed by both writers."""
+    """``p2ptrain ckpt get latest`` with two colluders at epoch 2**63-1 beside three writers: the
+    writers' checkpoint is fetched (before: the attackers'), the attackers are named on stderr,
+    and ``ckpt ls`` shows the fetched checkpoint confirmed by every writer."""
     async with asyncio.timeout(80):
-        h1, h2, evil = await swarm(3)
-        for h in (h1, h2):
-            honest = await h.write(0, epoch=4)
-            await serve(swarm, h)
-        attack = await latest_claim(evil.node, evil.store, RUN, state(666))
-        swarm.closers.append(attack.close)
+        writers, colluders, _, honest = await _honest_and_colluders(swarm, epoch=4)
         data = tmp_path / "mine"
         got = await asyncio.to_thread(_ckpt, "get", "latest", "--run-id", RUN, "--bootstrap",
-                                      str(h1.node.multiaddrs[0]), "--json", "--timeout", "30", data=data)
+                                      str(writers[0].node.multiaddrs[0]), "--json", "--timeout", "30", data=data)
         assert got.returncode == 0, got.stderr
         assert json.loads(got.stdout)["cid"] == honest.cid
-        assert str(evil.node.peer_id) in got.stderr and "is not the run's latest" in got.stderr
+        assert all(str(e.node.peer_id) in got.stderr for e in colluders) and "is not the run's latest" in got.stderr
         listed = json.loads((await asyncio.to_thread(_ckpt, "ls", "--json", data=data)).stdout)
-        assert [(e["cid"], e["confirmed"], len(e["writers"])) for e in listed] == [(honest.cid, True, 2)]
+        assert [(e["cid"], e["confirmed"], len(e["writers"])) for e in listed] == [(honest.cid, True, 3)]
         bad = await asyncio.to_thread(_ckpt, "get", "latest", "--run-id", RUN, "--bootstrap", "/ip4/127.0.0.1/tcp/1",
                                       "--trusted-writers", "12D3Koo-not-a-peer", data=data)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--trusted-writers" in bad.stderr

@@ -13,8 +13,8 @@ epoch, so the disk cost rotates through the swarm.
 The save never blocks training: the copy is taken in a worker thread under the trainer's lock
 (which the training thread holds only while it changes parameters), the hashing and writing
 happen after the lock is released. A peer that starts with no live peer ahead of it loads the
-newest checkpoint it can find, in its own store or in the DHT: there only a checkpoint that two
-distinct writers (its two savers) agree on, or that a trusted writer or this peer signed
+newest checkpoint it can find, in its own store or in the DHT: there only a checkpoint that three
+distinct writers (its three savers) agree on, or that a trusted writer or this peer signed
 (``trust``), never one peer's claim alone; it is fetched from its providers.
 
 ``choose_writers`` is the sans-IO policy; :class:`Checkpointer` is the shell a trainer owns.
@@ -65,11 +65,11 @@ class Checkpointer:
     too, never checked (the model's state_dict names, see :mod:`.export`). ``on_saved(info)``:
     called from the save thread after each checkpoint this peer wrote. ``trusted_writers``:
     PeerIDs (or their strings) whose one record makes a checkpoint in the DHT the run's latest;
-    any other needs two distinct writers agreeing (``trust.QUORUM``).
+    any other needs three distinct writers agreeing (``trust.QUORUM``).
     """
 
     def __init__(self, node: DHTNode, loop: LoopThread, run_id: str, store: CheckpointStore, *,
-                 every: int | None, server: StateServer, meta: dict[str, Any], keep: int = 3, writers: int = 2,
+                 every: int | None, server: StateServer, meta: dict[str, Any], keep: int = 3, writers: int = 3,
                  ttl: float = 300.0, on_saved: Callable[[CheckpointInfo], None] | None = None,
                  labels: dict[str, Any] | None = None, trusted_writers: Collection[PeerID | str] = ()):
         if every is not None and (type(every) is not int or every < 1):
@@ -186,7 +186,7 @@ class Checkpointer:
 
     def find(self, timeout: float, at_least: int = 0) -> CheckpointInfo | None:
         """The newest checkpoint of the run, in our store or believed in the DHT (``trust``: agreed
-        by two writers, or signed by a trusted writer or by us), in our store on return (fetched
+        by three writers, or signed by a trusted writer or by us), in our store on return (fetched
         from its providers if need be; when that fails, our own newest one). One in the DHT older
         than epoch ``at_least`` is not fetched (live peers have a newer state). Our store is our
         own evidence: what is there we saved, or fetched as believed or by its id. Blocking: call

@@ -3,7 +3,7 @@
 Why: a record is one writer's signed claim that manifest M is epoch E of run R. Its signature
 proves who claims it, not that it is true, and identities are free: a fresh identity that signs
 epoch 2**63-1 for a manifest of its own would otherwise be every resume's "latest". The swarm
-saves each checkpoint on two peers chosen without a coordinator (``autosave.choose_writers``),
+saves each checkpoint on three peers chosen without a coordinator (``autosave.choose_writers``),
 which save the same state and so sign the same (epoch, manifest, size). A claim is believed when
 
 * at least ``quorum`` (default :data:`QUORUM`) distinct writers signed it, or
@@ -25,8 +25,9 @@ from dht import PeerID
 from .cid import cid
 from .record import CheckpointRecord
 
-#: distinct writers that must sign the same claim for it to be believed without a trusted writer
-QUORUM = 2
+#: distinct writers that must sign the same claim for it to be believed without a trusted writer: as many
+#: as an epoch's writers (``checkpoint_writers``' default), so two colluding identities are not enough
+QUORUM = 3
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Verdict:
     """The believed latest claim (None: none is), why, and the newer claims refused."""
 
     chosen: Claim | None
-    basis: str = ""  # e.g. "agreed by 2 writers", "signed by trusted writer 12D3…"
+    basis: str = ""  # e.g. "agreed by 3 writers", "signed by trusted writer 12D3…"
     refused: tuple[Claim, ...] = field(default=())
 
 

@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     a = actions.add_parser("ls", parents=[common], help="list stored checkpoints, newest first",
                            description="List stored checkpoints, newest first, with their writers. A checkpoint "
-                           "is confirmed when two distinct writers signed it, or one of --trusted-writers did; "
+                           "is confirmed when three distinct writers signed it, or one of --trusted-writers did; "
                            "an unconfirmed one is a single writer's claim, which peers take as a run's latest only from a writer "
                            "they trust.")
     a.add_argument("--run-id", help="only this run's checkpoints")
@@ -108,7 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
     a.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole fetch (default: %(default)s)")
     a.add_argument("--json", action="store_true", help="print the fetched checkpoint as JSON")
-    add_trusted_writers(a, "'latest' is the newest checkpoint that two distinct writers agree on or that one of "
+    add_trusted_writers(a, "'latest' is the newest checkpoint that three distinct writers agree on or that one of "
                          "these PeerIDs signed (repeatable, or comma-separated)")
     from .common import add_swarm_key_arg
 

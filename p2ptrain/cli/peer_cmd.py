@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="client mode, for a peer behind NAT or a firewall: dial out, accept no connections "
                    "(it trains and averages, but owns no shard and serves no state; --listen is ignored)")
     p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
-    add_trusted_writers(p, "a checkpoint in the DHT is the run's latest (what a peer resumes from) when two distinct "
+    add_trusted_writers(p, "a checkpoint in the DHT is the run's latest (what a peer resumes from) when three distinct "
                         "writers signed it, or one of these PeerIDs did (repeatable, or comma-separated); never "
                         "one peer's claim alone")
     add_swarm_key_arg(p)

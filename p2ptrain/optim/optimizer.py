@@ -29,7 +29,7 @@ that round.
 
 Peers join and leave at any time; the mechanics of a round are in :mod:`~p2ptrain.averaging`.
 
-Checkpoints (``checkpoint_every``/``checkpoint_dir``): every N global epochs two peers chosen without
+Checkpoints (``checkpoint_every``/``checkpoint_dir``): every N global epochs three peers chosen without
 coordination save the shared state to their local store, serve it and announce it in the DHT; a peer
 that starts with no live peer ahead of it (or a whole swarm restarted) resumes from the newest
 checkpoint in the DHT or on its disk (:mod:`~p2ptrain.checkpoint.autosave`).
@@ -135,7 +135,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     of the swarm, not all) into the store at ``checkpoint_dir`` (default: ``$P2PTRAIN_DATA_DIR`` or
     the user's cache directory), keeping the newest ``checkpoint_keep`` per run. With either set,
     a peer that finds no live peer ahead of it resumes from the newest checkpoint (DHT or disk).
-    In the DHT a checkpoint counts only when two distinct writers signed it, or one of
+    In the DHT a checkpoint counts only when three distinct writers signed it, or one of
     ``trusted_writers`` (PeerIDs or their strings) did: never one peer's claim alone.
 
     ``model``: the module whose parameters ``optimizer`` trains (optional). Checkpoints then
@@ -173,7 +173,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         checkpoint_every: int | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_keep: int = 3,
-        checkpoint_writers: int = 2,
+        checkpoint_writers: int = 3,
         trusted_writers: Sequence[PeerID | str] = (),
         model: torch.nn.Module | None = None,
     ):
