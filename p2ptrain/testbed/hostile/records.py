@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +60,8 @@ def _record(key: bytes, value: bytes, ttl: float, subkey: bytes | None = None) -
       "owner-signed sub-keys, and serve it to lookups of that key")
 async def plain_value_poison(node: DHTNode, key: str | bytes, value: Any = "poison", *, serve: bool = True) -> int:
     """Store ``value`` under ``key`` on the key's k closest peers (how many took it), and when
-    ``serve``, answer every ``find_value`` of ``key`` with that record, as a holder that kept it."""
+    ``serve``, answer every ``find_value`` of ``key`` with that record, as a holder that kept it
+    (on each call, one more key: every key poisoned so far is served)."""
     kb = key.encode() if isinstance(key, str) else bytes(key)
     expiration = time.time() + LONGEST_TTL
     try:
@@ -67,15 +69,27 @@ async def plain_value_poison(node: DHTNode, key: str | bytes, value: Any = "pois
     except InvalidRecord:
         accepted = 0
     if serve:
-        wire = [kb, None, msgpack.packb(value, use_bin_type=True), expiration, None]
+        _poisoned(node)[kb] = [kb, None, msgpack.packb(value, use_bin_type=True), expiration, None]
+    return accepted
+
+
+_SERVED: weakref.WeakKeyDictionary[DHTNode, dict[bytes, list]] = weakref.WeakKeyDictionary()
+
+
+def _poisoned(node: DHTNode) -> dict[bytes, list]:
+    """The keys ``node`` answers with a poisoned record (its find_value handler, installed once)."""
+    if node not in _SERVED:
+        wires: dict[bytes, list] = {}
         honest = node._rpc_find_value
 
         async def find_value(conn: Any, args: Any) -> Any:
             reply = await honest(conn, args)
-            return [[wire], reply[1]] if args == kb else reply
+            wire = wires.get(args) if isinstance(args, bytes) else None
+            return [[wire], reply[1]] if wire is not None else reply
 
         node.host.on_request("find_value", find_value)
-    return accepted
+        _SERVED[node] = wires
+    return _SERVED[node]
 
 
 @mode("subkey_squat", "fill a key (say, a future matchmaking round) with unsigned sub-keys on its k closest "
