@@ -170,7 +170,7 @@ def main() -> None:
     ss.StateSync.fetch = fetch
 
     # phases of the fetch (probe = every provider's manifest, i.e. its snapshot; download = the chunks)
-    from p2ptrain.checkpoint import transfer as tr
+    from p2ptrain.checkpoint import fetch as tr
 
     phases: dict[str, float] = {}
 

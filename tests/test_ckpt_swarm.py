@@ -398,7 +398,7 @@ async def test_a_failing_sink_ends_the_fetch_without_blaming_providers(peers):
 
 def test_chunk_schedule_skips_held_chunks_and_token_bucket_keeps_its_rate():
     from p2ptrain.checkpoint.throttle import TokenBucket
-    from p2ptrain.checkpoint.transfer import ChunkSchedule
+    from p2ptrain.checkpoint.schedule import ChunkSchedule
 
     s = ChunkSchedule(10, 3, have=[0, 1, 4, 9, 42])
     assert s.missing() == [(2, 4), (5, 8), (8, 9)] and s.reused == 4 and not s.complete

@@ -10,7 +10,7 @@ import torch
 
 from p2ptrain.checkpoint import StateServer, build_snapshot, fetch_state
 from p2ptrain.checkpoint.recycle import Recycler, available_memory
-from p2ptrain.checkpoint.transfer import MemorySource
+from p2ptrain.checkpoint.sources import MemorySource
 from test_state_transfer import KEY, check, make_state, snapshot, swarm  # noqa: F401 - swarm is a fixture
 
 

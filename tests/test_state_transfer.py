@@ -28,12 +28,8 @@ from p2ptrain.checkpoint import (
     build_snapshot,
     fetch_state,
 )
-from p2ptrain.checkpoint.transfer import (
-    CHUNKS_PROTOCOL,
-    INLINE_MANIFEST_MAX,
-    MANIFEST_METHOD,
-    ChunkSchedule,
-)
+from p2ptrain.checkpoint.schedule import ChunkSchedule
+from p2ptrain.checkpoint.state_protocol import CHUNKS_PROTOCOL, INLINE_MANIFEST_MAX, MANIFEST_METHOD
 
 CHUNK = 64 << 10
 KEY = "run/state"

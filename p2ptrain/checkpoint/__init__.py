@@ -1,6 +1,6 @@
 """Training state as verifiable bytes: flatten nested state to a msgpack skeleton plus raw
 tensor bytes (``tree``), describe a snapshot by a content-addressed chunk manifest
-(``manifest``), and serve / fetch snapshots from several peers at once (``transfer``).
+(``manifest``), and serve / fetch snapshots from several peers at once (``state_server``, ``fetch``).
 
 The names below are imported on first use (PEP 562), not with the package: most of its modules
 need torch (~2 s to import), and the ``p2ptrain ckpt`` commands that only read the store
@@ -24,8 +24,10 @@ _LAZY: dict[str, str] = {
                      "StateTooLarge", "TensorEntry", "build_snapshot", "restore"), "manifest"),
     **dict.fromkeys(("CheckpointService", "CheckpointUnavailable", "announce", "fetch_checkpoint", "find_latest",
                      "find_providers"), "swarm"),
-    **dict.fromkeys(("ChunksUnavailableError", "FetchResult", "NoProviderError", "StateServer", "StateTimeoutError",
-                     "StateTooLargeError", "StateTransferError", "fetch_state"), "transfer"),
+    **dict.fromkeys(("ChunksUnavailableError", "NoProviderError", "StateTimeoutError", "StateTooLargeError",
+                     "StateTransferError"), "errors"),
+    **dict.fromkeys(("FetchResult", "fetch_state"), "fetch"),
+    "StateServer": "state_server",
     **dict.fromkeys(("TensorSpec", "flatten", "unflatten"), "tree"),
 }
 

@@ -33,10 +33,11 @@ import blake3
 
 from dht import DHTError, DHTNode, InvalidRecord, PeerID
 
+from .errors import StateTransferError
 from .manifest import ManifestError, build_snapshot, restore
 from .record import CheckpointRecord
+from .state_server import StateServer
 from .swarm import CheckpointService, fetch_checkpoint, latest_verdict
-from .transfer import StateServer, StateTransferError
 from .trust import parse_writers
 
 if TYPE_CHECKING:

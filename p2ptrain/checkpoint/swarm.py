@@ -47,9 +47,12 @@ from .directory import (
     run_of_transfer_key,
     transfer_key,
 )
+from .errors import StateTimeoutError, StateTooLargeError, StateTransferError
+from .fetch import fetch_state
 from .manifest import DEFAULT_MAX_TOTAL, Manifest
 from .record import CheckpointRecord, RecordError, check_run_id
-from .transfer import ChunkSource, StateServer, StateTimeoutError, StateTooLargeError, StateTransferError, fetch_state
+from .sources import ChunkSource
+from .state_server import StateServer
 from .trust import QUORUM, Verdict, decide, group_claims, refusal
 
 if TYPE_CHECKING:

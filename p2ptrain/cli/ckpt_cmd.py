@@ -509,7 +509,7 @@ def _get(args: argparse.Namespace) -> int:
     async def session(stop: asyncio.Event) -> int:
         from ..checkpoint.store import StoreError
         from ..checkpoint.swarm import fetch_checkpoint
-        from ..checkpoint.transfer import StateTransferError
+        from ..checkpoint.errors import StateTransferError
 
         node = DHTNode(Identity(), None, config=DHTConfig(bootstrap_timeout=min(args.timeout, 30.0)),
                        swarm_key=swarm_key)

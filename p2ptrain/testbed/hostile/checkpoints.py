@@ -18,7 +18,7 @@ from dht import DHTNode
 from ...checkpoint.manifest import Manifest, build_snapshot, layout
 from ...checkpoint.store import CheckpointStore
 from ...checkpoint.swarm import CheckpointService, announce
-from ...checkpoint.transfer import StateServer
+from ...checkpoint.state_server import StateServer
 from ...checkpoint.tree import tensor_specs
 from ._registry import mode
 
