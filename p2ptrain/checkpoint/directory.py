@@ -49,7 +49,7 @@ Address = tuple[str, int]
 
 
 def transfer_key(run_id: str) -> str:
-    """The key a :class:`~p2ptrain.checkpoint.transfer.StateServer` serves a run's checkpoints under."""
+    """The key a :class:`~p2ptrain.checkpoint.state_server.StateServer` serves a run's checkpoints under."""
     return f"{check_run_id(run_id)}/ckpt"
 
 

@@ -2,7 +2,7 @@
 
 With no master there is no checkpoint directory to ask. A peer that holds a checkpoint in its
 :class:`~p2ptrain.checkpoint.store.CheckpointStore` serves it (a resolver on the host's
-:class:`~p2ptrain.checkpoint.transfer.StateServer` reads chunks from disk on demand) and says so in
+:class:`~p2ptrain.checkpoint.state_server.StateServer` reads chunks from disk on demand) and says so in
 the DHT (``directory``: a provider entry per manifest, and the signed "latest checkpoint" record
 of its run). A peer that wants one looks the records up, believes the newest that enough writers
 agree on (``trust``: never one self-signed claim), finds the providers and downloads chunks
@@ -250,7 +250,7 @@ async def fetch_checkpoint(
     it will not be there to serve).
 
     Raises :class:`CheckpointUnavailable` (nothing announced, no provider left) or another
-    :class:`~p2ptrain.checkpoint.transfer.StateTransferError` (every provider failed, timeout).
+    :class:`~p2ptrain.checkpoint.errors.StateTransferError` (every provider failed, timeout).
     """
     check_run_id(run_id)
     deadline = asyncio.timeout(timeout)
@@ -307,7 +307,7 @@ def _held(store: CheckpointStore, run_id: str, manifest_id: bytes) -> Checkpoint
 
 
 class StoreSource:
-    """One checkpoint of a store, as a :class:`~p2ptrain.checkpoint.transfer.ChunkSource`:
+    """One checkpoint of a store, as a :class:`~p2ptrain.checkpoint.sources.ChunkSource`:
     chunks are read from disk when a peer asks, in a worker thread, and verified by the store
     (a rotten blob is never served: the request is reset and the fetcher goes elsewhere)."""
 

@@ -6,7 +6,7 @@ parameters, the inner optimizer state in ``sync`` mode, the outer parameters and
 asks and the state changed since the last one, because it costs a copy and a hash of all of it.
 Since the peers of one epoch hold bit-identical state, their manifests have the same content
 address and a joiner downloads disjoint chunks from several of them at once, each chunk verified
-against the manifest most of them agree on (:mod:`p2ptrain.checkpoint.transfer`).
+against the manifest most of them agree on (:mod:`p2ptrain.checkpoint.probe`).
 """
 
 from __future__ import annotations
