@@ -10,14 +10,11 @@ import pytest
 import torch
 
 from dht import DHTConfig, DHTError, DHTNode, Identity, RPCError
+from p2ptrain.averaging.claims import parse_entry
 from p2ptrain.averaging.group import Group, Member
-from p2ptrain.averaging.matchmaking import (
-    JOIN_METHOD,
-    Matchmaker,
-    parse_entry,
-    plan_groups,
-    settle_window,
-)
+from p2ptrain.averaging.join import JOIN_METHOD
+from p2ptrain.averaging.matchmaking import Matchmaker
+from p2ptrain.averaging.plan import plan_groups, settle_window
 from p2ptrain.averaging.schema import schema_mismatch_message, tensor_schema
 
 FAST = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.5)

@@ -4,7 +4,11 @@ fault-tolerant butterfly all-reduce among their members.
     group.py        Member, Group, partition; bandwidth and weight caps (sans-IO)
     schema.py       tensor schema hash: peers with different models or codecs never meet
     claims.py       what a peer believes of matchmaking: registrations, the leader's group
-    matchmaking.py  Matchmaker: DHT sub-keys + a leader per group, adaptive waits
+    plan.py         matchmaking's group planning: peer order, balanced groups, settle window (sans-IO)
+    mm_state.py     one matchmaking round's state at one peer
+    board.py        matchmaking's DHT board: our signed entry for a round, validated reads of the others'
+    join.py         matchmaking's lead/follow/join protocol (the leader closes, members join it)
+    matchmaking.py  Matchmaker: register, gather until the set settles, plan, join; adaptive waits
     round.py        one all-reduce round: the protocol, config/result types, the state machine
     allreduce.py    AllReduceService: runs rounds (stream handlers, registry, worker, kept buffers)
     ledger.py       what a member keeps of a robust round for the others' audits (sans-IO)

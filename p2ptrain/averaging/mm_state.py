@@ -1,0 +1,55 @@
+"""The state one peer keeps for one matchmaking round, shared by the board, the gather and the
+join protocol (``matchmaking.py``, ``board.py``, ``join.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from dht import PeerID
+from dht.routing import Contact
+
+from .claims import Entry
+from .group import Group, Member
+from .plan import MIN_SETTLE
+
+
+@dataclass
+class Lead:
+    """A leader's open group: whom it planned, who joined, when it closes."""
+
+    expected: set[PeerID]
+    opened_at: float  # loop time
+    close_at: float
+    joined: dict[PeerID, Member] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Future | None = None  # -> Group, or None when it closed too small
+    closed: bool = False
+
+
+class MatchRound:
+    """One round's matchmaking at one peer: its role, its entry, what its reads found."""
+
+    def __init__(self, round_id: str, key: str, min_size: int):
+        self.round_id = round_id
+        self.key = key
+        self.min_size = min_size  # the smallest group this round may form (else: alone)
+        self.state = "gathering"  # gathering | leading | following | done
+        self.changed = asyncio.Event()
+        self.join_hint = asyncio.Event()
+        self.lead: Lead | None = None
+        self.redirect: Member | None = None
+        self.group: Group | None = None
+        self.entry_value: dict | None = None
+        self.entry_expiration = 0.0
+        self.verified: dict[tuple, Entry | None] = {}  # record fields -> parsed entry (checked once)
+        self.registered: dict[PeerID, Member] = {}  # each peer as it registered (claims.verify_group)
+        self.settle = MIN_SETTLE  # the last settle window used while gathering
+        self.holders: list[Contact] = []  # peers that store the round's key (from the last lookup)
+        self.reads = 0
+        self.first_read = asyncio.Event()  # our entry is written once the first read found the holders
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        event, self.changed = self.changed, asyncio.Event()
+        event.set()
