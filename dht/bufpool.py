@@ -60,11 +60,14 @@ class BufferPool:
         if n is not None and n > self.size:
             return bytearray(n)
         want = self._big if n is None else -(-max(n, 1) // self.granule) * self.granule
-        if 2 * want > self._big:
+        if n is None or 2 * n > self._big:
             want = self._big
+        # at most twice what is asked (not twice ``want``): a received frame stays in its buffer
+        # only while that holds, else Connection copies it out (the bound Limits states)
+        top = 2 * want if n is None else max(want, 2 * n)
         bufs = self._bufs
         for i in range(len(bufs)):  # (by index: a loop variable would count as a reference)
-            if self._refs(i) <= self._idle_refs and want <= len(bufs[i]) <= 2 * want:
+            if self._refs(i) <= self._idle_refs and want <= len(bufs[i]) <= top:
                 return bufs[i]
         buf = bytearray(want)
         cap = self.max_bytes if self.max_bytes is not None else float("inf")

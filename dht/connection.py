@@ -316,8 +316,8 @@ class Connection(asyncio.BufferedProtocol):
             view = frame[HEADER_SIZE : HEADER_SIZE + n] if not frame.readonly else memoryview(self.host.pool.get(n))[:n]
             self._recv.decrypt_into(header, frame[HEADER_SIZE:], view)
             view = view.toreadonly()
-            if len(view.obj) > 2 * n:  # (an idle pooled buffer much larger than the frame) so that
-                view = memoryview(bytes(view))  # a queued frame holds at most twice its size (Limits)
+            if len(view.obj) > 2 * len(frame):  # a queued frame holds at most twice its frame (Limits):
+                view = memoryview(bytes(view))  # the pool sees to it; a buffer of any other origin is copied
         else:
             view = memoryview(self._recv.decrypt(header, frame[HEADER_SIZE:]))  # fresh, read-only bytes
         if kind == Kind.REQUEST:

@@ -45,7 +45,7 @@ class Limits:
     #: Memory a peer can make us hold (the bound; ``peer_stream_memory`` computes it): every
     #: stream it opens may fill its window (``stream_window``) with data its handler has not read
     #: yet, in at most twice that memory (a big frame stays in the pooled buffer it arrived in, at
-    #: most twice its size; frames under 64 KiB are copied together, so 1-byte frames cost their
+    #: most twice its frame; frames under 64 KiB are copied together, so 1-byte frames cost their
     #: byte, not a ~300-byte object each, and empty ones close the connection: see ``dht.stream``).
     #: So streams opened by the remote side are capped per connection: 16 x 2 x 8 MiB = 256 MiB
     #: per peer (1 GiB with 32 MiB windows), and, summed over all connections, to

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .aio import wait_event
 from .errors import PeerUnreachable, ProtocolError, RPCTimeout
-from .wire import Kind
+from .wire import HEADER_SIZE, TAG_SIZE, Kind
 
 if TYPE_CHECKING:
     from .identity import PeerID
@@ -37,6 +37,8 @@ WIDE_STREAM_WINDOW = 32 << 20
 COALESCE_BELOW = 64 << 10
 #: what one queued chunk costs beyond its buffer (its memoryview and deque slot), for accounting
 CHUNK_OVERHEAD = 256
+#: what a received frame's buffer holds beyond its data: the frame's header and auth tag
+FRAME_OVERHEAD = HEADER_SIZE + TAG_SIZE
 
 
 class StreamReset(PeerUnreachable):
@@ -92,7 +94,7 @@ class Stream:
     @property
     def held_bytes(self) -> int:
         """Memory the unread bytes hold: their buffers (a big frame's pooled buffer may be up to
-        twice its size) and ``CHUNK_OVERHEAD`` per chunk."""
+        twice its frame) and ``CHUNK_OVERHEAD`` per chunk."""
         return self._held
 
     # ------------------------------------------------------------------ writing
@@ -261,10 +263,10 @@ class Stream:
 
 def held_bound(window: int) -> int:
     """The most a stream with receive ``window`` holds for unread data: each queued frame's buffer
-    is at most twice its bytes (see ``Connection``), and the chunks are at most
-    2 * window / COALESCE_BELOW + 1 (every chunk but the last holds COALESCE_BELOW bytes or more,
-    or sits next to one that does)."""
-    return 2 * window + (2 * window // COALESCE_BELOW + 1) * CHUNK_OVERHEAD
+    is at most twice its frame, i.e. its bytes and ``FRAME_OVERHEAD`` (see ``Connection``), and the
+    chunks are at most 2 * window / COALESCE_BELOW + 1 (every chunk but the last holds
+    COALESCE_BELOW bytes or more, or sits next to one that does)."""
+    return 2 * window + (2 * window // COALESCE_BELOW + 1) * (CHUNK_OVERHEAD + 2 * FRAME_OVERHEAD)
 
 
 def _cost(chunk: memoryview | bytearray) -> int:

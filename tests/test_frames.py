@@ -70,6 +70,20 @@ def test_pool_gives_frames_of_nearly_the_largest_size_one_size():
     assert len(pool.get(2 * MiB)) == 2 * MiB  # half the largest or less: sized to the request
 
 
+def test_pool_buffers_are_at_most_twice_what_is_asked():
+    """A received frame stays in its pooled buffer only while that holds (Connection copies it out
+    otherwise, for the bound Limits states). A 2 MiB frame (+ header and tag) rounded up to the
+    granule came to just over half the largest size and got a 4 MiB + 64 KiB buffer: every such
+    frame of an all-reduce was copied, a fresh allocation and ~500 page faults each."""
+    size = 4 * MiB + 24
+    pool = BufferPool(size, keep=8, granule=64 << 10)
+    for n in (64 << 10, 300_000, 2 * MiB - 24, 2 * MiB, 2 * MiB + 24, 2 * MiB + (64 << 10) + 1, 3 * MiB, size):
+        assert n <= len(pool.get(n)) <= 2 * n, n
+    frame = pool.get(2 * MiB + 24)
+    del frame
+    assert len(pool.get(2 * MiB + 24)) <= 2 * (2 * MiB + 24)  # reused, and still within twice
+
+
 def test_pool_keeps_at_most_max_bytes_of_buffers():
     """Beside the count, a byte budget: many small buffers or a few big ones, not many big ones."""
     pool = BufferPool(4 * MiB, keep=100, granule=64 << 10, max_bytes=9 * MiB)
