@@ -224,8 +224,11 @@ def run_swarm(*, peers: int, hostile: int, attack: str | None, aggregation: str,
             # a restart a few seconds later: sooner, the rounds re-run from the checkpoint would meet
             # their own entries of before the stop (done, alive for timeout + 2 s) and end alone
             time.sleep(8.0)
-            for i in honest:
-                make(i, seed=1)  # another init: what it trains from comes from a checkpoint
+            restarts = [threading.Thread(target=make, args=(i, 1)) for i in honest]  # together, as after an outage
+            for t in restarts:  # (another init: what each trains from comes from a checkpoint)
+                t.start()
+            for t in restarts:
+                t.join()
             resumed = [opts[i].stats.resumed_epoch for i in honest]
             for i in honest:
                 opts[i].wait_for_peers(len(honest), timeout=30)

@@ -14,6 +14,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -267,6 +268,77 @@ def test_an_optimizer_resuming_from_the_swarm_does_not_load_the_attackers_checkp
         finally:
             resumed.close()
     finally:
+        for dht, service in reversed(services):
+            dht.run(service.close(), timeout=10)
+        for dht in reversed(dhts):
+            dht.close()
+
+
+def test_a_peer_restarting_before_the_writers_waits_for_them_instead_of_resuming_older(tmp_path):
+    """A whole swarm restarts: the three writers of epoch 3 announced it before the stop, and a
+    peer that is not one of them comes up before any writer serves again. Before, its fetch of
+    the run's latest failed at once and it started from its own older state (here: none), apart
+    from the rest of the swarm; now it waits for a writer (bounded by ``load_state_timeout``)."""
+    dhts: list[DHT] = []
+    services: list[tuple[DHT, CheckpointService]] = []
+    waiting = threading.Event()
+
+    class Waiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting up to" in record.getMessage():
+                waiting.set()
+
+    def node() -> DHT:
+        dhts.append(DHT([str(dhts[0].multiaddrs[0])] if dhts else [], listen=("127.0.0.1", 0), config=FAST))
+        return dhts[-1]
+
+    handler = Waiting()
+    logging.getLogger("p2ptrain.checkpoint").addHandler(handler)
+    logging.getLogger("p2ptrain.checkpoint").setLevel(logging.INFO)
+    try:
+        trainer_dht = node()
+        model, opt = _make(trainer_dht, 0, tmp_path / "w0", checkpoint_every=3)
+        gen = torch.Generator().manual_seed(1)
+        while opt.epoch < 3:
+            x = torch.randn(16, 8, generator=gen)
+            torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.checkpointer.flush(30)
+        opt.close()
+        saved = [p.detach().clone() for p in model.parameters()]
+        first = CheckpointStore(tmp_path / "w0")
+        manifest, buffer = first.load(first.latest(RUN).manifest_id)
+        writers = [(trainer_dht, first)]
+        for name in ("w1", "w2"):
+            other_dht, other = node(), CheckpointStore(tmp_path / name)
+            other.save(manifest, buffer, run_id=RUN, epoch=3, identity=other_dht.node.identity)
+            writers.append((other_dht, other))
+        for dht, store in writers:  # announced before the stop; nobody serves it now
+            dht.run(announce(dht.node, store, store.latest(RUN), ttl=60), timeout=20)
+
+        result: list = []
+        late = threading.Thread(target=lambda: result.append(_make(node(), 5, tmp_path / "late", checkpoint_every=3,
+                                                                   load_state_timeout=30.0)))
+        late.start()
+        assert waiting.wait(30), "the peer did not wait for the writers"
+        dht, store = writers[1]  # one writer is back
+
+        async def serve_again() -> CheckpointService:
+            service = CheckpointService(dht.node, store, run_id=RUN, ttl=60)
+            await service.start()
+            await announce(dht.node, store, store.latest(RUN), ttl=60)
+            return service
+        services.append((dht, dht.run(serve_again(), timeout=20)))
+        late.join(60)
+        model2, resumed = result[0]
+        try:
+            assert resumed.stats.resumed_epoch == 3 and resumed.epoch == 3, resumed.stats
+            assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), saved))
+        finally:
+            resumed.close()
+    finally:
+        logging.getLogger("p2ptrain.checkpoint").removeHandler(handler)
         for dht, service in reversed(services):
             dht.run(service.close(), timeout=10)
         for dht in reversed(dhts):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from .store import CheckpointInfo, CheckpointStore
 
 log = logging.getLogger("p2ptrain.checkpoint")
+#: seconds between looks for a provider of the run's latest checkpoint while none serves it (doubling)
+_RETRY_FIRST, _RETRY_MAX = 0.5, 4.0
 
 
 def choose_writers(peers: Iterable[PeerID], epoch: int, writers: int) -> list[PeerID]:
@@ -188,7 +191,8 @@ class Checkpointer:
     def find(self, timeout: float, at_least: int = 0) -> CheckpointInfo | None:
         """The newest checkpoint of the run, in our store or believed in the DHT (``trust``: agreed
         by three writers, or signed by a trusted writer or by us), in our store on return (fetched
-        from its providers if need be; when that fails, our own newest one). One in the DHT older
+        from its providers if need be, waiting up to ``timeout`` for one to serve it; when that
+        fails, our own newest one). One in the DHT older
         than epoch ``at_least`` is not fetched (live peers have a newer state). Our store is our
         own evidence: what is there we saved, or fetched as believed or by its id. Blocking: call
         it from the training thread."""
@@ -208,13 +212,30 @@ class Checkpointer:
         if held:
             return held[0]
         log.info("the run's latest checkpoint is %s (%s)", verdict.chosen.describe(), verdict.basis)
-        try:
-            info = self.loop.run(fetch_checkpoint(self.node, self.store, run_id=self.run_id,
-                                                  manifest_id=remote.manifest_id, timeout=timeout))
-        except (StateTransferError, DHTError, ManifestError, OSError, ValueError) as e:
+        deadline = time.monotonic() + timeout
+        delay = _RETRY_FIRST
+        while True:
+            try:
+                info = self.loop.run(fetch_checkpoint(self.node, self.store, run_id=self.run_id,
+                                                      manifest_id=remote.manifest_id,
+                                                      timeout=max(1.0, deadline - time.monotonic())))
+                break
+            except (StateTransferError, DHTError, OSError) as e:
+                # a swarm restarting: its writers may come up a little after us; wait for one,
+                # since resuming from an older checkpoint would split the swarm
+                if time.monotonic() + delay < deadline:
+                    if delay == _RETRY_FIRST:
+                        log.info("waiting up to %.0f s for a provider of the run's latest checkpoint (epoch %d): %s",
+                                 deadline - time.monotonic(), remote.epoch, e)
+                    time.sleep(delay)  # a poll of the DHT for providers, from the training thread
+                    delay = min(2 * delay, _RETRY_MAX)
+                    continue
+                error: Exception = e
+            except (ManifestError, ValueError) as e:
+                error = e
             where = f"our own of epoch {local.epoch}" if local is not None else "none"
             log.warning("could not fetch the run's latest checkpoint (epoch %d, %s): %s; resuming from %s",
-                        remote.epoch, remote.manifest_id.hex()[:12], e, where)
+                        remote.epoch, remote.manifest_id.hex()[:12], error, where)
             return local
         log.info("fetched the run's latest checkpoint %s (epoch %d) from the swarm", info.cid, info.epoch)
         return info
