@@ -209,6 +209,30 @@ def _make(dht: DHT, seed: int, store: Path, **kw) -> tuple[torch.nn.Module, Dece
     return model, opt
 
 
+def _three_writers(tmp_path: Path, node) -> tuple[list[torch.Tensor], list[tuple[DHT, CheckpointStore]]]:
+    """A peer trains alone to epoch 3 (every step is a global epoch: a checkpoint at 3) and stops;
+    two more ``node()`` s save the same checkpoint as the epoch's other writers. Returns the saved
+    parameters and the three (dht, store) writers, the trainer's first; nobody serves yet."""
+    trainer_dht = node()
+    model, opt = _make(trainer_dht, 0, tmp_path / "w0", checkpoint_every=3)
+    gen = torch.Generator().manual_seed(1)
+    while opt.epoch < 3:
+        x = torch.randn(16, 8, generator=gen)
+        torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.checkpointer.flush(30)
+    opt.close()
+    first = CheckpointStore(tmp_path / "w0")
+    manifest, buffer = first.load(first.latest(RUN).manifest_id)
+    writers = [(trainer_dht, first)]
+    for name in ("w1", "w2"):
+        other_dht, other = node(), CheckpointStore(tmp_path / name)
+        other.save(manifest, buffer, run_id=RUN, epoch=3, identity=other_dht.node.identity)
+        writers.append((other_dht, other))
+    return [p.detach().clone() for p in model.parameters()], writers
+
+
 def test_an_optimizer_resuming_from_the_swarm_does_not_load_the_attackers_checkpoint(tmp_path):
     """A swarm restarts: its three writers serve epoch 3; two colluding identities serve a
     checkpoint that loads into the same model (meta copied from the honest one: the same schema)
@@ -231,24 +255,10 @@ def test_an_optimizer_resuming_from_the_swarm_does_not_load_the_attackers_checkp
         services.append((dht, dht.run(start(), timeout=20)))
 
     try:
-        trainer_dht = node()
-        model, opt = _make(trainer_dht, 0, tmp_path / "w0", checkpoint_every=3)
-        gen = torch.Generator().manual_seed(1)
-        while opt.epoch < 3:  # alone, every step is a global epoch: a checkpoint at 3
-            x = torch.randn(16, 8, generator=gen)
-            torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
-            opt.step()
-            opt.zero_grad()
-        opt.checkpointer.flush(30)
-        opt.close()
-        saved = [p.detach().clone() for p in model.parameters()]
-        first = CheckpointStore(tmp_path / "w0")
-        manifest, buffer = first.load(first.latest(RUN).manifest_id)
-        serve_from(trainer_dht, first)
-        for name in ("w1", "w2"):  # the epoch's other writers
-            other_dht, other = node(), CheckpointStore(tmp_path / name)
-            other.save(manifest, buffer, run_id=RUN, epoch=3, identity=other_dht.node.identity)
-            serve_from(other_dht, other)
+        saved, writers = _three_writers(tmp_path, node)
+        for dht, store in writers:
+            serve_from(dht, store)
+        manifest, buffer = writers[0][1].load(writers[0][1].latest(RUN).manifest_id)
 
         evil = restore(manifest, buffer, copy=True)
         evil["params"] = [torch.full_like(p, 1000.0) for p in evil["params"]]
@@ -296,24 +306,7 @@ def test_a_peer_restarting_before_the_writers_waits_for_them_instead_of_resuming
     logging.getLogger("p2ptrain.checkpoint").addHandler(handler)
     logging.getLogger("p2ptrain.checkpoint").setLevel(logging.INFO)
     try:
-        trainer_dht = node()
-        model, opt = _make(trainer_dht, 0, tmp_path / "w0", checkpoint_every=3)
-        gen = torch.Generator().manual_seed(1)
-        while opt.epoch < 3:
-            x = torch.randn(16, 8, generator=gen)
-            torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
-            opt.step()
-            opt.zero_grad()
-        opt.checkpointer.flush(30)
-        opt.close()
-        saved = [p.detach().clone() for p in model.parameters()]
-        first = CheckpointStore(tmp_path / "w0")
-        manifest, buffer = first.load(first.latest(RUN).manifest_id)
-        writers = [(trainer_dht, first)]
-        for name in ("w1", "w2"):
-            other_dht, other = node(), CheckpointStore(tmp_path / name)
-            other.save(manifest, buffer, run_id=RUN, epoch=3, identity=other_dht.node.identity)
-            writers.append((other_dht, other))
+        saved, writers = _three_writers(tmp_path, node)
         for dht, store in writers:  # announced before the stop; nobody serves it now
             dht.run(announce(dht.node, store, store.latest(RUN), ttl=60), timeout=20)
 
