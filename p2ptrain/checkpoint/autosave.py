@@ -34,7 +34,7 @@ import blake3
 
 from dht import DHTError, DHTNode, InvalidRecord, PeerID
 
-from .errors import StateTransferError
+from .errors import StateTooLargeError, StateTransferError
 from .manifest import ManifestError, build_snapshot, restore
 from .record import CheckpointRecord
 from .state_server import StateServer
@@ -223,7 +223,7 @@ class Checkpointer:
             except (StateTransferError, DHTError, OSError) as e:
                 # a swarm restarting: its writers may come up a little after us; wait for one,
                 # since resuming from an older checkpoint would split the swarm
-                if time.monotonic() + delay < deadline:
+                if not isinstance(e, StateTooLargeError) and time.monotonic() + delay < deadline:
                     if delay == _RETRY_FIRST:
                         log.info("waiting up to %.0f s for a provider of the run's latest checkpoint (epoch %d): %s",
                                  deadline - time.monotonic(), remote.epoch, e)
