@@ -275,10 +275,10 @@ def validate(args: argparse.Namespace, sources: Mapping[str, str]) -> None:
                               "--relay-via RELAY_MULTIADDR to be reachable through a relay")
     aggregation, compression = getattr(args, "aggregation", None), getattr(args, "compression", None)
     if isinstance(aggregation, str) and isinstance(compression, str):
-        from .averaging.robust import check_codec
+        from .optim.options import check_options
 
         try:
-            check_codec(aggregation, compression)
+            check_options(aggregation=aggregation, compression=compression)
         except ValueError as e:
             raise ConfigError(f"{_where('aggregation', sources)}: {e}") from None
     key_file = getattr(args, "key_file", None)

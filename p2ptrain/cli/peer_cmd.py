@@ -142,32 +142,24 @@ def _collect_training_actions() -> list[argparse.Action]:
 def check_training_args(args: argparse.Namespace) -> None:
     """A ConfigError for training options that cannot work (``p2ptrain peer`` and ``p2ptrain swarm``,
     which checks them before it starts any peer)."""
-    for name in ("epochs", "target_batch_size", "local_steps"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ConfigError("--batch-size must be at least 1")
+    if args.epochs < 1:
+        raise ConfigError("--epochs must be at least 1")
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads must be at least 1")
     if args.compute_delay < 0:
         raise ConfigError("--compute-delay cannot be negative")
-    if args.inner_warmup_steps < 0:
-        raise ConfigError("--inner-warmup-steps cannot be negative")
-    if args.inner_warmup_steps and args.mode != "diloco":
-        raise ConfigError("--inner-warmup-steps is for --mode diloco (sync peers must all take the same step)")
-    if not (args.outer_lr > 0 and 0 <= args.outer_momentum < 1):
-        raise ConfigError("--outer-lr must be positive and --outer-momentum in [0, 1)")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise ConfigError("--checkpoint-every must be at least 1 (epochs between checkpoints)")
     if args.wait_peers is not None and args.wait_peers < 0:
         raise ConfigError("--wait-peers cannot be negative (1 trains at once)")
-    if args.run_id is not None:
-        from ..checkpoint.record import RecordError, check_run_id
+    from ..optim.options import OptionError, check_options  # (the optimizer's checks, without torch)
 
-        try:
-            check_run_id(args.run_id)
-        except RecordError as e:
-            raise ConfigError(f"--run-id: {e}") from None
+    given = {"run_id": args.run_id, "batch_size_per_step": args.batch_size}
+    try:
+        check_options(mode=args.mode, target_batch_size=args.target_batch_size, local_steps=args.local_steps,
+                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                      inner_warmup_steps=args.inner_warmup_steps, checkpoint_every=args.checkpoint_every,
+                      **{k: v for k, v in given.items() if v is not None})
+    except OptionError as e:
+        raise ConfigError(e.flag_message) from None
     from ..run import resolve_device  # torch: only once the other options are known to be good
 
     resolve_device(args.device)  # a CUDA flag on a machine without one fails here, before joining

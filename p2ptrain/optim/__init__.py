@@ -2,7 +2,13 @@
 
     progress.py    global training progress through the DHT (sans-IO ``summarize`` + tracker)
     state_sync.py  serving our state, loading the swarm's (late join, missed rounds)
-    optimizer.py   DecentralizedOptimizer: ``sync`` (collaborative large batch) and ``diloco`` modes
+    options.py     TrainerOptions: the optimizer's keyword arguments, checked once (shared with the CLI)
+    optimizer.py   DecentralizedOptimizer: the torch optimizer surface and the lifecycle
+    sync_step.py   ``sync`` mode (collaborative large batch); diloco_step.py: ``diloco`` mode
+    rounds.py      averaging rounds of both modes, and the periodic rounds that average the state
+    catch_up.py    falling behind, loading the swarm's state, resuming from a checkpoint
+    shared_state.py  the state every group member holds alike: served, saved, put in place
+    stats.py       OptimizerStats
 
 The optimizer is imported lazily: tools that only read progress (``p2ptrain status``) need no torch.
 """
@@ -16,8 +22,12 @@ __all__ = ["DecentralizedOptimizer", "OptimizerStats", "PeerReport", "ProgressTr
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DecentralizedOptimizer", "OptimizerStats"):
-        from . import optimizer
+    if name == "DecentralizedOptimizer":
+        from .optimizer import DecentralizedOptimizer
 
-        return getattr(optimizer, name)
+        return DecentralizedOptimizer
+    if name == "OptimizerStats":
+        from .stats import OptimizerStats
+
+        return OptimizerStats
     raise AttributeError(f"module 'p2ptrain.optim' has no attribute {name!r}")

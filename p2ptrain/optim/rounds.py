@@ -1,0 +1,148 @@
+"""Averaging rounds of both modes: starting one, who will come to it, waiting for its result, and the
+periodic rounds that average the state itself."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..averaging import Averager, StepResult
+from .progress import SwarmView
+
+if TYPE_CHECKING:
+    from .optimizer import DecentralizedOptimizer
+
+log = logging.getLogger("p2ptrain.optim")
+#: seconds the training thread waits for a fresh read of the swarm's progress before skipping a
+#: round that others may come to (a DHT read takes a few ms on a LAN, a few hundred on the internet)
+FRESH_LOOK = 2.0
+
+
+def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmView) -> Future[StepResult | None]:
+    """Start averaging ``opt._buffers`` for ``epoch`` (weighted by ``samples``) on the loop.
+
+    Alone (no other peer has reported recently) there is nobody to meet: the round is skipped
+    rather than waiting out the matchmaking deadline on every epoch.
+    """
+    expected = expected_peers(view, epoch, opt.delay_updates)
+    if expected <= 1 and len(view.peers) + len(view.behind) > 1:
+        # Others train, but none looks due for this round. The view is up to a refresh period
+        # old: a peer that finished the previous epoch's round with us since then still
+        # reports the one before, looks like a peer catching up, and going alone here would
+        # leave it waiting out matchmaking in a round nobody comes to. Look again before
+        # skipping (bounded: a DHT that does not answer leaves us with the view we had).
+        t0 = time.perf_counter()
+        view = opt._loop.run(opt.tracker.refresh_now(timeout=FRESH_LOOK))
+        opt._paused += time.perf_counter() - t0
+        expected = expected_peers(view, epoch, opt.delay_updates)
+    opt._last_expected = expected
+    if expected <= 1:
+        done: Future[StepResult | None] = Future()
+        done.set_result(None)
+        return done
+    # (delayed updates overlap training with the round: snapshots do not wait for it)
+    on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
+    return opt._loop.submit(opt.averager.step(weight=samples, round_id=f"e{epoch}", timeout=opt.matchmaking_timeout,
+                                              expected=expected, on_group=on_group))
+
+
+def expected_peers(view: SwarmView, epoch: int, delay_updates: bool) -> int:
+    """How many peers (us included) will come to ``epoch``'s round, from a ``view`` taken
+    before we reported the epoch's end.
+
+    Peers still reporting the previous epoch are finishing its round and will come; peers
+    further behind are catching up (they load the state) and will not. With delayed updates
+    a peer reports the next epoch as soon as its round started: when the view is already at
+    ``epoch + 1``, those peers may be in our round still, and we are among ``behind``
+    (without delayed updates they applied it already: only the peers at ``epoch`` come)."""
+    if view.epoch == epoch + 1:
+        return sum(1 for p in view.behind if p.epoch == epoch) + (view.num_peers if delay_updates else 0)
+    return view.num_peers + sum(1 for p in view.behind if p.epoch == epoch - 1)
+
+
+def round_result(opt: DecentralizedOptimizer, future: Future[StepResult | None]) -> StepResult | None:
+    """Wait for a round's result (None if it failed: counted and logged); the wait counts as a pause."""
+    t0 = time.perf_counter()
+    try:
+        return future.result()
+    except Exception as e:  # noqa: BLE001 - a failed round must not kill training
+        log.warning("averaging round failed (%s: %s); stepping with the local gradients", type(e).__name__, e)
+        opt.stats.failed_rounds += 1
+        return None
+    finally:
+        opt._paused += time.perf_counter() - t0
+
+
+# ---- periodic state averaging
+
+def state_tensors(params: list[torch.Tensor], opt_state: dict[Any, Any],
+                  with_state: bool) -> list[tuple[str, torch.Tensor]]:
+    """What peers must agree on beyond one step: the parameters (the outer ones in diloco) and,
+    ``with_state``, the floating-point optimizer state of the same shape (momenta, Adam moments)."""
+    named = [(f"p{i}", p.data) for i, p in enumerate(params)]
+    if not with_state:
+        return named
+    for i, p in enumerate(params):
+        for k, v in sorted(opt_state.get(p, {}).items()):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
+                named.append((f"s{i}.{k}", v))
+    return named
+
+
+def state_round_due(every: int, epoch: int, expected: int) -> bool:
+    """Whether the state is averaged after ``epoch``'s update (every ``every`` epochs, when others
+    came to the last round). Until that round is over, ``_settled`` stays clear from the update
+    on: a snapshot taken between the two would give a joiner the state from before it, a
+    rounding error apart from the swarm's after it."""
+    return bool(every) and (epoch + 1) % every == 0 and expected > 1
+
+
+def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
+    """Every ``average_state_every`` epochs, average the state itself, equally weighted.
+
+    Gradient rounds keep a group's members bit-identical, but once the swarm splits into
+    several groups (a late matchmaker, churn, more peers than ``target_group_size``) the groups
+    drift apart for good; averaging the state brings them back together.
+    """
+    if not state_round_due(opt.average_state_every, epoch, opt._last_expected):
+        return False
+    if opt.mode == "sync":
+        named = state_tensors(opt.params, opt.inner.state, True)
+    else:
+        assert opt.outer_optimizer is not None
+        # DiLoCo's point is to send little: the outer parameters are what drift; the momentum
+        # buffers follow them (and would double the bytes of these rounds)
+        named = state_tensors(opt._outer, opt.outer_optimizer.state, opt._outer_momentum_in_state)
+    shapes = [(n, t.shape, t.dtype) for n, t in named]
+    if opt._state_averager is None or opt._state_shapes != shapes:
+        if opt._state_averager is not None:
+            opt._loop.run(opt._state_averager.close())
+        opt._state_averager = Averager(
+            opt.dht.node, f"{opt.run_id}/{opt.mode}/state", named, codec="none", aggregation=opt.aggregation,
+            target_group_size=opt.averager.matchmaker.target_group_size,
+            matchmaking_timeout=opt.matchmaking_timeout, service=opt.averager.service,
+        )
+        opt._state_shapes = shapes
+    # Only the training thread changes the state, and it waits here for the round: the state
+    # lock is needed for writing the average back, not across matchmaking and the network (a
+    # snapshot for a joiner would wait for all of it).
+    future = opt._loop.submit(opt._state_averager.step(weight=1.0, round_id=f"s{epoch}",
+                                                       timeout=opt.matchmaking_timeout, expected=opt._last_expected,
+                                                       scatter=False, on_group=opt._settled.clear))
+    try:
+        result = round_result(opt, future)
+        if result is not None and result.group_size > 1:
+            with opt._state_lock:
+                opt._state_averager.scatter()
+                opt._version += 1
+    finally:
+        opt._settled.set()
+    if result is not None:
+        opt.stats.state_rounds += 1
+        opt.stats.bytes_sent += result.bytes_sent
+        opt.stats.bytes_received += result.bytes_received
+    return result is not None and result.group_size > 1

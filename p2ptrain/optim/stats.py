@@ -1,0 +1,78 @@
+"""OptimizerStats: what the swarm and this peer have done so far, and how rounds and views update it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ..averaging import StepResult
+from .progress import SwarmView
+
+log = logging.getLogger("p2ptrain.optim")
+
+
+@dataclass
+class OptimizerStats:
+    """What the swarm and this peer have done so far (read it any time, e.g. for a progress line)."""
+
+    epoch: int = 0  # global epoch: optimizer steps the swarm has taken together
+    local_samples: int = 0  # samples this peer accumulated toward the current epoch
+    samples_total: int = 0  # samples this peer processed since it started
+    peers: int = 1  # compatible peers training in the run (reported recently, any epoch), us included
+    swarm_sps: float = 0.0  # samples per second, whole swarm (from the peers' reports)
+    local_sps: float = 0.0
+    rounds: int = 0  # averaging rounds this peer took part in
+    last_group_size: int = 1
+    last_round_s: float = 0.0
+    last_round_samples: int = 0  # samples behind the last round's average (its group's, together)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    failed_rounds: int = 0  # rounds that found nobody or lost part of the average
+    state_rounds: int = 0  # rounds that averaged the parameters and optimizer state themselves
+    state_loads: int = 0  # times this peer downloaded the swarm's state (joining, or after missing rounds)
+    last_state_load_s: float = 0.0
+    last_state_providers: int = 0  # peers the last state download came from (in parallel)
+    last_state_in_place: int = 0  # bytes of it written straight into our tensors (see catch_up.load_state_from_peers)
+    checkpoints_saved: int = 0  # checkpoints this peer wrote (it is one of the writers of some epochs)
+    last_checkpoint_epoch: int | None = None  # epoch of the last checkpoint this peer wrote
+    resumed_epoch: int | None = None  # epoch of the checkpoint this peer started from, if any
+    #: peers dropped from our rounds (NaN/inf or wrong-sized parts, other codec or aggregation,
+    #: died, stalled): peer id -> why, the latest reason per peer (at most 64 peers kept)
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    def exclude(self, peer: str, why: str) -> bool:
+        """Record why ``peer`` was left out in ``excluded`` (at most 64 peers kept); whether it
+        was not there yet."""
+        new = peer not in self.excluded
+        if not new or len(self.excluded) < 64:
+            self.excluded[peer] = why
+        return new and peer in self.excluded
+
+    def observe(self, view: SwarmView, epoch: int, local_samples: int) -> None:
+        """The swarm's size and speed from ``view``; our epoch and samples."""
+        training = view.training  # (not only those at our epoch: right after a round, others still report the last)
+        self.peers = len(training)
+        self.swarm_sps = sum(p.sps for p in training)
+        self.epoch = epoch
+        self.local_samples = local_samples
+
+    def record(self, result: StepResult | None, epoch: int, local_samples: int) -> None:
+        """Account for an averaging round's ``result`` (None: there was none), and log its exclusions."""
+        self.epoch = epoch
+        self.local_samples = local_samples
+        if result is None:
+            return
+        self.rounds += 1
+        self.last_group_size = result.group_size
+        self.last_round_s = result.total_s
+        self.last_round_samples = int(result.weight_total)
+        self.bytes_sent += result.bytes_sent
+        self.bytes_received += result.bytes_received
+        if result.group_size == 1 and self.peers > 1 or result.not_averaged:
+            self.failed_rounds += 1
+        for rank, why in result.failed.items():
+            peer = str(result.members[rank]) if rank < len(result.members) else f"rank {rank}"
+            self.exclude(peer, why)
+            log.warning("epoch %d: peer %s excluded from the round: %s", epoch, peer, why)
+        log.debug("epoch %d: averaged with %d peers in %.3f s (matchmaking %.3f s, %d peers seen)", epoch,
+                  result.group_size, result.total_s, result.matchmaking_s, self.peers)
