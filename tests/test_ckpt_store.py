@@ -26,14 +26,9 @@ from dht import Identity
 from p2ptrain.checkpoint import Manifest, build_snapshot, restore
 from p2ptrain.checkpoint.cid import CID_LENGTH, cid, parse_cid
 from p2ptrain.checkpoint.record import CheckpointRecord, RecordError
-from p2ptrain.checkpoint.store import (
-    AmbiguousCheckpointError,
-    CheckpointNotFound,
-    CheckpointStore,
-    CorruptBlobError,
-    IncompleteCheckpointError,
-    MissingBlobError,
-)
+from p2ptrain.checkpoint.blobs import CorruptBlobError, MissingBlobError
+from p2ptrain.checkpoint.info import AmbiguousCheckpointError, CheckpointNotFound, IncompleteCheckpointError
+from p2ptrain.checkpoint.store import CheckpointStore
 from p2ptrain.checkpoint.tree import DTYPES
 
 CHUNK = 64 << 10

@@ -17,9 +17,10 @@ from .record import CheckpointRecord, RecordError
 
 #: public name -> the submodule that defines it, imported on first use
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(("AmbiguousCheckpointError", "BlobStore", "CheckpointInfo", "CheckpointNotFound",
-                     "CheckpointStore", "CorruptBlobError", "GcResult", "IncompleteCheckpointError",
-                     "MissingBlobError", "StoreError"), "store"),
+    "CheckpointStore": "store",
+    **dict.fromkeys(("BlobStore", "CorruptBlobError", "MissingBlobError", "StoreError"), "blobs"),
+    **dict.fromkeys(("AmbiguousCheckpointError", "CheckpointInfo", "CheckpointNotFound", "GcResult",
+                     "IncompleteCheckpointError"), "info"),
     **dict.fromkeys(("DEFAULT_CHUNK_SIZE", "DEFAULT_MAX_TOTAL", "MAX_MANIFEST_BYTES", "Manifest", "ManifestError",
                      "StateTooLarge", "TensorEntry", "build_snapshot", "restore"), "manifest"),
     **dict.fromkeys(("CheckpointService", "CheckpointUnavailable", "announce", "fetch_checkpoint", "find_latest",

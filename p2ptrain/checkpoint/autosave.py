@@ -43,7 +43,8 @@ from .trust import parse_writers
 
 if TYPE_CHECKING:
     from ..loop import LoopThread
-    from .store import CheckpointInfo, CheckpointStore
+    from .info import CheckpointInfo
+    from .store import CheckpointStore
 
 log = logging.getLogger("p2ptrain.checkpoint")
 #: seconds between looks for a provider of the run's latest checkpoint while none serves it (doubling)

@@ -35,28 +35,26 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import blake3
 
-from dht.identity import Identity, PeerID
+from dht.identity import Identity
 
 from ..paths import default_data_dir
 from .blobs import BlobStore, CorruptBlobError, MissingBlobError, Progress, StoreError, fsync_dir
 from .cid import CID_COMMON_PREFIX, cid as make_cid, parse_cid
+from .info import AmbiguousCheckpointError, CheckpointInfo, CheckpointNotFound, IncompleteCheckpointError, sort_newest_first
 from .manifest import DIGEST_SIZE, Manifest, ManifestError
 from .record import CheckpointRecord, RecordError
 from .tree import torch_dtype
+from .upkeep import StoreUpkeep
 
 if TYPE_CHECKING:
     import torch
 
-#: a fetch's chunks stay protected from gc this long after its last ``add_chunk``
-DEFAULT_PENDING_GRACE = 3600.0
 _MANIFEST_CACHE = 32
 #: chunks read and verified at once by ``load``
 _READ_THREADS = 2
@@ -64,81 +62,7 @@ _READ_THREADS = 2
 MIN_PREFIX = 4
 
 
-class IncompleteCheckpointError(StoreError):
-    """``commit`` was called before every chunk of the manifest was stored."""
-
-
-class AmbiguousCheckpointError(ValueError):
-    """A prefix matches more than one checkpoint."""
-
-
-class CheckpointNotFound(KeyError):
-    """No checkpoint of that id (or prefix) in the store."""
-
-    def __str__(self) -> str:  # KeyError would print the message quoted
-        return str(self.args[0]) if self.args else "checkpoint not found"
-
-
-# ---------------------------------------------------------------------------- checkpoints
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One stored checkpoint: its signed record and whether it is pinned."""
-
-    record: CheckpointRecord
-    pinned: bool = False
-
-    @property
-    def manifest_id(self) -> bytes:
-        return self.record.manifest_id
-
-    @property
-    def cid(self) -> str:
-        return make_cid(self.record.manifest_id)
-
-    @property
-    def run_id(self) -> str:
-        return self.record.run_id
-
-    @property
-    def epoch(self) -> int:
-        return self.record.epoch
-
-    @property
-    def size(self) -> int:
-        return self.record.size
-
-    @property
-    def created(self) -> float:
-        return self.record.created
-
-    @property
-    def writer(self) -> PeerID:
-        return self.record.writer
-
-
-@dataclass
-class GcResult:
-    """What ``gc`` did."""
-
-    kept: list[CheckpointInfo] = field(default_factory=list)
-    removed: list[CheckpointInfo] = field(default_factory=list)
-    blobs_removed: int = 0
-    bytes_freed: int = 0
-    temp_removed: int = 0
-    bad_refs_removed: int = 0
-    pending_removed: int = 0
-    #: why blobs were not swept (a kept checkpoint whose manifest cannot be read: its chunks
-    #: cannot be told apart from garbage, so none is deleted until ``verify`` is looked at)
-    problems: list[str] = field(default_factory=list)
-
-
-def _sort_newest_first(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
-    return sorted(infos, key=lambda i: i.record._order(), reverse=True)
-
-
-class CheckpointStore:
+class CheckpointStore(StoreUpkeep):
     """Checkpoints under one data directory (see the module docstring for the layout)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None):
@@ -423,7 +347,7 @@ class CheckpointStore:
         infos, _ = self._scan_refs()
         if run_id is not None:
             infos = [i for i in infos if i.run_id == run_id]
-        return _sort_newest_first(infos)
+        return sort_newest_first(infos)
 
     def latest(self, run_id: str) -> CheckpointInfo | None:
         infos = self.list(run_id)
@@ -492,144 +416,6 @@ class CheckpointStore:
         with contextlib.suppress(FileNotFoundError):
             (self._pins / manifest_id.hex()).unlink()
 
-    # ------------------------------------------------------------------ gc, verify
-
-    def gc(self, keep: int = 3, *, pending_grace: float = DEFAULT_PENDING_GRACE) -> GcResult:
-        """Per run, keep the newest ``keep`` checkpoints and every pinned one; delete the rest,
-        then every blob no kept checkpoint (or fetch in progress) uses, temp files left by
-        crashed writers, and malformed or forged record files. Runs with the store locked
-        against writers, so it never removes what a concurrent save is writing."""
-        if type(keep) is not int or keep < 0:
-            raise ValueError(f"keep must be a non-negative int, not {keep!r}")
-        result = GcResult()
-        with self.blobs.exclusive():
-            infos, bad = self._scan_refs(fresh=True)
-            for path, _ in bad:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                result.bad_refs_removed += 1
-            by_run: dict[str, list[CheckpointInfo]] = {}
-            for info in _sort_newest_first(infos):
-                by_run.setdefault(info.run_id, []).append(info)
-            for run in by_run.values():
-                newest: list[bytes] = []
-                for info in run:
-                    if info.manifest_id not in newest and len(newest) < keep:
-                        newest.append(info.manifest_id)
-                for info in run:
-                    if info.pinned or info.manifest_id in newest:
-                        result.kept.append(info)
-                    else:
-                        with contextlib.suppress(FileNotFoundError):
-                            (self._refs / self._ref_name(info.record)).unlink()
-                        result.removed.append(info)
-            kept_ids = {i.manifest_id for i in result.kept}
-            for pinned in self._pinned() - kept_ids:  # a pin whose records are gone pins nothing
-                with contextlib.suppress(FileNotFoundError):
-                    (self._pins / pinned.hex()).unlink()
-            live: set[bytes] = set()
-            for mid in kept_ids:
-                live.add(mid)
-                try:
-                    m = self.manifest(mid)
-                except (StoreError, ManifestError, CheckpointNotFound) as e:
-                    result.problems.append(f"checkpoint {make_cid(mid)}: {e}")
-                    continue
-                live.update(m.chunk_digest(i) for i in range(m.num_chunks))
-            result.pending_removed = self._live_pending(live, pending_grace)
-            for digest, path in [] if result.problems else list(self.blobs.digests()):
-                if digest in live:
-                    continue
-                try:
-                    size = path.stat().st_size
-                    path.unlink()
-                except FileNotFoundError:
-                    continue
-                self._forget(digest)
-                result.blobs_removed += 1
-                result.bytes_freed += size
-            with os.scandir(self.blobs.tmp) as entries:  # no writer holds the lock: all are stale
-                for e in entries:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
-                        result.temp_removed += 1
-            for sub in self.blobs.dir.iterdir():
-                with contextlib.suppress(OSError):
-                    sub.rmdir()  # only succeeds when empty
-        result.kept = _sort_newest_first(result.kept)
-        return result
-
-    def _live_pending(self, live: set[bytes], grace: float) -> int:
-        """Add the blobs of fetches touched within ``grace`` seconds to ``live``; remove older
-        markers. Returns how many markers were removed."""
-        removed, now = 0, time.time()
-        with os.scandir(self._pending) as entries:
-            for e in entries:
-                try:
-                    fresh = now - e.stat().st_mtime <= grace
-                    m = Manifest.from_bytes(Path(e.path).read_bytes()) if fresh else None
-                except (OSError, ManifestError):
-                    m = None
-                if m is None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
-                    removed += 1
-                    continue
-                live.add(m.id)
-                live.update(m.chunk_digest(i) for i in range(m.num_chunks))
-        return removed
-
-    def verify(self, manifest_id: bytes | None = None, *, progress: Progress | None = None) -> list[str]:
-        """Re-hash every blob of one checkpoint (or all) from disk; one line per problem (empty
-        when all is well). Corrupt blobs are removed as they are found."""
-        problems: list[str] = []
-        infos, bad = self._scan_refs(fresh=True)
-        if manifest_id is None:
-            problems += [f"record {path.name}: {why}" for path, why in bad]
-        else:
-            infos = [i for i in infos if i.manifest_id == manifest_id]
-            if not infos:
-                raise CheckpointNotFound(f"no checkpoint {make_cid(manifest_id)} in {self.root}")
-        by_manifest: dict[bytes, list[CheckpointInfo]] = {}
-        for info in _sort_newest_first(infos):
-            by_manifest.setdefault(info.manifest_id, []).append(info)
-        manifests: list[tuple[Manifest, str]] = []
-        for mid, group in by_manifest.items():
-            label = f"checkpoint {make_cid(mid)} (run {group[0].run_id!r}, epoch {group[0].epoch})"
-            self._forget(mid)  # re-read from disk
-            try:
-                m = self.manifest(mid)
-            except CheckpointNotFound:
-                problems.append(f"{label}: its manifest blob is missing")
-                continue
-            except (CorruptBlobError, ManifestError) as e:
-                problems.append(f"{label}: manifest: {e}")
-                continue
-            problems += [f"{label}: record says {i.size} bytes, the manifest {m.total_size}"
-                         for i in group if i.size != m.total_size][:1]
-            manifests.append((m, label))
-        total = sum(m.total_size for m, _ in manifests)
-        done, checked = 0, set()
-        for m, label in manifests:
-            for i in range(m.num_chunks):
-                d = m.chunk_digest(i)
-                a, b = m.chunk_span(i)
-                if d not in checked:
-                    try:
-                        size = self.blobs.verify(d)
-                        if size != b - a:  # right hash, wrong size cannot happen; kept as a guard
-                            problems.append(f"{label}: chunk {i} has {size} bytes, expected {b - a}")
-                    except MissingBlobError:
-                        problems.append(f"{label}: chunk {i} of {m.num_chunks} is missing")
-                    except CorruptBlobError:
-                        problems.append(f"{label}: chunk {i} of {m.num_chunks} was corrupt (removed)")
-                    else:
-                        checked.add(d)
-                done += b - a
-                if progress is not None:
-                    progress(done, total)
-        return problems
-
     # ------------------------------------------------------------------ export
 
     def export(self, manifest_id: bytes, path: str | os.PathLike[str], *, with_optimizer: bool = False,
@@ -653,8 +439,4 @@ def _buffer_view(manifest: Manifest, buffer: torch.Tensor) -> memoryview:
     return memoryview(buffer.numpy())
 
 
-__all__ = [
-    "AmbiguousCheckpointError", "BlobStore", "CheckpointInfo", "CheckpointNotFound", "CheckpointStore",
-    "CorruptBlobError", "GcResult", "IncompleteCheckpointError", "MissingBlobError", "StoreError",
-    "default_data_dir",
-]
+__all__ = ["CheckpointStore"]

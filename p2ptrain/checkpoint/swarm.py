@@ -56,7 +56,8 @@ from .state_server import StateServer
 from .trust import QUORUM, Verdict, decide, group_claims, refusal
 
 if TYPE_CHECKING:
-    from .store import CheckpointInfo, CheckpointStore
+    from .info import CheckpointInfo
+    from .store import CheckpointStore
 
 log = logging.getLogger("p2ptrain.checkpoint")
 

@@ -139,7 +139,8 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from ..checkpoint.manifest import ManifestError
     from ..checkpoint.record import RecordError
-    from ..checkpoint.store import AmbiguousCheckpointError, CheckpointNotFound, StoreError
+    from ..checkpoint.blobs import StoreError
+    from ..checkpoint.info import AmbiguousCheckpointError, CheckpointNotFound
 
     try:
         return args.ckpt_func(args)
@@ -174,7 +175,7 @@ def _store(args: argparse.Namespace) -> Any:
 
 def _resolve(store: Any, text: str) -> bytes:
     """A checkpoint argument -> manifest id; bad syntax is a usage error (exit 2)."""
-    from ..checkpoint.store import AmbiguousCheckpointError
+    from ..checkpoint.info import AmbiguousCheckpointError
 
     try:
         return store.resolve(text)
@@ -507,7 +508,7 @@ def _get(args: argparse.Namespace) -> int:
     store = _store(args)
 
     async def session(stop: asyncio.Event) -> int:
-        from ..checkpoint.store import StoreError
+        from ..checkpoint.blobs import StoreError
         from ..checkpoint.swarm import fetch_checkpoint
         from ..checkpoint.errors import StateTransferError
 
