@@ -157,7 +157,8 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
 
     from dht.identity import Identity, PeerID
     from dht.transport import Host, Limits
-    from p2ptrain.averaging.allreduce import AllReduceConfig, AllReduceService
+    from p2ptrain.averaging import AllReduceConfig
+    from p2ptrain.averaging.allreduce import AllReduceService
     from p2ptrain.averaging.group import Group, Member
     from p2ptrain.compression import get_codec
 

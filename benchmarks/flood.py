@@ -163,7 +163,7 @@ async def _spam(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.
 async def _tiny_streams(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, per_conn: int) -> None:
     """Fresh identities, each with ``per_conn`` stream slots: open an all-reduce stream for a
     made-up group and send its window as 1-byte frames, 4096 at a time; reopen when reset."""
-    from p2ptrain.averaging.allreduce import PROTOCOL
+    from p2ptrain.averaging.protocol import PROTOCOL
     from p2ptrain.testbed.hostile.streams import send_tiny
 
     async def slot(conn) -> None:  # type: ignore[no-untyped-def]
@@ -231,7 +231,7 @@ async def _bombs(host: str, port: int, peer: str, counts: _Counts, stop: asyncio
 async def _fill_streams(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, per_conn: int) -> None:
     """Fresh identities, each with ``per_conn`` stream slots: open an all-reduce stream for a
     made-up group, write a window of junk, wait for the victim's reset, repeat."""
-    from p2ptrain.averaging.allreduce import PROTOCOL
+    from p2ptrain.averaging.protocol import PROTOCOL
 
     junk = os.urandom(1 << 20)
 

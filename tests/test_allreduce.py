@@ -17,13 +17,9 @@ import torch
 from dht.identity import Identity
 from dht.stream import StreamReset
 from dht.transport import Host
-from p2ptrain.averaging.allreduce import (
-    PROTOCOL,
-    AllReduceConfig,
-    AllReduceResult,
-    AllReduceService,
-    codec_id,
-)
+from p2ptrain.averaging.allreduce import AllReduceService
+from p2ptrain.averaging.protocol import PROTOCOL
+from p2ptrain.averaging.round_types import AllReduceConfig, AllReduceResult, codec_id
 from p2ptrain.averaging.group import Group, Member, partition
 from p2ptrain.compression import get_codec
 
@@ -512,24 +508,24 @@ async def test_hostile_owner_reply_rejected(swarm):
         xs, ws = data(2, 10_000)
         flats = [x.clone() for x in xs]
         # corrupt member 1's averages in place just before they are encoded
-        from p2ptrain.averaging import allreduce as ar
+        from p2ptrain.averaging.reducer import ShardReducer
 
-        orig = ar._Round._finalize
+        orig = ShardReducer.finalize
 
         def bad_finalize(self, ci, out_wire=None):
             if self.rank == 1:
                 self.acc.fill_(float("nan"))
-                a, b = self.my_chunks[ci]
+                a, b = self.chunks[ci]
                 self.flat[a:b].fill_(float("nan"))
                 self.count[ci] = 1  # skip the division; encode raw NaN
                 return memoryview(self.flat[a:b].numpy()).cast("B")
             return orig(self, ci, out_wire)
 
-        ar._Round._finalize = bad_finalize
+        ShardReducer.finalize = bad_finalize
         try:
             results = await run_all(group, services, flats, ws)
         finally:
-            ar._Round._finalize = orig
+            ShardReducer.finalize = orig
         res0 = results[0]
         assert res0.not_averaged == [1] and "result rejected" in res0.shards[1].error
         s = res0.shards[1]
@@ -549,9 +545,9 @@ async def test_hostile_owner_reply_keeps_what_came_before_the_nan(swarm):
         group, _h, services = await swarm.group(2, config=AllReduceConfig(chunk_numel=cn, timeout=10.0))
         xs, ws = data(2, 4 * cn)
         flats = [x.clone() for x in xs]
-        from p2ptrain.averaging import allreduce as ar
+        from p2ptrain.averaging.reducer import ShardReducer
 
-        orig = ar._Round._finalize
+        orig = ShardReducer.finalize
         sent: dict[int, torch.Tensor] = {}
 
         def bad_finalize(self, ci, out_wire=None):
@@ -564,11 +560,11 @@ async def test_hostile_owner_reply_keeps_what_came_before_the_nan(swarm):
                 return memoryview(t.numpy()).cast("B")
             return mv
 
-        ar._Round._finalize = bad_finalize
+        ShardReducer.finalize = bad_finalize
         try:
             results = await run_all(group, services, flats, ws)
         finally:
-            ar._Round._finalize = orig
+            ShardReducer.finalize = orig
         s = results[0].shards[1]
         assert s.status == "failed" and "result rejected" in s.error and 1 in results[0].failed
         good = cn + (10_000 // kernels.COPY_PIECE * kernels.COPY_PIECE if kernels.AVAILABLE else 0)
@@ -704,8 +700,8 @@ async def test_codec_work_stays_on_the_loop_without_a_spare_cpu(swarm, monkeypat
             calls = []
             for svc in services:
                 svc.cpus = cpus
-                submit = svc._executor.submit
-                monkeypatch.setattr(svc._executor, "submit", lambda *a, _s=submit, **k: calls.append(1) or _s(*a, **k))
+                submit = svc.resources.executor.submit
+                monkeypatch.setattr(svc.resources.executor, "submit", lambda *a, _s=submit, **k: calls.append(1) or _s(*a, **k))
             flats = [x.clone() for x in xs]
             results = await run_all(Group(os.urandom(16), group.members), services, flats, ws, "int8")
             assert all(r.ok for r in results)

@@ -385,7 +385,7 @@ def test_fuzz_allreduce_inside_a_live_round(target, changes, data, end):
     the owner's rules accept, exactly one part of finite values within the owner's bound for a
     ``none`` round (|x| <= half of float32's max: its running mean of such values cannot overflow,
     whatever the weights)."""
-    from p2ptrain.averaging.round import _SUM_LIMIT
+    from p2ptrain.averaging.reducer import SUM_LIMIT as _SUM_LIMIT
 
     sent, result = _example(target, _live_round, changes, data, end)
     assert sent[0] in ("eof", "reset", "reset-by-us"), sent

@@ -21,7 +21,7 @@ from test_allreduce import Swarm, data, run_all
 
 from dht import DHTConfig, DHTNode, Identity
 from p2ptrain.averaging import Averager, Matchmaker, tensor_schema
-from p2ptrain.averaging.allreduce import AllReduceConfig
+from p2ptrain.averaging.round_types import AllReduceConfig
 from p2ptrain.averaging.group import MAX_BANDWIDTH_RATIO, MAX_WEIGHT_RATIO, Member, partition
 from p2ptrain.averaging.robust import aggregate
 from p2ptrain.testbed.hostile import MODES

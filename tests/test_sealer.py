@@ -20,7 +20,8 @@ from dht import sealer
 from dht.identity import Identity
 from dht.stream import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
 from dht.transport import Host, Limits
-from p2ptrain.averaging.allreduce import AllReduceConfig, AllReduceService
+from p2ptrain.averaging.allreduce import AllReduceService
+from p2ptrain.averaging.round_types import AllReduceConfig
 from p2ptrain.averaging.group import Group, Member
 from test_transport import make_host  # noqa: F401 - a fixture
 

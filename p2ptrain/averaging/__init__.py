@@ -9,7 +9,13 @@ fault-tolerant butterfly all-reduce among their members.
     board.py        matchmaking's DHT board: our signed entry for a round, validated reads of the others'
     join.py         matchmaking's lead/follow/join protocol (the leader closes, members join it)
     matchmaking.py  Matchmaker: register, gather until the set settles, plan, join; adaptive waits
-    round.py        one all-reduce round: the protocol, config/result types, the state machine
+    round_types.py  the all-reduce's config and result types, codec ids, the resources a round is lent
+    protocol.py     the all-reduce's wire: stream header, result summary, exact-size reads
+    reducer.py      an owner's sum (or robust combination) of its shard, chunk by chunk (sans-IO)
+    context.py      what both sides of one round share: parameters, failures, accounting, the worker
+    owner.py        a round's owner side: one task per sender, then the replies
+    sender.py       a round's sender side: one task per other owner
+    round.py        one all-reduce round's lifecycle (run, abort) over the two sides
     allreduce.py    AllReduceService: runs rounds (stream handlers, registry, worker, kept buffers)
     ledger.py       what a member keeps of a robust round for the others' audits (sans-IO)
     verify.py       recompute an owner's chunk, tell a cheating owner from a lying member (sans-IO)
@@ -18,11 +24,13 @@ fault-tolerant butterfly all-reduce among their members.
     averager.py     Averager / BlockingAverager: the public API
 """
 
-from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService, AuditConfig
+from .allreduce import AllReduceService
+from .audit import AuditConfig
 from .averager import Averager, BlockingAverager, StepResult
 from .group import Group, Member, partition
 from .matchmaking import Matchmaker
 from .robust import AGGREGATIONS, aggregate
+from .round_types import AllReduceConfig, AllReduceResult
 from .schema import Schema, tensor_schema
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Runs all-reduce rounds for one host: ``AllReduceService`` owns the stream handler of protocol
 ``p2ptrain/allreduce/1``, the registry of rounds in progress (streams may arrive before the local
 round starts), the worker thread for codec work, and the buffers kept between rounds (a fresh
-state-sized buffer costs a page fault per 4 KiB). The protocol and one round's state machine are
-in :mod:`.round`. Under a robust rule it also keeps each round's :class:`.ledger.Ledger`, serves
+state-sized buffer costs a page fault per 4 KiB), lent to each round as one ``RoundResources``.
+One round's lifecycle is in :mod:`.round`. Under a robust rule it also keeps each round's :class:`.ledger.Ledger`, serves
 the others' audits from it (``p2ptrain/allreduce-audit/1``) and audits the other owners after
 each round (:mod:`.audit`) before ``run`` returns.
 
@@ -39,19 +39,11 @@ from .audit import serve as serve_audit
 from .group import Group
 from .ledger import Ledger
 from .robust import MIN_ROBUST_GROUP, check_aggregation, check_codec
-from .round import (
-    PROTOCOL,
-    ROBUST_WINDOW,
-    AllReduceConfig,
-    AllReduceResult,
-    ShardResult,
-    _base,
-    _Round,
-    codec_id,
-)
+from .protocol import PROTOCOL
+from .round import _Round
+from .round_types import AllReduceConfig, AllReduceResult, RoundResources, base_codec
 
-__all__ = ["MAX_WAITING_PER_PEER", "PROTOCOL", "ROBUST_WINDOW", "AllReduceConfig", "AllReduceResult",
-           "AllReduceService", "AuditConfig", "ShardResult", "codec_id", "usable_cpus"]
+__all__ = ["MAX_WAITING_PER_PEER", "AllReduceService"]
 
 log = logging.getLogger("p2ptrain.allreduce")
 
@@ -82,20 +74,38 @@ class AllReduceService:
         self._ledgers: collections.OrderedDict[bytes, Ledger] = collections.OrderedDict()
         self._ledger_bufs: list[torch.Tensor] = []  # their buffers, kept between rounds like _scratch
         self._audit_streams: collections.Counter[tuple[bytes, PeerID]] = collections.Counter()
-        self.accept_wait = accept_wait
         self.max_waiting_groups = max_waiting_groups
         self._rounds: dict[bytes, _Round] = {}
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._waiting_by_peer: collections.Counter[PeerID] = collections.Counter()  # streams waiting, per sender
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         # One shard-sized accumulator kept between rounds: a fresh 100+ MB tensor costs a page
         # fault per 4 KiB on first touch (~40k faults, a measurable share of a round's CPU time).
         self._scratch: list[torch.Tensor] = []  # (at most one)
         self._wires: list[torch.Tensor] = []  # encoded-chunk buffers kept the same way
-        self.cpus = usable_cpus()
+        # lent to every round (the hooks: subclasses override the methods, tests may replace them here)
+        self.resources = RoundResources(self.host, accept_wait, usable_cpus(), self._take_wire, self._take_scratch,
+                                        before_chunk=self._before_chunk, outgoing=self._outgoing, reply=self._reply)
+
+    @property
+    def accept_wait(self) -> float:
+        """Seconds a stream may wait for its round to start here."""
+        return self.resources.accept_wait
+
+    @accept_wait.setter
+    def accept_wait(self, value: float) -> None:
+        self.resources.accept_wait = value
+
+    @property
+    def cpus(self) -> int:
+        """Usable CPUs: rounds offload codec work to the worker thread only with enough of them."""
+        return self.resources.cpus
+
+    @cpus.setter
+    def cpus(self, value: int) -> None:
+        self.resources.cpus = value
 
     _SCRATCH_MIN = 1 << 18  # smaller accumulators are not worth keeping
     _WIRES_KEPT = 32  # wire buffers kept between rounds (two per part a round encodes at once)
@@ -120,10 +130,9 @@ class AllReduceService:
         """Keep ``rnd``'s accumulator and wire buffers for the next round once no work of ``rnd``
         can touch them: the worker is FIFO, so a no-op submitted now runs after every job ``rnd``
         queued."""
-        acc = getattr(rnd, "acc", None)
-        keep_acc = not (acc is None or rnd.acc_in_place or acc.numel() < self._SCRATCH_MIN)
+        acc, wires = rnd.kept_buffers()
+        keep_acc = not (acc is None or acc.numel() < self._SCRATCH_MIN)
         base = (acc._base if acc._base is not None else acc) if keep_acc else None
-        wires = rnd.wires
         if self._closed or (base is None and not wires):
             return
 
@@ -136,13 +145,13 @@ class AllReduceService:
             put()
             return
         try:
-            fut = asyncio.get_running_loop().run_in_executor(self._executor, _noop)
+            fut = asyncio.get_running_loop().run_in_executor(self.resources.executor, _noop)
         except RuntimeError:  # executor shut down
             return
         fut.add_done_callback(put)
 
     async def start(self) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce")
+        self.resources.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce")
         self.host.on_stream(PROTOCOL, self._on_stream)
         self.host.on_stream(AUDIT_PROTOCOL, self._on_audit_stream)
 
@@ -163,8 +172,8 @@ class AllReduceService:
         for rnd in list(self._rounds.values()):
             rnd.abort("all-reduce service closing")
         await cancel_all(self._tasks)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.resources.executor is not None:
+            self.resources.executor.shutdown(wait=True, cancel_futures=True)
         self._scratch = []
         self._ledgers.clear()
         self._ledger_bufs = []
@@ -195,7 +204,7 @@ class AllReduceService:
         self._audit_streams = collections.Counter({k: v for k, v in self._audit_streams.items()
                                                    if k[0] in self._ledgers})
         ledger = self._ledgers[rnd.group.group_id] = Ledger(
-            rnd.group, rnd.rank, weight, rnd.bounds, rnd.cn, _base(codec), rnd.rmeta,
+            rnd.group, rnd.rank, weight, rnd.bounds, rnd.cn, base_codec(codec), rnd.rmeta,
             lambda nbytes: self._take(self._ledger_bufs, nbytes, torch.uint8))
         return ledger
 
@@ -288,7 +297,7 @@ class AllReduceService:
         round cancelled midway leaves ``flat`` part input, part result (and under ``mean`` with a
         ``none`` or ``int8`` reply, an owner sums into its own shard of ``flat``): keep a copy if the
         input is needed after a cancellation."""
-        if self._closed or self._executor is None:
+        if self._closed or self.resources.executor is None:
             raise RuntimeError("AllReduceService is not running (call start())")
         check_aggregation(aggregation)
         cfg = config or self.config
@@ -296,11 +305,11 @@ class AllReduceService:
             cfg = dataclasses.replace(cfg, timeout=float(timeout))
         codec = get_codec(codec) if isinstance(codec, str) else codec
         if gather_codec is None:
-            gather_codec = get_codec("fp16") if _base(codec).name == "topk" else _base(codec)
+            gather_codec = get_codec("fp16") if base_codec(codec).name == "topk" else base_codec(codec)
         elif isinstance(gather_codec, str):
             gather_codec = get_codec(gather_codec)
-        gather_codec = _base(gather_codec)  # stateless: no error feedback on averages
-        check_codec(aggregation, _base(codec).name)
+        gather_codec = base_codec(gather_codec)  # stateless: no error feedback on averages
+        check_codec(aggregation, base_codec(codec).name)
         if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.float32 and flat.device.type == "cpu"
                 and flat.dim() == 1 and flat.is_contiguous()):
             raise ValueError("flat must be a 1-D contiguous CPU float32 tensor")
@@ -314,13 +323,13 @@ class AllReduceService:
         # One pass: min/max propagate NaN, and bound our own values for _accumulate. With a codec
         # whose encode refuses NaN/inf in the pass that reads each chunk (int8), no pass at all:
         # what we send is checked by its encode, our own shard where the round first reads each
-        # of its chunks (see round.py, "Own values").
+        # of its chunks (see reducer.py).
         absmax: float | None = None
-        if not (_base(codec).encode_checks_finite and aggregation == "mean"):
+        if not (base_codec(codec).encode_checks_finite and aggregation == "mean"):
             absmax = abs_max(flat) if flat.numel() else 0.0
             if not absmax < float("inf"):  # NaN compares false
                 raise CompressionError("flat contains NaN or inf; refusing to average it")
-        rnd = _Round(self, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax)
+        rnd = _Round(self.resources, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax)
         gid = group.group_id
         ledger = None
         if aggregation != "mean" and self.audit.chunks > 0 and group.size >= MIN_ROBUST_GROUP:

@@ -56,10 +56,12 @@ from dht.wire import pack, unpack
 
 from .group import counted_weight, weight_cap
 from .ledger import Ledger, chunks
+from .protocol import Reader
 from .verify import Part, agrees, judge, recompute
 
 if TYPE_CHECKING:
-    from .round import AllReduceResult, _Round
+    from .context import RoundContext
+    from .round_types import AllReduceResult
 
 __all__ = ["AUDIT_PROTOCOL", "AuditConfig", "audit_round", "serve"]
 
@@ -153,13 +155,12 @@ async def serve(ledger: Ledger, stream: Stream, wait: float, write_timeout: floa
 # ---------------------------------------------------------------------------- asking
 
 
-async def _fetch(rnd: _Round, rank: int, items: list[Item], sizes: list[int]) -> list[Any]:
+async def _fetch(rnd: RoundContext, rank: int, items: list[Item], sizes: list[int]) -> list[Any]:
     """Ask member ``rank`` for ``items`` (of ``sizes`` values): per item (weight, float32 values)
     or why there is none; raises if the member cannot be asked or answers out of protocol."""
-    from .round import _Reader  # (round.py is imported by the service, which imports us)
 
     cfg, member = rnd.cfg, rnd.group.members[rank]
-    host = rnd.svc.host
+    host = rnd.res.host
     conn = host.connection(member.peer_id)
     if conn is None:
         if member.addr is None:
@@ -169,7 +170,7 @@ async def _fetch(rnd: _Round, rank: int, items: list[Item], sizes: list[int]) ->
     done = False
     try:
         stream.write_eof()
-        reader = _Reader(stream, 4 * max(sizes, default=0))
+        reader = Reader(stream, 4 * max(sizes, default=0))
         head = bytearray(_PREFIX.size)
         out: list[Any] = []
         for size in sizes:
@@ -199,7 +200,7 @@ async def _fetch(rnd: _Round, rank: int, items: list[Item], sizes: list[int]) ->
             stream.reset("audit aborted")
 
 
-async def _ask(rnd: _Round, wanted: dict[int, list[tuple[Item, int]]]) -> dict[int, list[Any]]:
+async def _ask(rnd: RoundContext, wanted: dict[int, list[tuple[Item, int]]]) -> dict[int, list[Any]]:
     """``wanted``: rank -> [(item, values expected)]; every member asked at once. A member that
     fails answers its reason for each item."""
 
@@ -249,7 +250,7 @@ class _Chunk:
 class _Audit:
     """The auditor's side of one round (``rnd`` after its run, ``result`` its result)."""
 
-    def __init__(self, rnd: _Round, result: AllReduceResult, cfg: AuditConfig):
+    def __init__(self, rnd: RoundContext, result: AllReduceResult, cfg: AuditConfig):
         self.rnd, self.result, self.cfg = rnd, result, cfg
         self.me, self.members = rnd.rank, rnd.group.members
         self.gname = getattr(rnd.gcodec, "name", "?")
@@ -384,7 +385,7 @@ class _Audit:
         log.warning("all-reduce %s: %s", self.rnd.group.group_id.hex()[:8], self.result.failed[owner])
 
 
-async def audit_round(rnd: _Round, result: AllReduceResult, cfg: AuditConfig) -> None:
+async def audit_round(rnd: RoundContext, result: AllReduceResult, cfg: AuditConfig) -> None:
     """Audit the other owners' replies of ``rnd`` (over; ``result`` its result): fixes ``rnd.flat``
     and names cheating owners in ``result.failed``. Bounded by the round's ``timeout``."""
     t0 = time.monotonic()

@@ -19,9 +19,10 @@ from dht import DHTNode, PeerID
 
 from ..compression import get_codec
 from ..loop import LoopThread
-from .allreduce import AllReduceConfig, AllReduceResult, AllReduceService
+from .allreduce import AllReduceService
 from .matchmaking import Matchmaker
 from .robust import MIN_ROBUST_GROUP, check_aggregation, check_codec
+from .round_types import AllReduceConfig, AllReduceResult
 from .schema import Schema, tensor_schema
 
 log = logging.getLogger("p2ptrain.averager")

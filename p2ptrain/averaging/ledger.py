@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 
 from ..compression import Codec, CompressionError
-from ..compression.float import NoneCodec
 from .group import Group
 
 __all__ = ["Ledger", "chunks"]
@@ -87,7 +86,7 @@ class Ledger:
         off, nb = self._at[(owner, ci)]
         a, b = chunks(*self.bounds[owner], self.cn)[ci]
         data = memoryview(self.sent_buf.numpy())[off : off + nb]
-        if isinstance(self.codec, NoneCodec) and nb == 4 * (b - a):  # the values themselves: no copy
+        if self.codec.wire_is_values and nb == 4 * (b - a):  # the values themselves: no copy
             return torch.frombuffer(data, dtype=torch.float32)
         try:
             return self.codec.decode(dict(self.meta, numel=b - a), data)

@@ -52,7 +52,8 @@ from dht.node import DHTConfig
 from dht.stream import Stream
 from dht.swarmproc import die_with_parent
 
-from .allreduce import PROTOCOL, AllReduceConfig
+from .protocol import PROTOCOL
+from .round_types import AllReduceConfig
 from .averager import Averager, StepResult
 
 log = logging.getLogger("p2ptrain.averaging.worker")

@@ -161,7 +161,7 @@ class Codec:
     uses_out: bool = False
     #: True when ``encode`` refuses NaN/inf in the same pass that reads the chunk: the all-reduce
     #: then reads nothing up front (what it keeps is checked by ``decode_add_base``; see
-    #: averaging/round.py, "Own values")
+    #: averaging/reducer.py)
     encode_checks_finite: bool = False
     #: A hint, not an option of the format: ``decode`` writes its output with streaming stores,
     #: around the cache, where the codec has such a kernel (int8 on x86-64). For a caller whose
@@ -169,6 +169,12 @@ class Codec:
     #: in a tensor larger than the last-level cache: ``kernels.stream_worthwhile``); it saves the
     #: read of each written line. Set on a copy of the codec (codecs are shared).
     stream_decoded: bool = False
+    #: True when the wire bytes of a float32 chunk are its values themselves (``none``): a receiver
+    #: may read them in place and a sender may send views of its tensor
+    wire_is_values: bool = False
+    #: True when ``encode`` never fails on finite float32 values (no overflow to a narrower type):
+    #: an all-reduce owner may then sum into its own values in place
+    encode_total: bool = False
 
     def __init__(self, *, max_numel: int = DEFAULT_MAX_NUMEL, check_finite_on_decode: bool = True):
         if not (isinstance(max_numel, int) and max_numel >= 0):
@@ -248,6 +254,11 @@ class Codec:
         not overlap it."""
         numel, mv, weight = self._check_add(meta, buffer, acc, weight, base)
         return self._decode_add_base(meta, mv, numel, acc, weight, base) if numel else 0.0
+
+    def fuses_add_encode(self, reply: Codec) -> bool:
+        """True when ``decode_add_encode`` with ``reply`` as the reply's codec runs as one pass (the
+        same bits as the two calls, at less memory traffic); False where it would just chain them."""
+        return False
 
     def decode_add_encode(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float, scale: float,
                           out: torch.Tensor) -> tuple[torch.Tensor | None, float]:

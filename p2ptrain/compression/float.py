@@ -97,6 +97,8 @@ class NoneCodec(_CastCodec):
 
     name = "none"
     lossless = True
+    wire_is_values = True
+    encode_total = True
 
 
 class Float16Codec(_CastCodec):

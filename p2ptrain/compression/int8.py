@@ -44,6 +44,7 @@ class Int8Codec(Codec):
     name = "int8"
     uses_out = True
     encode_checks_finite = True  # the block absmaxes propagate NaN/inf: no separate pass
+    encode_total = True  # the block scales absorb any finite value
 
     def __init__(self, block: int = 256, **kw):
         super().__init__(**kw)
@@ -194,6 +195,10 @@ class Int8Codec(Codec):
             scales, q = self._unpack(buf, numel, acc.device, check=self.check_finite_on_decode)
             return kernels.decode_add_max(scales, q, self.block, weight, base, acc)
         return super()._decode_add_base(meta, buf, numel, acc, weight, base)
+
+    def fuses_add_encode(self, reply: Codec) -> bool:
+        # the compiled kernels, and a reply in this very format
+        return kernels.AVAILABLE and type(reply) is type(self) and reply.block == self.block
 
     def decode_add_encode(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float, scale: float,
                           out: torch.Tensor) -> tuple[torch.Tensor | None, float]:

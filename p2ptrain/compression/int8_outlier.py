@@ -80,6 +80,7 @@ class Int8OutlierCodec(Int8Codec):
     _encode_decoded = Codec._encode_decoded
     _decode_add_base = Codec._decode_add_base  # (int8's fused kernels know nothing of outliers)
     decode_add_encode = Codec.decode_add_encode
+    fuses_add_encode = Codec.fuses_add_encode
     encode_checks_finite = False  # (not claimed for its own encode)
 
     def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:

@@ -88,7 +88,7 @@ class _Node:
         import torch
 
         from p2ptrain.averaging import Averager
-        from p2ptrain.averaging.allreduce import AllReduceConfig
+        from p2ptrain.averaging.round_types import AllReduceConfig
         from p2ptrain.averaging.worker import flat_input
 
         torch.set_num_threads(1)  # imported here: a DHT-only node never pays for torch

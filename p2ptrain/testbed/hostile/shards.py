@@ -3,7 +3,7 @@ can do to the others' results through the all-reduce and matchmaking it takes pa
 
 Each mode installs itself on an honest object of the peer it turns hostile (its
 :class:`~p2ptrain.averaging.AllReduceService`, :class:`~p2ptrain.averaging.Matchmaker` or
-:class:`~p2ptrain.averaging.Averager`) through the test hooks those keep (``_reply``,
+:class:`~p2ptrain.averaging.Averager`) through the test hooks those keep (``resources.reply``,
 ``_audit_answer``) or by replacing one method on that instance; it returns nothing.
 """
 
@@ -30,7 +30,7 @@ def _scaled_f32(data: Any, scale: float, first: int | None = None) -> memoryview
 def owner_tamper(service: Any, scale: float = -100.0, first: int | None = None) -> None:
     """``service``: the hostile peer's AllReduceService; its own values stay honest. ``first``:
     tamper with only the first ``first`` values of each chunk of the reply."""
-    service._reply = lambda index, data: _scaled_f32(data, scale, first)
+    service.resources.reply = lambda index, data: _scaled_f32(data, scale, first)
 
 
 @mode("audit_lie", "a member shows auditors its parts times -100, not what it sent the owners")
