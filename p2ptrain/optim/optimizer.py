@@ -49,7 +49,7 @@ from .progress import PeerReport, ProgressTracker, SwarmView
 from .rounds import average, expected_peers, maybe_average_state
 from .shared_state import apply_shared_state, checkpoint_state, make_checkpointer, model_extra, shared_state
 from .state_sync import StateSync
-from .stats import OptimizerStats
+from .stats import CycleRate, OptimizerStats
 from .sync_step import end_sync_epoch, round_over, sync_step
 
 log = logging.getLogger("p2ptrain.optim")
@@ -215,9 +215,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.epoch = 0
         self.local_samples = 0
         self._local_steps_done = 0
-        self._sps = 0.0
-        self._cycle_ema: tuple[float, float] | None = None  # (samples, seconds) of a step cycle, averaged
-        self._last_step_start: float | None = None
+        self._rate = CycleRate()
+        self._sps = 0.0  # samples/s of this peer's training loop (see CycleRate)
         self._paused = 0.0  # seconds of this step spent waiting for averaging
         # one warning per _LOAD_WARN_EVERY and kind about state we cannot load (a load that keeps
         # failing, client-mode peers ahead), counting those held back
@@ -345,33 +344,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         bs = self.batch_size_per_step if batch_size is None else int(batch_size)
         if bs < 1:
             raise ValueError("batch_size must be positive")
-        self._measure_throughput(bs)
+        self._sps = self._rate.tick(bs, self._paused, time.perf_counter())
+        self._paused = 0.0
+        self.stats.local_sps = self._sps
+        self.stats.samples_total += bs
         if self.mode == "sync":
             sync_step(self, bs)
         else:
             diloco_step(self, bs)
         return loss
-
-    def _measure_throughput(self, bs: int) -> None:
-        """Samples/s of the whole training loop (forward, backward, data, our own step) minus our
-        averaging pauses: what the swarm needs to predict when an epoch's batch is complete.
-
-        Measured over full step-to-step cycles; timing only the user's part of the loop would
-        overestimate it badly on a loaded machine and make the swarm close epochs early. Samples
-        and seconds are averaged apart and divided: an average of per-cycle rates is dominated by
-        the shortest cycles (with fast steps and a busy CPU, several times the real rate).
-        """
-        now = time.perf_counter()
-        if self._last_step_start is not None:
-            cycle = max(now - self._last_step_start - self._paused, 1e-6)
-            n, t = (bs, cycle) if self._cycle_ema is None else self._cycle_ema
-            self._cycle_ema = n, t = 0.9 * n + 0.1 * bs, 0.9 * t + 0.1 * cycle
-            self._sps = n / t
-        self._last_step_start = now
-        self._paused = 0.0
-        self.stats.local_sps = self._sps
-        self.stats.samples_total += bs
-
 
     # ---- the steps' stages (methods, so that instrumented subclasses can wrap them)
 

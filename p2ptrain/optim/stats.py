@@ -1,4 +1,5 @@
-"""OptimizerStats: what the swarm and this peer have done so far, and how rounds and views update it."""
+"""OptimizerStats: what the swarm and this peer have done so far, and how rounds and views update
+it; CycleRate: this peer's samples/s."""
 
 from __future__ import annotations
 
@@ -76,3 +77,30 @@ class OptimizerStats:
             log.warning("epoch %d: peer %s excluded from the round: %s", epoch, peer, why)
         log.debug("epoch %d: averaged with %d peers in %.3f s (matchmaking %.3f s, %d peers seen)", epoch,
                   result.group_size, result.total_s, result.matchmaking_s, self.peers)
+
+
+class CycleRate:
+    """Samples/s of the whole training loop (forward, backward, data, our own step) minus our
+    averaging pauses: what the swarm needs to predict when an epoch's batch is complete.
+
+    Measured over full step-to-step cycles; timing only the user's part of the loop would
+    overestimate it badly on a loaded machine and make the swarm close epochs early. Samples
+    and seconds are averaged apart and divided: an average of per-cycle rates is dominated by
+    the shortest cycles (with fast steps and a busy CPU, several times the real rate).
+    """
+
+    def __init__(self) -> None:
+        self.sps = 0.0
+        self._ema: tuple[float, float] | None = None  # (samples, seconds) of a step cycle, averaged
+        self._last: float | None = None  # when the last cycle started
+
+    def tick(self, samples: int, paused: float, now: float) -> float:
+        """A cycle of ``samples`` ends at ``now`` (``paused`` seconds of it spent averaging) and
+        the next starts; the rate so far (0 until a cycle is complete)."""
+        if self._last is not None:
+            cycle = max(now - self._last - paused, 1e-6)
+            n, t = (samples, cycle) if self._ema is None else self._ema
+            self._ema = n, t = 0.9 * n + 0.1 * samples, 0.9 * t + 0.1 * cycle
+            self.sps = n / t
+        self._last = now
+        return self.sps
