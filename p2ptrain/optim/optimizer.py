@@ -354,7 +354,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             diloco_step(self, bs)
         return loss
 
-    # ---- the steps' stages (methods, so that instrumented subclasses can wrap them)
+    # ---- the steps' stages: methods, so that instrumented subclasses (benchmarks/) can wrap them
+    # and tests can call them with a stand-in for the optimizer
 
     def _end_sync_epoch(self, view: SwarmView) -> None:
         end_sync_epoch(self, view)
