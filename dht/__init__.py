@@ -5,6 +5,7 @@ identity/multiaddr -> wire/noise -> transport/stream -> relay (circuits through 
 -> routing/storage -> node.
 """
 
+from .config import DHTConfig
 from .errors import (
     BootstrapError,
     ConfigError,
@@ -19,8 +20,9 @@ from .errors import (
     RPCTimeout,
 )
 from .identity import Identity, PeerID
+from .lookup import LookupResult, ValueWithExpiration
 from .multiaddr import Multiaddr
-from .node import BootstrapRefused, DHTConfig, DHTNode, LookupResult, ValueWithExpiration
+from .node import BootstrapRefused, DHTNode
 from .noise import SwarmKeyMismatch
 from .relay import CircuitLimit, RelayRefused, RelayService
 from .swarmkey import SwarmKey

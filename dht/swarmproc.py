@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from .aio import cancel_all
-from .node import DHTConfig, DHTNode
+from .config import DHTConfig
+from .node import DHTNode
 
 _LINE_LIMIT = 64 << 20  # get_many replies can be large; the stdio default (64 KiB) is not enough
 

@@ -1,0 +1,204 @@
+"""The node's lookups: iterative find_node / find_value over ``routing.Lookup``, reads
+(``lookup_value``, ``get``) and the fan-out of a store to a key's k closest peers.
+
+``Lookups`` is a part of ``DHTNode`` (``dht.node``); it asks peers through ``_call``, which also
+keeps the routing table told of who answered and who failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, NamedTuple
+
+from .config import DHTConfig
+from .errors import DHTError, InvalidRecord, ProtocolError
+from .identity import PeerID
+from .protocol import decode_contacts
+from .routing import Contact, Lookup, RoutingTable, key_id
+from .storage import Record, RecordStore, merge_records, validate_record
+from .transport import Connection, Host
+from .wire import unpack
+
+log = logging.getLogger("dht.node")
+
+
+class ValueWithExpiration(NamedTuple):
+    value: Any
+    expiration: float
+
+
+@dataclass
+class LookupResult:
+    """What a value lookup found, and how: ``hops`` is the depth of the first peer that had it."""
+
+    records: list[Record]
+    hops: int = 0
+    queried: int = 0
+    closest: list[Contact] = field(default_factory=list)
+
+
+def key_bytes(key: str | bytes) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+class Lookups:
+    """Iterative lookups, reads and replication of ``DHTNode``."""
+
+    config: DHTConfig
+    host: Host
+    peer_id: PeerID
+    routing: RoutingTable
+    storage: RecordStore
+    _learn: Callable[[Connection], None]
+    _spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
+
+    async def _call(self, contact: Contact, method: str, args: Any) -> Any:
+        try:
+            result = await self.host.call(contact.peer_id, contact.addr, method, args, self.config.rpc_timeout)
+        except DHTError:
+            self.routing.mark_failed(contact.peer_id, contact.addr)
+            raise
+        conn = self.host.connection(contact.peer_id)
+        if conn is not None:  # its address as the connection shows it, not as whoever named it said
+            self._learn(conn)
+        return result
+
+    async def _run_lookup(self, target: int, method: str, arg: bytes, want_records: bool,
+                          latest: bool) -> LookupResult:
+        lookup = Lookup(target, self.routing.closest(target, self.config.k), self.config.k,
+                        self.config.alpha, own_peer=self.peer_id)
+        result = LookupResult(records=[])
+        if want_records:
+            local = self.storage.get(arg, time.time())
+            if local:
+                result.records.extend(local)
+                if not latest:
+                    return result
+        pending: dict[asyncio.Task, Contact] = {}
+        found_from = 0
+        try:
+            while True:
+                for contact in lookup.next_queries():
+                    pending[self._spawn(self._call(contact, method, arg))] = contact
+                if not pending or lookup.finished:
+                    break
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    contact = pending.pop(task)
+                    try:
+                        reply = task.result()
+                        if want_records:
+                            if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
+                                raise ProtocolError("malformed find_value reply")
+                            records = self._valid_records(reply[0][:1000], arg)
+                            found = decode_contacts(reply[1], self.config.k)
+                            if records:
+                                result.records.extend(records)
+                                found_from += 1
+                                result.hops = result.hops or lookup.depth(contact)
+                        else:
+                            found = decode_contacts(reply, self.config.k)
+                        lookup.on_response(contact, self.routing.vouched(found))
+                    except (DHTError, InvalidRecord) as e:
+                        if isinstance(e, (ProtocolError, InvalidRecord)):
+                            log.debug("bad reply from %s: %s", contact.peer_id, e)
+                        lookup.on_failure(contact)
+                if want_records and found_from and not latest:
+                    lookup.stop()
+        finally:
+            for task in pending:
+                task.cancel()
+        result.closest = lookup.result()
+        result.queried = lookup.queried
+        self.routing.touch(target, time.monotonic())
+        return result
+
+    def _valid_records(self, wire: list, key: bytes) -> list[Record]:
+        """Records of ``key`` from a peer's reply that pass the same checks a storing node applies.
+        A forged record must not shadow a genuine one just because it claims a later expiration,
+        and a record of another key (an unsigned one, say, answering a lookup of an owned key) is
+        no answer at all."""
+        now, out = time.time(), []
+        st = self.storage
+        for item in wire:
+            try:
+                record = Record.from_wire(item)
+                validate_record(record, now, st.max_value_size, st.max_key_size, st.max_ttl)
+            except InvalidRecord:
+                continue
+            if record.key != key:
+                log.debug("dropped a reply record of key %r in a lookup of %r", record.key[:64], key[:64])
+                continue
+            out.append(record)
+        return out
+
+    async def _lookup_nodes(self, target: int) -> list[Contact]:
+        return (await self._run_lookup(target, "find_node", target.to_bytes(32, "big"), False, False)).closest
+
+    async def find_peers(self, target: int) -> list[Contact]:
+        """The k contacts closest to ``target`` (a 256-bit id) that answered."""
+        return await self._lookup_nodes(target)
+
+    async def _replicate(self, records: list[Record], closest: list[Contact] | None = None) -> int:
+        """Send records (all under one key) to the k closest peers (looked up unless given) and
+        keep a local copy."""
+        key = records[0].key
+        accepted = 0
+        try:
+            if all(self.storage.store(r, time.time()) for r in records):
+                accepted += 1
+        except InvalidRecord:
+            pass
+        if closest is None:
+            closest = await self._lookup_nodes(key_id(key))
+        else:
+            closest = [c for c in closest if c.peer_id != self.peer_id and c.addr is not None][: self.config.k]
+        wire = [r.to_wire() for r in records]
+
+        async def send(contact: Contact) -> bool:
+            try:
+                reply = await self._call(contact, "store", wire)
+                return isinstance(reply, list) and any(x is True for x in reply)
+            except DHTError:
+                return False
+
+        results = await asyncio.gather(*(send(c) for c in closest))
+        return accepted + sum(results)
+
+    async def lookup_value(self, key: str | bytes, latest: bool = False) -> LookupResult:
+        """Find records under ``key``. ``latest=False`` stops at the first peer that has some;
+        ``latest=True`` asks all k closest peers and merges (freshest value per sub-key)."""
+        kb = key_bytes(key)
+        result = await self._run_lookup(key_id(kb), "find_value", kb, True, latest)
+        now = time.time()
+        result.records = [r for r in merge_records(result.records) if r.expiration > now]
+        return result
+
+    async def get(self, key: str | bytes, latest: bool = False) -> ValueWithExpiration | dict[str, ValueWithExpiration] | None:
+        """The value under ``key``: a ValueWithExpiration, a dict sub-key -> ValueWithExpiration,
+        or None when nothing unexpired is found. Values that fail to decode are skipped."""
+        result = await self.lookup_value(key, latest)
+        return self.decode(result.records)
+
+    @staticmethod
+    def decode(records: list[Record]) -> ValueWithExpiration | dict[str, ValueWithExpiration] | None:
+        if not records:
+            return None
+        if len(records) == 1 and records[0].subkey is None:
+            r = records[0]
+            try:
+                return ValueWithExpiration(unpack(r.value), r.expiration)
+            except ProtocolError:
+                return None
+        out: dict[str, ValueWithExpiration] = {}
+        for r in records:
+            if r.subkey is None:
+                continue
+            try:
+                out[r.subkey.decode(errors="replace")] = ValueWithExpiration(unpack(r.value), r.expiration)
+            except ProtocolError:
+                continue
+        return out

@@ -1,0 +1,129 @@
+"""The DHT's RPC protocol: the four handlers a node serves (ping, find_node, find_value, store)
+and the checks and encodings of what they exchange. Every argument here is untrusted input.
+
+``NodeProtocol`` is a part of ``DHTNode`` (``dht.node``): it reads the node's routing table and
+record store and learns the callers as contacts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+from .config import DHTConfig
+from .errors import InvalidRecord, ProtocolError
+from .identity import PeerID
+from .quota import address_group
+from .relay import relayed_via
+from .routing import Contact, RoutingTable, key_id
+from .storage import Record, RecordStore
+from .transport import Connection, Host
+from .wire import MAX_MESSAGE
+
+#: bytes of records one find_value reply may carry: the rest of the 1 MiB message is for contacts
+_REPLY_RECORD_BUDGET = MAX_MESSAGE - 64 * 1024
+
+
+def encode_contacts(contacts: Iterable[Contact]) -> list:
+    return [[c.peer_id.to_bytes(), c.addr[0], c.addr[1]] for c in contacts if c.addr is not None]
+
+
+def decode_contacts(obj: Any, limit: int) -> list[Contact]:
+    """A peer list from a reply (at most ``limit``); ProtocolError when it is malformed."""
+    if not isinstance(obj, list):
+        raise ProtocolError("malformed peer list")
+    out = []
+    for item in obj[:limit]:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], str) and isinstance(item[2], int)):
+            raise ProtocolError("malformed peer entry")
+        if not (0 < item[2] < 65536) or len(item[1]) > 255:
+            raise ProtocolError("malformed peer address")
+        try:
+            peer = PeerID(item[0])
+        except (ValueError, TypeError):
+            raise ProtocolError("malformed peer id") from None
+        out.append(Contact(peer, (item[1], item[2])))
+    return out
+
+
+def _wire_size(record: Record) -> int:
+    return len(record.key) + len(record.subkey or b"") + len(record.value) + len(record.signature or b"") + 32
+
+
+def _within_reply_budget(records: list[Record]) -> list[Record]:
+    """The records of one key that fit a find_value reply. Every record is small enough alone, but
+    a key may hold up to 1000 sub-keys of 64 KiB: replying with all of them would exceed the
+    message limit and the reader would drop the connection, so one writer of big sub-keys could make
+    the key unreadable for everyone. Past the budget, the smallest records are kept: matchmaking
+    and progress entries are small, so padding a key with big values only crowds out the padding."""
+    total = sum(_wire_size(r) for r in records)
+    if total <= _REPLY_RECORD_BUDGET:
+        return records
+    out, used = [], 0
+    for r in sorted(records, key=lambda r: (_wire_size(r), -r.expiration)):
+        size = _wire_size(r)
+        if used + size > _REPLY_RECORD_BUDGET:
+            break
+        out.append(r)
+        used += size
+    return out
+
+
+def _target(args: Any) -> int:
+    if not (isinstance(args, bytes) and len(args) == 32):
+        raise ProtocolError("target must be 32 bytes")
+    return int.from_bytes(args, "big")
+
+
+class NodeProtocol:
+    """The RPC handlers of ``DHTNode``; they answer from local state and never call out."""
+
+    config: DHTConfig
+    host: Host
+    routing: RoutingTable
+    storage: RecordStore
+    _received_at: dict[bytes, float]
+    _learn: Callable[[Connection], None]
+
+    def _serve(self) -> None:
+        """Register the handlers on the node's host."""
+        h = self.host
+        h.on_request("ping", self._rpc_ping)
+        h.on_request("find_node", self._rpc_find_node)
+        h.on_request("find_value", self._rpc_find_value)
+        h.on_request("store", self._rpc_store)
+
+    async def _rpc_ping(self, conn: Connection, args: Any) -> Any:
+        self._learn(conn)
+        return None
+
+    async def _rpc_find_node(self, conn: Connection, args: Any) -> Any:
+        self._learn(conn)
+        target = _target(args)
+        return encode_contacts(self.routing.closest(target, self.config.k, exclude={conn.remote_peer}))
+
+    async def _rpc_find_value(self, conn: Connection, args: Any) -> Any:
+        self._learn(conn)
+        if not (isinstance(args, bytes) and len(args) <= 1024):
+            raise ProtocolError("key must be bytes of at most 1024")
+        records = _within_reply_budget(self.storage.get(args, time.time()))
+        closest = self.routing.closest(key_id(args), self.config.k, exclude={conn.remote_peer})
+        return [[r.to_wire() for r in records], encode_contacts(closest)]
+
+    async def _rpc_store(self, conn: Connection, args: Any) -> Any:
+        self._learn(conn)
+        if not (isinstance(args, list) and len(args) <= 256):
+            raise ProtocolError("store takes a list of at most 256 records")
+        now, group = time.time(), address_group(conn.remote_host, relayed_via(conn))
+        results = []
+        for item in args:
+            try:
+                record = Record.from_wire(item)
+                stored = self.storage.store(record, now, source=conn.remote_peer, group=group)
+                # A valid STORE for the key, newer or a copy of what we hold: its sender is spreading
+                # it to the k closest this period, so we need not republish it ourselves.
+                self._received_at[record.key] = time.monotonic()
+                results.append(stored)
+            except InvalidRecord as e:
+                results.append(str(e)[:200])
+        return results
