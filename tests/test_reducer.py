@@ -122,3 +122,37 @@ def test_robust_combine_is_the_rule_over_the_rows():
         assert ranks == [0, 1, 2, 3] and w.tolist() == [1.0] * 4
         red.finalize(ci)
     assert bool(((flat >= 1.0) & (flat <= 2.0)).all())  # the outlier moved nothing beyond the others
+
+
+async def test_a_round_leaves_no_reference_cycles(loop_errors):
+    """A finished round's objects are freed by reference counting, not by a later garbage collection:
+    its shard-sized buffers are back with the allocator before the next round allocates its own
+    (a cycle kept a robust round's slots alive into the next: +80 MB peak RSS at N = 2, 64 MiB)."""
+    import gc
+
+    from test_allreduce import Swarm, data, run_all
+
+    from p2ptrain.averaging.context import RoundContext
+    from p2ptrain.averaging.owner import Owner
+    from p2ptrain.averaging.sender import Sender
+
+    swarm = Swarm()
+    try:
+        group, _h, services = await swarm.group(3)
+        xs, ws = data(3, 5000)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            results = await run_all(group, services, [x.clone() for x in xs], ws, aggregation="trimmed_mean")
+            gc.collect()
+            kinds = (RoundContext, Owner, Sender, ShardReducer)
+            cyclic = [type(o).__name__ for o in gc.garbage if isinstance(o, kinds)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert all(r.ok for r in results)
+        assert cyclic == []
+    finally:
+        await swarm.close()

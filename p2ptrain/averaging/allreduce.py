@@ -141,7 +141,7 @@ class AllReduceService:
                 if base is not None:
                     self._scratch = [base]
                 self._wires = (self._wires + wires)[-self._WIRES_KEPT:]
-        if not rnd.offload:
+        if not rnd.ctx.offload:
             put()
             return
         try:
@@ -203,8 +203,9 @@ class AllReduceService:
             self._ledger_bufs = (self._ledger_bufs + old.buffers)[-2:]
         self._audit_streams = collections.Counter({k: v for k, v in self._audit_streams.items()
                                                    if k[0] in self._ledgers})
-        ledger = self._ledgers[rnd.group.group_id] = Ledger(
-            rnd.group, rnd.rank, weight, rnd.bounds, rnd.cn, base_codec(codec), rnd.rmeta,
+        ctx = rnd.ctx
+        ledger = self._ledgers[ctx.group.group_id] = Ledger(
+            ctx.group, ctx.rank, weight, ctx.bounds, ctx.cn, base_codec(codec), ctx.rmeta,
             lambda nbytes: self._take(self._ledger_bufs, nbytes, torch.uint8))
         return ledger
 
@@ -333,7 +334,7 @@ class AllReduceService:
         gid = group.group_id
         ledger = None
         if aggregation != "mean" and self.audit.chunks > 0 and group.size >= MIN_ROBUST_GROUP:
-            ledger = rnd.ledger = self._new_ledger(rnd, weight, codec)
+            ledger = rnd.ctx.ledger = self._new_ledger(rnd, weight, codec)
         self._rounds[gid] = rnd
         waiting = self._waiting.pop(gid, None)
         if waiting is not None and not waiting.done():
@@ -347,7 +348,7 @@ class AllReduceService:
             if ledger is not None:
                 ledger.finished.set()
                 try:
-                    await audit_round(rnd, result, self.audit)
+                    await audit_round(rnd.ctx, result, self.audit)
                 except TimeoutError:
                     log.warning("all-reduce %s: the audit of the owners' results ran out of time; the chunks not "
                                 "checked by then are kept as their owners sent them", gid.hex()[:8])

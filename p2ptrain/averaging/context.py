@@ -36,11 +36,10 @@ def retrieve(fut: asyncio.Future | None) -> None:
         fut.exception()
 
 
-def _no_gone(j: int, why: str = "unreachable") -> None:
-    pass
-
-
 class RoundContext:
+    """Holds no reference to the sides that share it: a round's objects form no reference cycle,
+    so its buffers are freed (and reused by the allocator) as soon as the round is dropped."""
+
     def __init__(self, res: RoundResources, group: Group, rank: int, flat: torch.Tensor, weight: float,
                  codec: Codec, gcodec: Codec, cfg: AllReduceConfig, aggregation: str = "mean",
                  absmax: float | None = 0.0):
@@ -76,8 +75,6 @@ class RoundContext:
         self.wires: list[torch.Tensor] = []  # wire buffers taken from the service's pool
         self._nbytes: dict[tuple[int, int], int] = {}
         self.ledger: Ledger | None = None  # robust rules: what we keep for auditors (set by the service)
-        #: ``j`` cannot send us its part any more (the owner side stops waiting for it)
-        self.gone: Callable[..., None] = _no_gone
 
     def _enc_nbytes(self, codec: Codec, numel: int) -> int:
         key = (id(codec), numel)

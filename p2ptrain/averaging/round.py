@@ -47,24 +47,25 @@ from .sender import Sender
 __all__ = ["_Round"]
 
 
-class _Round(RoundContext):
+class _Round:
+    """One member's part in one round: ``ctx`` (what both sides share), our ``owner`` side (None
+    with an empty shard) and our ``sender`` side."""
+
     def __init__(self, res: RoundResources, group: Group, rank: int, flat: torch.Tensor, weight: float,
                  codec: Codec, gcodec: Codec, cfg: AllReduceConfig, aggregation: str = "mean",
                  absmax: float | None = 0.0):
-        super().__init__(res, group, rank, flat, weight, codec, gcodec, cfg, aggregation, absmax)
-        self.sender = Sender(self)
-        self.owner = Owner(self, absmax) if self.is_owner else None
-        if self.owner is not None:
-            self.gone = self.owner.gone
+        self.ctx = ctx = RoundContext(res, group, rank, flat, weight, codec, gcodec, cfg, aggregation, absmax)
+        self.owner = Owner(ctx, absmax) if ctx.is_owner else None
+        self.sender = Sender(ctx) if self.owner is None else Sender(ctx, self.owner.gone)
 
     async def serve_sender(self, stream: Stream) -> None:
         """A sender's stream into our shard (from the service's stream handler)."""
         try:
-            rank = self.group.rank_of(stream.peer_id)
+            rank = self.ctx.group.rank_of(stream.peer_id)
         except KeyError:
             stream.reset("not a member of this group")
             return
-        if self.owner is None or rank == self.rank:
+        if self.owner is None or rank == self.ctx.rank:
             stream.reset("this member owns no shard")
             return
         await self.owner.serve(stream, rank)
@@ -74,18 +75,20 @@ class _Round(RoundContext):
         stream to us yet, it never will: this catches the member that dies after our own
         exchange with it succeeded (or while a second connection to it still looked open)."""
         try:
-            j = self.group.rank_of(peer)
+            j = self.ctx.group.rank_of(peer)
         except KeyError:
             return
-        self.gone(j, "connection lost")
+        if self.owner is not None:
+            self.owner.gone(j, "connection lost")
 
     async def run(self) -> AllReduceResult:
+        ctx = self.ctx
         sends: list[asyncio.Task] = []
-        unsubscribe = self.res.host.on_disconnect(self._on_disconnect)
+        unsubscribe = ctx.res.host.on_disconnect(self._on_disconnect)
         try:
             async with asyncio.TaskGroup() as tg:
-                for j, (a, b) in enumerate(self.bounds):
-                    if j != self.rank and b > a:
+                for j, (a, b) in enumerate(ctx.bounds):
+                    if j != ctx.rank and b > a:
                         sends.append(tg.create_task(self.sender.send_part(j)))
                 if self.owner is not None:
                     tg.create_task(self.owner.run())
@@ -94,19 +97,19 @@ class _Round(RoundContext):
                                    f"it went out): {eg.exceptions[0]}") from None
         finally:
             unsubscribe()
-        total = time.monotonic() - self.t0
+        total = time.monotonic() - ctx.t0
         shards: list[ShardResult] = [t.result() for t in sends]
         if self.owner is not None and self.owner.result is not None:
             shards.append(self.owner.result)
         shards.sort(key=lambda s: s.owner)
         ok = [s.weight for s in shards if s.status == "ok"]
         return AllReduceResult(
-            group_id=self.group.group_id, group_size=self.size,
-            members=tuple(m.peer_id for m in self.group.members), rank=self.rank, shards=shards,
-            failed=dict(sorted(self.failed.items())), weight_total=min(ok) if ok else self.weight,
-            bytes_sent=self.bytes_sent, bytes_received=self.bytes_received, time_total=total,
-            time_reduce=min(self.t_reduce, total), time_gather=max(0.0, total - self.t_reduce),
-            buffer_bytes=self.buffer_bytes,
+            group_id=ctx.group.group_id, group_size=ctx.size,
+            members=tuple(m.peer_id for m in ctx.group.members), rank=ctx.rank, shards=shards,
+            failed=dict(sorted(ctx.failed.items())), weight_total=min(ok) if ok else ctx.weight,
+            bytes_sent=ctx.bytes_sent, bytes_received=ctx.bytes_received, time_total=total,
+            time_reduce=min(ctx.t_reduce, total), time_gather=max(0.0, total - ctx.t_reduce),
+            buffer_bytes=ctx.buffer_bytes,
         )
 
     def abort(self, reason: str) -> None:
@@ -121,4 +124,4 @@ class _Round(RoundContext):
         acc = None
         if self.owner is not None and not self.owner.reducer.in_place:
             acc = self.owner.reducer.acc
-        return acc, self.wires
+        return acc, self.ctx.wires

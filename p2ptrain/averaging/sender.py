@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,11 +36,17 @@ from .round_types import Drop, InputRefused, PartialResult, ShardResult
 __all__ = ["Sender"]
 
 
-class Sender:
-    """Our part of every other owner's shard in round ``ctx``."""
+def _no_gone(j: int) -> None:
+    pass
 
-    def __init__(self, ctx: RoundContext):
+
+class Sender:
+    """Our part of every other owner's shard in round ``ctx``. ``gone(j)``: our exchange with owner
+    ``j`` failed (the owner side may stop waiting for ``j``'s part of our shard)."""
+
+    def __init__(self, ctx: RoundContext, gone: Callable[[int], None] = _no_gone):
         self.ctx = ctx
+        self.gone = gone
         codec, gcodec = ctx.codec, ctx.gcodec
         # ``none`` on float32 (no error feedback): a chunk's wire bytes are its values, and ``run``
         # checked ``flat`` is finite, so we send views of it (no encode pass, no worker hop)
@@ -145,7 +152,7 @@ class Sender:
         except (DHTError, TimeoutError) as e:
             res.error = f"owner {j} failed: {e}"
             ctx._fail(j, res.error)
-            ctx.gone(j)
+            self.gone(j)
         finally:
             retrieve(nxt)
             if reader is not None:
