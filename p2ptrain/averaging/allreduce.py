@@ -40,7 +40,7 @@ from .group import Group
 from .ledger import Ledger
 from .robust import MIN_ROBUST_GROUP, check_aggregation, check_codec
 from .protocol import PROTOCOL
-from .round import _Round
+from .round import Round
 from .round_types import AllReduceConfig, AllReduceResult, RoundResources, base_codec
 
 __all__ = ["MAX_WAITING_PER_PEER", "AllReduceService"]
@@ -75,7 +75,7 @@ class AllReduceService:
         self._ledger_bufs: list[torch.Tensor] = []  # their buffers, kept between rounds like _scratch
         self._audit_streams: collections.Counter[tuple[bytes, PeerID]] = collections.Counter()
         self.max_waiting_groups = max_waiting_groups
-        self._rounds: dict[bytes, _Round] = {}
+        self._rounds: dict[bytes, Round] = {}
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._waiting_by_peer: collections.Counter[PeerID] = collections.Counter()  # streams waiting, per sender
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -126,7 +126,7 @@ class AllReduceService:
         """A uint8 buffer for encoded chunks (sliced by the codec that writes it)."""
         return self._take(self._wires, nbytes, torch.uint8)
 
-    def _give_back_scratch(self, rnd: _Round) -> None:
+    def _give_back_scratch(self, rnd: Round) -> None:
         """Keep ``rnd``'s accumulator and wire buffers for the next round once no work of ``rnd``
         can touch them: the worker is FIFO, so a no-op submitted now runs after every job ``rnd``
         queued."""
@@ -195,7 +195,7 @@ class AllReduceService:
     """Hook on the values of each audit answer (tests: a member that lies to auditors)."""
 
     # ------------------------------------------------------------------ audits (audit.py)
-    def _new_ledger(self, rnd: _Round, weight: float, codec: Codec) -> Ledger:
+    def _new_ledger(self, rnd: Round, weight: float, codec: Codec) -> Ledger:
         """A ledger for ``rnd``, kept for the others' audits in place of the oldest one kept, whose
         buffers it reuses (so that ``audit.kept`` ledgers is all this service holds)."""
         while len(self._ledgers) >= max(1, self.audit.kept):
@@ -330,7 +330,7 @@ class AllReduceService:
             absmax = abs_max(flat) if flat.numel() else 0.0
             if not absmax < float("inf"):  # NaN compares false
                 raise CompressionError("flat contains NaN or inf; refusing to average it")
-        rnd = _Round(self.resources, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax)
+        rnd = Round(self.resources, group, my_rank, flat, weight, codec, gather_codec, cfg, aggregation, absmax)
         gid = group.group_id
         ledger = None
         if aggregation != "mean" and self.audit.chunks > 0 and group.size >= MIN_ROBUST_GROUP:

@@ -330,7 +330,7 @@ class _Audit:
             if self.me not in c.contributors or c.owner not in c.contributors:
                 self.named.setdefault(c.owner, "left us (or itself) out of the contributors it reported, yet replied")
             elif not (c.contributors <= c.parts.keys()
-                      and agrees(c.reply(self.rnd.flat), await self.rnd._compute(recompute, self.rnd.agg, c.parts),
+                      and agrees(c.reply(self.rnd.flat), await self.rnd.compute(recompute, self.rnd.agg, c.parts),
                                  self.gname)):
                 bad.append(c)
         return bad
@@ -359,7 +359,7 @@ class _Audit:
                 continue
             # no proof against the owner: believe each part as its sender shows it, the owner's
             # copies only where a sender showed nothing
-            value = await self.rnd._compute(recompute, self.rnd.agg, {**(c.copies or {}), **c.parts})
+            value = await self.rnd.compute(recompute, self.rnd.agg, {**(c.copies or {}), **c.parts})
             if not agrees(reply, value, self.gname):
                 self.disputes += 1
                 if c.stride == 1:  # (a strided sample cannot fix the chunk; the dispute is logged)
@@ -377,7 +377,7 @@ class _Audit:
         for c in todo:
             parts = {r: p for r, p in c.parts.items() if r != owner}
             if self.me in parts:
-                self.rnd.flat[c.a : c.b].copy_(await self.rnd._compute(recompute, self.rnd.agg, parts))
+                self.rnd.flat[c.a : c.b].copy_(await self.rnd.compute(recompute, self.rnd.agg, parts))
         s.contributors = sorted(set(s.contributors) - {owner})
         s.error = f"recomputed by the audit without its owner ({why})"
         self.result.failed[owner] = (f"owner {owner} failed the audit of its shard: {why}; its shard was "

@@ -76,24 +76,24 @@ class RoundContext:
         self._nbytes: dict[tuple[int, int], int] = {}
         self.ledger: Ledger | None = None  # robust rules: what we keep for auditors (set by the service)
 
-    def _enc_nbytes(self, codec: Codec, numel: int) -> int:
+    def enc_nbytes(self, codec: Codec, numel: int) -> int:
         key = (id(codec), numel)
         nb = self._nbytes.get(key)
         if nb is None:
             nb = self._nbytes[key] = codec.encoded_nbytes(numel)
         return nb
 
-    async def _compute(self, fn: Callable, *args: Any) -> Any:
+    async def compute(self, fn: Callable, *args: Any) -> Any:
         if self.offload:
             return await asyncio.get_running_loop().run_in_executor(self.res.executor, fn, *args)
         return fn(*args)
 
-    def _submit(self, fn: Callable, *args: Any) -> asyncio.Future:
+    def submit(self, fn: Callable, *args: Any) -> asyncio.Future:
         if self.offload:
             return asyncio.get_running_loop().run_in_executor(self.res.executor, fn, *args)
-        return self._inline(fn, *args)
+        return self.inline(fn, *args)
 
-    def _inline(self, fn: Callable, *args: Any) -> asyncio.Future:
+    def inline(self, fn: Callable, *args: Any) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         try:
             fut.set_result(fn(*args))
@@ -101,22 +101,22 @@ class RoundContext:
             fut.set_exception(e)
         return fut
 
-    def _fail(self, rank: int, reason: str) -> None:
+    def fail(self, rank: int, reason: str) -> None:
         if rank not in self.failed:
             self.failed[rank] = reason
             log.info("all-reduce %s: rank %d: %s", self.group.group_id.hex()[:8], rank, reason)
 
-    def _account(self, stream: Stream) -> None:
+    def account(self, stream: Stream) -> None:
         self.bytes_sent += stream.bytes_sent
         self.bytes_received += stream.bytes_received
 
-    def _wire_pair(self, codec: Codec, numel: int) -> list[torch.Tensor | None]:
+    def wire_pair(self, codec: Codec, numel: int) -> list[torch.Tensor | None]:
         """Two wire buffers for a pipeline of ``codec`` encodes of chunks of up to ``numel`` values
         (chunk ``ci`` uses ``ci % 2``: it is written out before chunk ``ci + 2`` is encoded),
         from the service's pool and back to it after the round; None where the codec has no use."""
         if not (base_codec(codec).uses_out and numel):
             return [None, None]
-        pair = [self.res.take_wire(self._enc_nbytes(codec, numel)) for _ in range(2)]
+        pair = [self.res.take_wire(self.enc_nbytes(codec, numel)) for _ in range(2)]
         self.wires += pair
         self.buffer_bytes += sum(t.numel() for t in pair)
         return pair

@@ -80,7 +80,7 @@ class Owner:
         bad = check_header(stream.header, rank, ctx.header, ctx.cfg.max_weight)
         if bad:
             self.rejected.add(rank)
-            ctx._fail(rank, f"dropped: {bad}")
+            ctx.fail(rank, f"dropped: {bad}")
             stream.reset(bad)
             self.changed.set()
             return
@@ -92,7 +92,7 @@ class Owner:
         finally:
             if inc.state == "receiving":
                 inc.state = "failed"
-                ctx._fail(rank, "connection closed while sending")
+                ctx.fail(rank, "connection closed while sending")
             self.changed.set()
             inc.finished.set()
 
@@ -116,19 +116,19 @@ class Owner:
     async def _receive(self, inc: _Incoming) -> None:
         ctx = self.ctx
         robust = self.strategy.robust
-        nmax = ctx._enc_nbytes(ctx.codec, min(ctx.cn, ctx.my_end - ctx.my_start))
+        nmax = ctx.enc_nbytes(ctx.codec, min(ctx.cn, ctx.my_end - ctx.my_start))
         stream, reader = inc.stream, Reader(inc.stream, nmax)
         try:
             take = self._store if robust else self._accumulate
             for ci, (a, b) in enumerate(ctx.my_chunks):
                 if robust:
                     await self._slot_free(ci)
-                nb = ctx._enc_nbytes(ctx.codec, b - a)
+                nb = ctx.enc_nbytes(ctx.codec, b - a)
                 data = await reader.read_exact(nb, ctx.cfg.read_timeout(nb))
                 if data is None:
                     raise Drop(f"sent less than the {nb} bytes of chunk {ci} (too little data)")
                 try:
-                    if not await ctx._compute(take, inc, ci, data):
+                    if not await ctx.compute(take, inc, ci, data):
                         raise Drop("round deadline: still sending")
                 except CompressionError as e:
                     raise Drop(f"chunk {ci} rejected: {e}") from None
@@ -139,7 +139,7 @@ class Owner:
             inc.state = "complete"
         except Drop as e:
             inc.state = "failed"
-            ctx._fail(inc.rank, f"dropped: {e}")
+            ctx.fail(inc.rank, f"dropped: {e}")
             stream.reset(str(e)[:200])
         except InputRefused as e:  # not the sender's doing: our round ends (``_wait_senders``)
             inc.state = "failed"
@@ -148,7 +148,7 @@ class Owner:
             stream.reset("the owner's own values cannot be averaged")
         except (DHTError, TimeoutError) as e:
             inc.state = "failed"
-            ctx._fail(inc.rank, f"sender failed: {e}")
+            ctx.fail(inc.rank, f"sender failed: {e}")
             stream.reset("stalled or failed")
         finally:
             ctx.buffer_bytes += reader.allocated
@@ -172,7 +172,7 @@ class Owner:
         """Combine, in order, every chunk all senders are done with (all of them once the reduce
         closed), freeing slots for the senders waiting in ``_slot_free``."""
         while self.combined < len(self.ctx.my_chunks) and (self.reduce_closed or self._chunk_ready(self.combined)):
-            await self.ctx._compute(self._combine, self.combined)
+            await self.ctx.compute(self._combine, self.combined)
             self.combined += 1
             self.combined_ev.set()
 
@@ -200,7 +200,7 @@ class Owner:
             if missing and now >= t_join:
                 self.rejected |= missing
                 for r in missing:
-                    ctx._fail(r, f"did not open its stream within join_timeout={cfg.join_timeout} s")
+                    ctx.fail(r, f"did not open its stream within join_timeout={cfg.join_timeout} s")
                 missing = set()
             active = [i for i in self.incoming.values() if i.state == "receiving"]
             if not missing and not active:
@@ -208,10 +208,10 @@ class Owner:
             if now >= t_reduce:
                 self.rejected |= missing
                 for r in missing:
-                    ctx._fail(r, "did not open its stream before the reduce deadline")
+                    ctx.fail(r, "did not open its stream before the reduce deadline")
                 for inc in active:
                     inc.state = "failed"
-                    ctx._fail(inc.rank, "round deadline: still sending")
+                    ctx.fail(inc.rank, "round deadline: still sending")
                     inc.stream.reset("round deadline")
                 break
             wake = min(t_join, t_reduce) if missing else t_reduce
@@ -236,21 +236,21 @@ class Owner:
         res = ShardResult(ctx.rank, s, e)
         self.result = res
         await self._wait_senders()
-        summary = await ctx._compute(self._snapshot)
+        summary = await ctx.compute(self._snapshot)
         res.contributors, res.partial, res.weight = summary["ok"], dict(summary["part"]), summary["w"]
         ctx.t_reduce = max(ctx.t_reduce, time.monotonic() - ctx.t0)
         recips = [i for i in self.incoming.values() if i.state == "complete"]
         await self._broadcast(recips, pack_summary(summary))
         # (with replies made early, only a chunk some sender never finished is encoded here)
         reducer = self.reducer
-        wires = ctx._wire_pair(ctx.gcodec, min(ctx.cn, e - s)) if reducer.replies is None else [None, None]
-        nxt: asyncio.Future | None = ctx._submit(reducer.finalize, 0, wires[0])
+        wires = ctx.wire_pair(ctx.gcodec, min(ctx.cn, e - s)) if reducer.replies is None else [None, None]
+        nxt: asyncio.Future | None = ctx.submit(reducer.finalize, 0, wires[0])
         done = False
         try:
             for ci, (a, b) in enumerate(ctx.my_chunks):
                 data = await nxt
                 if ci + 1 < len(ctx.my_chunks):
-                    nxt = ctx._submit(reducer.finalize, ci + 1, wires[(ci + 1) % 2])
+                    nxt = ctx.submit(reducer.finalize, ci + 1, wires[(ci + 1) % 2])
                 else:
                     nxt = None
                 res.averaged = b - s
@@ -267,7 +267,7 @@ class Owner:
                 else:
                     inc.stream.reset("owner could not finish the result")
             for inc in self.incoming.values():
-                ctx._account(inc.stream)
+                ctx.account(inc.stream)
                 inc.finished.set()
 
     async def _broadcast(self, recips: list[_Incoming], data: Any) -> None:
@@ -276,7 +276,7 @@ class Owner:
                 await inc.stream.write(data, timeout=self.ctx.cfg.read_timeout(len(data)))
             except (DHTError, TimeoutError) as e:
                 inc.state = "failed"
-                self.ctx._fail(inc.rank, f"stopped reading the result: {e}")
+                self.ctx.fail(inc.rank, f"stopped reading the result: {e}")
                 inc.stream.reset("stalled")
         if len(recips) == 1:
             await one(recips[0])
@@ -293,8 +293,8 @@ class Owner:
         if (j in self.expected and j not in self.incoming and j not in self.rejected
                 and ctx.res.host.connection(ctx.group.members[j].peer_id) is None):
             self.rejected.add(j)
-            ctx._fail(j, f"{why}: gave up waiting for its stream")
-            if not ctx.failed[j].startswith(why):  # _fail kept (and logged) an earlier reason
+            ctx.fail(j, f"{why}: gave up waiting for its stream")
+            if not ctx.failed[j].startswith(why):  # fail kept (and logged) an earlier reason
                 log.info("all-reduce %s: rank %d: %s: gave up waiting for its stream",
                          ctx.group.group_id.hex()[:8], j, why)
             self.changed.set()

@@ -1,6 +1,6 @@
 """One round of the fault-tolerant, compressed, pipelined butterfly all-reduce (reduce-scatter +
 all-gather) among the members of an already-formed :class:`~p2ptrain.averaging.group.Group`:
-``_Round`` is one member's part in one round, its lifecycle (``run``, ``abort``). :mod:`.allreduce`
+``Round`` is one member's part in one round, its lifecycle (``run``, ``abort``). :mod:`.allreduce`
 runs rounds: its ``AllReduceService`` owns the stream handler, the registry of rounds, the worker
 thread and the buffers kept between rounds, and lends them to each round (``RoundResources``).
 
@@ -44,10 +44,10 @@ from .owner import Owner
 from .round_types import AllReduceConfig, AllReduceResult, InputRefused, RoundResources, ShardResult
 from .sender import Sender
 
-__all__ = ["_Round"]
+__all__ = ["Round"]
 
 
-class _Round:
+class Round:
     """One member's part in one round: ``ctx`` (what both sides share), our ``owner`` side (None
     with an empty shard) and our ``sender`` side."""
 

@@ -96,8 +96,8 @@ class Sender:
             stream = await conn.open_stream(PROTOCOL, ctx.header)
             wt = cfg.stall_timeout + res_.accept_wait
             # raw chunks are views of flat: no encode work to overlap with the network
-            submit = ctx._submit if not self.raw else ctx._inline
-            wires = ctx._wire_pair(ctx.codec, min(ctx.cn, b0 - a0))
+            submit = ctx.submit if not self.raw else ctx.inline
+            wires = ctx.wire_pair(ctx.codec, min(ctx.cn, b0 - a0))
             nxt = submit(self._encode, *chunks[0], wires[0])
             for ci in range(len(chunks)):
                 views = await nxt
@@ -126,14 +126,14 @@ class Sender:
             if await reader.readinto(memoryview(body), cfg.stall_timeout) < ln:
                 raise Drop("truncated result summary")
             res.contributors, res.partial, res.weight = parse_summary(body, ctx.size)
-            reader.max_bytes = ctx._enc_nbytes(ctx.gcodec, min(ctx.cn, b0 - a0))
+            reader.max_bytes = ctx.enc_nbytes(ctx.gcodec, min(ctx.cn, b0 - a0))
             for a, b in chunks:
-                nb = ctx._enc_nbytes(ctx.gcodec, b - a)
+                nb = ctx.enc_nbytes(ctx.gcodec, b - a)
                 data = await reader.read_exact(nb, cfg.read_timeout(nb))
                 if data is None:
                     raise Drop("result ended early")
                 try:
-                    await ctx._compute(self._decode, a, b, data)
+                    await ctx.compute(self._decode, a, b, data)
                 except CompressionError as e:
                     if isinstance(e, PartialResult):
                         res.averaged = a - a0 + e.done
@@ -148,10 +148,10 @@ class Sender:
             res.error = f"cannot encode our part: {e}"
         except Drop as e:
             res.error = f"owner {j} misbehaved: {e}"
-            ctx._fail(j, res.error)
+            ctx.fail(j, res.error)
         except (DHTError, TimeoutError) as e:
             res.error = f"owner {j} failed: {e}"
-            ctx._fail(j, res.error)
+            ctx.fail(j, res.error)
             self.gone(j)
         finally:
             retrieve(nxt)
@@ -160,5 +160,5 @@ class Sender:
             if stream is not None:
                 if res.status != "ok":
                     stream.reset((res.error or "cancelled")[:200])
-                ctx._account(stream)
+                ctx.account(stream)
         return res
