@@ -1,8 +1,9 @@
 """One authenticated, encrypted connection to a peer (``Connection``): handshake, frames, RPC, streams.
 
-An asyncio ``BufferedProtocol``: bytes land in the ``FrameReader``'s buffers (a big frame straight
-into a buffer of the host's ``BufferPool``), each frame is decrypted once (big stream frames in
-place, in that buffer; others into fresh bytes) and dispatched. RPC requests run as tasks owned by
+An asyncio ``BufferedProtocol`` around the sans-IO ``mux.Mux``: bytes land in the mux's buffers (a
+big frame straight into a buffer of the host's ``BufferPool``), the mux checks and decrypts each
+frame once (big stream frames in place, in that buffer; others into fresh bytes) and the connection
+dispatches the events it yields. RPC requests run as tasks owned by
 the connection (cancelled when the caller sends CANCEL or the connection dies); bulk streams are
 ``stream.Stream`` objects. ``transport.Host`` creates connections and owns what they share (the
 limits, the buffer pool, the handlers); see its module for the rules on untrusted input.
@@ -13,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import struct
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .aio import wait_event
-from .bufpool import POOLED_FRAME_MIN
 from .errors import (
     DHTError,
     HandshakeError,
@@ -28,27 +27,13 @@ from .errors import (
     RPCTimeout,
 )
 from .identity import PeerID
-from .noise import REFUSAL_SIZE, CipherState, SwarmKeyMismatch, XXHandshake
+from .mux import _HS_LEN, Frame, HandshakeMessage, Mux
+from .noise import SwarmKeyMismatch, XXHandshake
 from .pacing import SMALL_FRAME_COST, RequestPacer
 from .sealer import OrderedSender
 from .stream import COALESCE_BELOW, Stream
 from .streamtable import StreamHandler, StreamTable
-from .wire import (
-    HEADER_SIZE,
-    LEGACY_FRAME_BODY,
-    LENGTH,
-    MAX_CONTROL_FRAME,
-    MAX_FRAME_BODY,
-    MAX_HANDSHAKE_FRAME,
-    MAX_MESSAGE,
-    TAG_SIZE,
-    FrameReader,
-    Kind,
-    pack,
-    pack_header,
-    parse_header,
-    unpack,
-)
+from .wire import HEADER_SIZE, LEGACY_FRAME_BODY, MAX_FRAME_BODY, MAX_MESSAGE, TAG_SIZE, Kind, pack, unpack
 
 if TYPE_CHECKING:
     from .transport import Host
@@ -56,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("dht.transport")  # (one logger for the transport layer, as before the split)
 
 DEFAULT_PROLOGUE = b"p2ptrain/noise/1"
-_HS_LEN = struct.Struct(">H")
 #: why a request or stream open over ``Limits.request_rate`` is refused
 PACED = "busy: more requests than this peer serves per second"
 #: stream data frames shorter than this (header and tag included) are paced (``dht.pacing``)
@@ -84,18 +68,14 @@ class Connection(asyncio.BufferedProtocol):
         # made once the host accepts the connection (connection_made): its ephemeral key costs
         # ~0.1 ms, which a flood of connections closed at once at the caps should not make us pay
         self._hs: XXHandshake = None  # type: ignore[assignment]
-        self._hs_buf = bytearray()
         self._hs_inbox: asyncio.Queue[bytes] = asyncio.Queue()
-        self._hs_expected = 1 if initiator else 2
-        self._early_frames: list[bytes] = []
-        self._reader = FrameReader(alloc=host.pool.get if host.pool.keep else None)
-        self._send: CipherState | None = None
-        self._recv: CipherState | None = None
-        self._next_id = 1 if initiator else 2  # odd ids for the dialer, even for the listener
         self._calls: dict[int, asyncio.Future] = {}
         self._serving: dict[int, asyncio.Task] = {}
         #: the open streams, ours and the peer's, and what they hold (``dht.streamtable``)
         self.streams = StreamTable(self)
+        # (MAX_FRAME_BODY read now, not at import: an experiment of allreduce_bench lowers it)
+        self._mux = Mux(initiator, host.pool, lambda: host.discard_buffer, self.streams.__contains__,
+                        max_body=MAX_FRAME_BODY)
         self._tasks: set[asyncio.Task] = set()
         self._write_ok = asyncio.Event()
         self._write_ok.set()
@@ -140,10 +120,7 @@ class Connection(asyncio.BufferedProtocol):
         self._spawn(self._handshake())
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._hs_expected:
-            self._hs_chunk = bytearray(MAX_HANDSHAKE_FRAME + 2)
-            return memoryview(self._hs_chunk)
-        return self._reader.get_buffer()
+        return self._mux.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         # Whatever a peer sends, only this connection can fail because of it.
@@ -151,15 +128,18 @@ class Connection(asyncio.BufferedProtocol):
             self.bytes_received += nbytes
             now = time.monotonic()
             self.last_activity = now
-            if self._hs_expected:
-                # The last handshake message may share a packet with the start of a frame.
-                self._on_handshake_bytes(memoryview(self._hs_chunk)[:nbytes])
-            else:
-                for frame in self._reader.buffer_updated(nbytes):
-                    if self._closed:
-                        return
-                    self._on_frame(frame)
-            self.partial_since = (self.partial_since or now) if self._reader.partial else None
+            for event in self._mux.receive(nbytes):
+                if self._closed:
+                    return
+                if type(event) is Frame:
+                    self._on_frame(event)
+                elif type(event) is HandshakeMessage:
+                    self._hs_inbox.put_nowait(event.data)
+                else:  # Refused: handled here, not by the handshake task: the listener closes right
+                    # after its refusal, and connection_lost would cancel the task before it read it
+                    self._refuse(SwarmKeyMismatch(event.code, refused_by_peer=True,
+                                                  have_key=self.host.swarm_key is not None))
+            self.partial_since = (self.partial_since or now) if self._mux.partial else None
         except ProtocolError as e:
             self.close(str(e), abort=True)
         except Exception as e:  # a bug must not take the event loop down with it
@@ -202,7 +182,7 @@ class Connection(asyncio.BufferedProtocol):
             log.exception("handshake with %s crashed", self.remote_host)
             self._fail_handshake(f"handshake failed: {e!r}")
             return
-        self._send, self._recv = hs.send_cipher, hs.recv_cipher
+        early = self._mux.start(hs.send_cipher, hs.recv_cipher)
         self.remote_peer = hs.remote_peer
         port = hs.remote_payload.get("port")
         self.remote_listen_port = port if isinstance(port, int) and 0 < port < 65536 else None
@@ -213,10 +193,9 @@ class Connection(asyncio.BufferedProtocol):
         if isinstance(frame, int) and not isinstance(frame, bool) and LEGACY_FRAME_BODY <= frame:
             self.max_data_body = min(frame, MAX_FRAME_BODY)
         self._hs = None  # type: ignore[assignment]  # drop ephemeral keys
-        early, self._early_frames = self._early_frames, []
         try:
-            for frame in early:
-                self._on_frame(memoryview(frame))
+            for event in early:
+                self._on_frame(event)
         except ProtocolError as e:
             self.close(str(e), abort=True)
             return
@@ -254,72 +233,16 @@ class Connection(asyncio.BufferedProtocol):
             except RuntimeError:  # uvloop: the handle died under us (is_closing() can lag behind)
                 self.close("connection lost during the handshake", abort=True)
 
-    def _on_handshake_bytes(self, data: memoryview) -> None:
-        self._hs_buf += data
-        if len(self._hs_buf) > 2 * (MAX_HANDSHAKE_FRAME + 2):
-            raise HandshakeError("handshake message too large (not a p2ptrain peer?)")
-        while self._hs_expected and len(self._hs_buf) >= 2:
-            (n,) = _HS_LEN.unpack_from(self._hs_buf)
-            if n > MAX_HANDSHAKE_FRAME:
-                raise HandshakeError("handshake message too large (not a p2ptrain peer?)")
-            if len(self._hs_buf) < 2 + n:
-                return
-            if self.initiator and n == REFUSAL_SIZE and self._hs_expected == 1:
-                # Handled here, not by the handshake task: the listener closes right after its
-                # refusal, and connection_lost would cancel the task before it read the reason.
-                self._refuse(SwarmKeyMismatch(self._hs_buf[2], refused_by_peer=True,
-                                              have_key=self.host.swarm_key is not None))
-                return
-            self._hs_inbox.put_nowait(bytes(self._hs_buf[2 : 2 + n]))
-            del self._hs_buf[: 2 + n]
-            self._hs_expected -= 1
-        if not self._hs_expected and self._hs_buf:
-            rest, self._hs_buf = bytes(self._hs_buf), bytearray()
-            self._early_frames.extend(self._reader.feed(rest))
-
     # ------------------------------------------------------------------ frames in
 
-    def _on_frame(self, frame: memoryview) -> None:
-        if self._recv is None:
-            if len(self._early_frames) >= 16:
-                raise ProtocolError("too many frames before the handshake completed")
-            self._early_frames.append(bytes(frame))
+    def _on_frame(self, frame: Frame) -> None:
+        kind, ident, view, size = frame
+        if kind == Kind.STREAM_DATA:
+            if size < SMALL_DATA_FRAME:
+                self._spend_request_token(SMALL_FRAME_COST)  # (taken all the same: paced by not reading on)
+            if view is not None:  # (None: data for a stream not open here, dropped)
+                self.streams.on_frame(kind, ident, view)
             return
-        header = bytes(frame[:HEADER_SIZE])
-        kind, _flags, ident = parse_header(header)
-        if len(frame) < HEADER_SIZE + TAG_SIZE:
-            raise ProtocolError("frame shorter than its authentication tag")
-        if len(frame) > MAX_CONTROL_FRAME and kind != Kind.STREAM_DATA:
-            raise ProtocolError(f"frame of kind {kind} exceeds the {MAX_MESSAGE}-byte message limit")
-        if kind == Kind.STREAM_DATA and len(frame) == HEADER_SIZE + TAG_SIZE:
-            # it would cost us a chunk object and count nothing against the window; no sender of
-            # ours writes one
-            raise ProtocolError("empty stream data frame")
-        if kind == Kind.STREAM_DATA and len(frame) < SMALL_DATA_FRAME:
-            self._spend_request_token(SMALL_FRAME_COST)  # (taken all the same: paced by not reading on)
-        if kind == Kind.STREAM_DATA and ident not in self.streams:
-            # Data for a stream we reset or never had (it was in flight when the reset left, or
-            # the peer ignores resets): authenticated, then dropped. Decrypted into one reusable
-            # scratch buffer, not a fresh one per frame: a peer pushing data into refused streams
-            # otherwise makes us allocate (and the allocator keep) hundreds of MB a second.
-            n = len(frame) - HEADER_SIZE - TAG_SIZE
-            if n > MAX_FRAME_BODY:
-                raise ProtocolError("stream data frame larger than the frame limit")
-            self._recv.decrypt_into(header, frame[HEADER_SIZE:], self.host.discard_buffer[:n])
-            return
-        if kind == Kind.STREAM_DATA and len(frame) >= POOLED_FRAME_MIN and self.host.pool.keep:
-            # Decrypted in place where the frame has a (pooled) buffer of its own, else into a
-            # pooled buffer; handed on read-only, and never reused while viewed. In place: one
-            # buffer per frame in flight, not two, and its plaintext is written where the
-            # ciphertext was just read (still cached), not into another, cold buffer.
-            n = len(frame) - HEADER_SIZE - TAG_SIZE
-            view = frame[HEADER_SIZE : HEADER_SIZE + n] if not frame.readonly else memoryview(self.host.pool.get(n))[:n]
-            self._recv.decrypt_into(header, frame[HEADER_SIZE:], view)
-            view = view.toreadonly()
-            if len(view.obj) > 2 * len(frame):  # a queued frame holds at most twice its frame (Limits):
-                view = memoryview(bytes(view))  # the pool sees to it; a buffer of any other origin is copied
-        else:
-            view = memoryview(self._recv.decrypt(header, frame[HEADER_SIZE:]))  # fresh, read-only bytes
         if kind == Kind.REQUEST:
             if self._spend_request_token():
                 self._on_request(ident, view)
@@ -425,13 +348,7 @@ class Connection(asyncio.BufferedProtocol):
         (after any frame still being sealed on the host's pool: see ``send_bulk``).
         """
         self._check_open()
-        header = pack_header(kind, ident)
-        ciphertext = self._pooled_ciphertext(len(body) if type(body) is not memoryview else body.nbytes)
-        if ciphertext is not None:
-            self._send.encrypt_into(header, body, ciphertext)  # type: ignore[union-attr]
-        else:
-            ciphertext = self._send.encrypt(header, body)  # type: ignore[union-attr]
-        prefix = LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header
+        prefix, ciphertext = self._mux.seal(kind, ident, body)
         if self._outq:
             self._outq.push_ready(prefix, ciphertext)
         else:
@@ -445,26 +362,18 @@ class Connection(asyncio.BufferedProtocol):
         ``body`` has been read: the caller may reuse it then."""
         pool = self.host.sealer
         self._check_open()
-        ciphertext = self._pooled_ciphertext(body.nbytes) if pool is not None else None
-        if ciphertext is None:  # inline: no pool, or a frame too small (or too big) to pool
+        sealed = self._mux.seal_job(kind, ident, body) if pool is not None else None
+        if sealed is None:  # inline: no pool, or a frame too small (or too big) to pool
             self.send_frame(kind, ident, body)
             return
-        header = pack_header(kind, ident)
-        job = self._send.encrypt_job(header, body, ciphertext)  # type: ignore[union-attr]
-        await self._outq.seal(pool, LENGTH.pack(HEADER_SIZE + len(ciphertext)) + header, ciphertext, job)
+        prefix, ciphertext, job = sealed
+        await self._outq.seal(pool, prefix, ciphertext, job)
         if self._closed:
             raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
 
-    def _pooled_ciphertext(self, n: int) -> memoryview | None:
-        """A pooled buffer for the ciphertext of an ``n``-byte body, reused only after the
-        transport has let go of it; None for frames too small or too big to pool."""
-        if n + TAG_SIZE >= POOLED_FRAME_MIN and n <= MAX_FRAME_BODY and self.host.pool.keep:
-            return memoryview(self.host.pool.get(n + TAG_SIZE))[: n + TAG_SIZE]
-        return None
-
     def _check_open(self) -> None:
         # uvloop raises RuntimeError on a write to a closing socket, before connection_lost runs.
-        if self._closed or self._send is None or self._transport is None or self._transport.is_closing():
+        if self._closed or not self._mux.established or self._transport is None or self._transport.is_closing():
             raise PeerUnreachable(f"connection to {self.remote_peer} is closed ({self.close_reason})")
 
     def _write_frame(self, prefix: bytes, ciphertext: bytes | memoryview) -> None:
@@ -501,18 +410,11 @@ class Connection(asyncio.BufferedProtocol):
         if self._closed:
             raise PeerUnreachable(f"connection to {self.remote_peer} closed ({self.close_reason})")
 
-    def _new_id(self) -> int:
-        ident = self._next_id
-        self._next_id += 2
-        if self._next_id >= 2**32:
-            raise PeerUnreachable("id space exhausted on this connection; reconnect")
-        return ident
-
     # ------------------------------------------------------------------ public API
 
     async def call(self, method: str, args: Any = None, timeout: float = 5.0) -> Any:
         """Call ``method`` on the remote peer; raises RPCTimeout, RPCError or PeerUnreachable."""
-        ident = self._new_id()
+        ident = self._mux.new_id()
         fut = self.host.loop.create_future()
         self._calls[ident] = fut
         try:
@@ -534,13 +436,18 @@ class Connection(asyncio.BufferedProtocol):
         """Open a bulk stream served by the remote's handler for ``protocol``."""
         if len(self.streams) >= self.host.limits.max_streams:
             raise PeerUnreachable(f"too many open streams to {self.remote_peer}")
-        ident = self._new_id()
+        ident = self._mux.new_id()
         stream = self.streams.add(ident, protocol, header)
         self.send_frame(Kind.STREAM_OPEN, ident, pack([protocol, header]))
         return stream
 
     def forget_stream(self, ident: int) -> None:
         self.streams.forget(ident)
+
+    @property
+    def established(self) -> bool:
+        """The handshake completed (frames can be sent)."""
+        return self._mux.established
 
     @property
     def is_closed(self) -> bool:

@@ -379,10 +379,10 @@ class Host:
         if peer is not None and self._conns.get(peer) is conn:
             del self._conns[peer]
             for other in self._all:  # fall back to another open connection to the same peer
-                if other.remote_peer == peer and other._send is not None:
+                if other.remote_peer == peer and other.established:
                     self._conns[peer] = other
                     break
-        if peer is not None and conn._send is not None and self.connection(peer) is None:
+        if peer is not None and conn.established and self.connection(peer) is None:
             for listener in list(self._disconnect_listeners):
                 try:
                     listener(peer)
