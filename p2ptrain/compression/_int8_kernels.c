@@ -154,7 +154,7 @@ MULTI static void decode_f32(const uint8_t *scales, const int8_t *restrict q, in
 /* out = src + (float)q * (scale * weight), per block (src may be out itself), returning max |src|
  * as absmax_bits does, from the loads it makes anyway: an owner's first contribution to a chunk
  * reads its own values there, and this is their only check (no separate pass over its shard
- * before the round; see round.py, "Own values"); other callers drop it. The unsigned max
+ * before the round; see averaging/reducer.py); other callers drop it. The unsigned max
  * reduction may be reordered freely, so the loop still vectorises (versioned for aliasing) and
  * runs as fast as the add alone. */
 MULTI static uint32_t decode_add_max_f32(const uint8_t *scales, const int8_t *restrict q, int64_t n, int64_t block,
