@@ -3,10 +3,10 @@
 An asyncio ``BufferedProtocol`` around the sans-IO ``mux.Mux``: bytes land in the mux's buffers (a
 big frame straight into a buffer of the host's ``BufferPool``), the mux checks and decrypts each
 frame once (big stream frames in place, in that buffer; others into fresh bytes) and the connection
-dispatches the events it yields. RPC requests run as tasks owned by
-the connection (cancelled when the caller sends CANCEL or the connection dies); bulk streams are
-``stream.Stream`` objects. ``transport.Host`` creates connections and owns what they share (the
-limits, the buffer pool, the handlers); see its module for the rules on untrusted input.
+dispatches the events it yields. RPC requests run as tasks owned by the connection (see
+``rpc.RPCEndpoint``); bulk streams are ``stream.Stream`` objects. ``transport.Host`` creates
+connections and owns what they share (the limits, the buffer pool, the handlers); see its module
+for the rules on untrusted input.
 """
 
 from __future__ import annotations
@@ -15,25 +15,19 @@ import asyncio
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable
 
 from .aio import wait_event
-from .errors import (
-    DHTError,
-    HandshakeError,
-    PeerUnreachable,
-    ProtocolError,
-    RPCError,
-    RPCTimeout,
-)
+from .errors import HandshakeError, PeerUnreachable, ProtocolError, RPCTimeout
 from .identity import PeerID
 from .mux import _HS_LEN, Frame, HandshakeMessage, Mux
 from .noise import SwarmKeyMismatch, XXHandshake
 from .pacing import SMALL_FRAME_COST, RequestPacer
+from .rpc import RPCEndpoint
 from .sealer import OrderedSender
 from .stream import COALESCE_BELOW, Stream
 from .streamtable import StreamHandler, StreamTable
-from .wire import HEADER_SIZE, LEGACY_FRAME_BODY, MAX_FRAME_BODY, MAX_MESSAGE, TAG_SIZE, Kind, pack, unpack
+from .wire import HEADER_SIZE, LEGACY_FRAME_BODY, MAX_FRAME_BODY, TAG_SIZE, Kind, pack
 
 if TYPE_CHECKING:
     from .transport import Host
@@ -46,11 +40,10 @@ PACED = "busy: more requests than this peer serves per second"
 #: stream data frames shorter than this (header and tag included) are paced (``dht.pacing``)
 SMALL_DATA_FRAME = HEADER_SIZE + COALESCE_BELOW + TAG_SIZE
 
-RequestHandler = Callable[["Connection", Any], Awaitable[Any]]
-__all__ = ["DEFAULT_PROLOGUE", "Connection", "RequestHandler", "StreamHandler"]
+__all__ = ["DEFAULT_PROLOGUE", "Connection", "StreamHandler"]
 
 
-class Connection(asyncio.BufferedProtocol):
+class Connection(asyncio.BufferedProtocol, RPCEndpoint):
     """One secure connection. Created by ``Host``; use ``call`` and ``open_stream``."""
 
     def __init__(self, host: Host, initiator: bool, expected_peer: PeerID | None = None):
@@ -69,8 +62,8 @@ class Connection(asyncio.BufferedProtocol):
         # ~0.1 ms, which a flood of connections closed at once at the caps should not make us pay
         self._hs: XXHandshake = None  # type: ignore[assignment]
         self._hs_inbox: asyncio.Queue[bytes] = asyncio.Queue()
-        self._calls: dict[int, asyncio.Future] = {}
-        self._serving: dict[int, asyncio.Task] = {}
+        self._calls: dict[int, asyncio.Future] = {}  # our requests awaiting their reply
+        self._serving: dict[int, asyncio.Task] = {}  # the peer's requests being handled
         #: the open streams, ours and the peer's, and what they hold (``dht.streamtable``)
         self.streams = StreamTable(self)
         # (MAX_FRAME_BODY read now, not at import: an experiment of allreduce_bench lowers it)
@@ -249,17 +242,9 @@ class Connection(asyncio.BufferedProtocol):
             else:  # frames of one read already in hand: refused cheaply, no handler runs
                 self.post(Kind.ERROR, ident, pack(PACED))
         elif kind == Kind.RESPONSE or kind == Kind.ERROR:
-            fut = self._calls.get(ident)
-            if fut is not None and not fut.done():
-                if kind == Kind.RESPONSE:
-                    fut.set_result(unpack(view))
-                else:
-                    reason = unpack(view)
-                    fut.set_exception(RPCError(f"{self.remote_peer}: {reason if isinstance(reason, str) else 'error'}"))
+            self._on_reply(kind, ident, view)
         elif kind == Kind.CANCEL:
-            task = self._serving.get(ident)
-            if task is not None:
-                task.cancel()
+            self._on_cancel(ident)
         elif kind == Kind.STREAM_OPEN:
             if self._spend_request_token():
                 self.streams.open_inbound(ident, view)
@@ -269,45 +254,6 @@ class Connection(asyncio.BufferedProtocol):
             self.close("peer is going away")
         else:
             self.streams.on_frame(kind, ident, view)
-
-    def _on_request(self, ident: int, body: memoryview) -> None:
-        if ident in self._serving:
-            raise ProtocolError("request id reused while in flight")
-        msg = unpack(body)
-        if not (isinstance(msg, list) and len(msg) == 2 and isinstance(msg[0], str)):
-            raise ProtocolError("malformed request")
-        method, args = msg
-        if len(self._serving) >= self.host.limits.max_concurrent_requests:
-            self.post(Kind.ERROR, ident, pack("busy: too many concurrent requests"))
-            return
-        handler = self.host._handlers.get(method)
-        if handler is None:
-            self.post(Kind.ERROR, ident, pack(f"unknown method {method!r}"))
-            return
-        task = self._spawn(self._serve(ident, method, handler, args))
-        self._serving[ident] = task
-
-    async def _serve(self, ident: int, method: str, handler: RequestHandler, args: Any) -> None:
-        try:
-            result = await handler(self, args)
-            body = pack(result)
-            if len(body) > MAX_MESSAGE:  # the peer would drop the connection over such a frame
-                log.warning("handler %s replied with %d bytes, over the %d-byte message limit", method,
-                            len(body), MAX_MESSAGE)
-                body = pack(f"{method}: reply of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte message limit")
-                self.post(Kind.ERROR, ident, body)
-                return
-            self.post(Kind.RESPONSE, ident, body)
-        except asyncio.CancelledError:
-            pass
-        except (DHTError, ValueError, TypeError, KeyError) as e:
-            # Includes schema errors from validating the peer's arguments: report, do not crash.
-            self.post(Kind.ERROR, ident, pack(f"{method}: {e}"[:500]))
-        except Exception:
-            log.exception("handler %s failed", method)
-            self.post(Kind.ERROR, ident, pack(f"{method}: internal error"))
-        finally:
-            self._serving.pop(ident, None)
 
     def _spend_request_token(self, cost: float = 1.0) -> bool:
         """Account one request (or a frame that costs as much, see ``dht.pacing``) against
@@ -411,26 +357,6 @@ class Connection(asyncio.BufferedProtocol):
             raise PeerUnreachable(f"connection to {self.remote_peer} closed ({self.close_reason})")
 
     # ------------------------------------------------------------------ public API
-
-    async def call(self, method: str, args: Any = None, timeout: float = 5.0) -> Any:
-        """Call ``method`` on the remote peer; raises RPCTimeout, RPCError or PeerUnreachable."""
-        ident = self._mux.new_id()
-        fut = self.host.loop.create_future()
-        self._calls[ident] = fut
-        try:
-            self.send_frame(Kind.REQUEST, ident, pack([method, args]))
-            return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            self._cancel_remote(ident)
-            raise RPCTimeout(f"{method} to {self.remote_peer} timed out after {timeout} s") from None
-        except asyncio.CancelledError:
-            self._cancel_remote(ident)
-            raise
-        finally:
-            self._calls.pop(ident, None)
-
-    def _cancel_remote(self, ident: int) -> None:
-        self.post(Kind.CANCEL, ident)
 
     async def open_stream(self, protocol: str, header: Any = None) -> Stream:
         """Open a bulk stream served by the remote's handler for ``protocol``."""

@@ -10,7 +10,7 @@ timer: ``connection.Connection`` is the asyncio shell that feeds it and acts on 
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from .bufpool import POOLED_FRAME_MIN, BufferPool
 from .errors import HandshakeError, PeerUnreachable, ProtocolError
@@ -98,14 +98,18 @@ class Mux:
             return memoryview(self._hs_chunk)
         return self._reader.get_buffer()
 
-    def receive(self, nbytes: int) -> Iterator[Event]:
-        """The events of ``nbytes`` just written into ``get_buffer()``; raises ProtocolError
-        (HandshakeError during the handshake) for anything the peer must not send."""
+    def receive(self, nbytes: int) -> Iterable[Event]:
+        """The events of ``nbytes`` just written into ``get_buffer()``, checked and decrypted one
+        by one as they are iterated; raises ProtocolError (HandshakeError during the handshake)
+        for anything the peer must not send."""
         if self._hs_expected:
             # The last handshake message may share a packet with the start of a frame.
-            yield from self._handshake_bytes(memoryview(self._hs_chunk)[:nbytes])
-            return
-        for frame in self._reader.buffer_updated(nbytes):
+            return self._handshake_bytes(memoryview(self._hs_chunk)[:nbytes])
+        frames = self._reader.buffer_updated(nbytes)
+        return self._opened(frames) if frames else ()  # (most reads only fill part of a big frame)
+
+    def _opened(self, frames: Iterable[memoryview]) -> Iterator[Frame]:
+        for frame in frames:
             event = self._open(frame)
             if event is not None:
                 yield event
@@ -114,13 +118,7 @@ class Mux:
         """The handshake is done: use these ciphers; the frames that arrived before it follow."""
         self._send, self._recv = send, recv
         early, self._early_frames = self._early_frames, []
-        return self._reopen(early)
-
-    def _reopen(self, early: list[bytes]) -> Iterator[Frame]:
-        for raw in early:
-            event = self._open(memoryview(raw))
-            if event is not None:
-                yield event
+        return self._opened(memoryview(raw) for raw in early)
 
     def _handshake_bytes(self, data: memoryview) -> Iterator[Event]:
         self._hs_buf += data

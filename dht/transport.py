@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from .bufpool import POOLED_FRAME_MIN, BufferPool
 # (Connection and the names below lived here before the module was split: importing them from
 # dht.transport keeps working)
-from .connection import _HS_LEN, DEFAULT_PROLOGUE, Connection, RequestHandler, StreamHandler  # noqa: F401
+from .connection import _HS_LEN, DEFAULT_PROLOGUE, Connection, StreamHandler  # noqa: F401
 from .errors import HandshakeError, PeerUnreachable
 from .identity import Identity, PeerID
 from .interfaces import announce_hosts
 from .limits import Limits, LogThrottle
 from .multiaddr import Multiaddr
 from .noise import StaticKey
+from .rpc import RequestHandler
 from .sealer import default_threads, make_pool
 from .stream import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
 from .swarmkey import SwarmKey, load_swarm_key
