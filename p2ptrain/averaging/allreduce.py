@@ -34,6 +34,7 @@ from dht.transport import Host
 
 from ..compression import Codec, CompressionError, get_codec
 from ..compression.base import abs_max
+from ..deadlines import ROUND, LinkMeter
 from .audit import AUDIT_PROTOCOL, AuditConfig, audit_round
 from .audit import serve as serve_audit
 from .group import Group
@@ -70,6 +71,7 @@ class AllReduceService:
         self.host = host
         self.config = config or AllReduceConfig()
         self.audit = audit or AuditConfig()
+        self.link = LinkMeter()  # this host's link, timed on its rounds: rounds' deadlines derive from it
         # the ledgers of our last ``audit.kept`` audited rounds, for the others' audits (ledger.py)
         self._ledgers: collections.OrderedDict[bytes, Ledger] = collections.OrderedDict()
         self._ledger_bufs: list[torch.Tensor] = []  # their buffers, kept between rounds like _scratch
@@ -225,7 +227,8 @@ class AllReduceService:
                 return
             self._audit_streams[(gid, peer)] += 1
             cfg = self.config
-            await serve_audit(ledger, stream, cfg.timeout, max(cfg.stall_timeout, cfg.read_timeout(1 << 22)),
+            wait = ROUND.ceiling if cfg.timeout is None else cfg.timeout  # (its round's end cuts it short)
+            await serve_audit(ledger, stream, wait, max(cfg.stall_timeout, cfg.read_timeout(1 << 22)),
                               self._audit_answer)
 
     @contextlib.contextmanager
@@ -314,6 +317,9 @@ class AllReduceService:
         if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.float32 and flat.device.type == "cpu"
                 and flat.dim() == 1 and flat.is_contiguous()):
             raise ValueError("flat must be a 1-D contiguous CPU float32 tensor")
+        if cfg.timeout is None:
+            payload = round_payload(flat.numel(), cfg.chunk_numel, codec, gather_codec)
+            cfg = dataclasses.replace(cfg, timeout=self.link.deadline(ROUND, payload))
         weight = float(weight)
         if not (0 < weight <= cfg.max_weight):
             raise ValueError(f"weight must be finite, > 0 and <= {cfg.max_weight:g}, got {weight}")
@@ -345,6 +351,8 @@ class AllReduceService:
         try:
             async with asyncio.timeout(cfg.timeout + cfg.stall_timeout):
                 result = await rnd.run()
+            if result.ok and not result.failed:  # (a round that waited on a failing peer times no link)
+                self.link.observe_transfer(result.bytes_sent + result.bytes_received, result.time_total)
             if ledger is not None:
                 ledger.finished.set()
                 try:
@@ -363,3 +371,12 @@ class AllReduceService:
             self._finished[gid] = None
             while len(self._finished) > 1024:
                 self._finished.popitem(last=False)
+
+
+def round_payload(numel: int, chunk_numel: int, codec: Codec, gather_codec: Codec) -> int:
+    """The most bytes a member sends and receives in a round of ``numel`` values: both phases'
+    wire bytes, each way."""
+    if numel <= 0:
+        return 0
+    per = min(numel, chunk_numel)
+    return 2 * -(-numel // per) * (codec.encoded_nbytes(per) + gather_codec.encoded_nbytes(per))

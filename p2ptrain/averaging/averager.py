@@ -163,6 +163,8 @@ class Averager:
         group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout, expected, min_size,
                                                  weight=weight)  # declared: the group caps weights by it
         t1 = time.perf_counter()
+        if (latency := self.matchmaker.board.measured_latency) is not None:  # the round's deadline counts it
+            self.service.link.observe_latency(latency)
         members = [m.peer_id for m in group.members]
         if group.size == 1:
             return StepResult(rid, 1, members, matchmaking_s=t1 - t0, total_s=t1 - t0, weight_total=weight)

@@ -53,6 +53,11 @@ class Board:
     def latency(self) -> float:
         return self._latency if self._latency is not None else 0.02
 
+    @property
+    def measured_latency(self) -> float | None:
+        """The EWMA of DHT read latency, None before the first read."""
+        return self._latency
+
     def round_key(self, round_id: str | int) -> str:
         return f"{self.prefix}/avg/{self.schema.hash}/{round_id}"
 

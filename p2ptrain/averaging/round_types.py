@@ -26,7 +26,8 @@ __all__ = ["AllReduceConfig", "AllReduceResult", "Drop", "InputRefused", "Partia
 @dataclass
 class AllReduceConfig:
     chunk_numel: int = 1 << 20  # values per chunk (rounded up to a multiple of 256)
-    timeout: float = 60.0  # the whole round, on this member
+    #: the whole round, on this member; None: derived per round (``p2ptrain.deadlines.ROUND``)
+    timeout: float | None = None
     reduce_fraction: float = 0.6  # owners stop waiting for senders after this fraction of timeout
     join_timeout: float = 5.0  # owners give up on senders that have not opened their stream by then
     stall_timeout: float = 5.0  # no progress on a stream for this long: the peer is stalled

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from dht import DHTError, DHTNode, InvalidRecord, PeerID
 from dht.aio import cancel_all, wait_event
 
+from ..deadlines import CHECKPOINT_FETCH, LinkMeter, resolve
 from .directory import (
     LATEST_HISTORY,
     LATEST_SUBKEY,
@@ -162,8 +163,9 @@ class CheckpointFetch:
 
 async def download_checkpoint(
     node: DHTNode, store: CheckpointStore, record: CheckpointRecord, providers: list[Provider], *,
-    progress: Callable[[int, int], None] | None = None, timeout: float = 600.0, stall_timeout: float = 10.0,
+    progress: Callable[[int, int], None] | None = None, timeout: float | None = None, stall_timeout: float = 10.0,
     rpc_timeout: float = 5.0, agreeing: Iterable[CheckpointRecord] = (), max_size: int | None = None,
+    link: LinkMeter | None = None,
 ) -> CheckpointFetch:
     """Download ``record``'s checkpoint from ``providers`` into ``store`` and commit it, with the
     ``agreeing`` records of other writers of the same claim (the evidence ``ckpt ls`` shows).
@@ -172,7 +174,8 @@ async def download_checkpoint(
     written to the store at once, so an interrupted download loses at most the chunks in flight.
     The download is sized by the record: a manifest larger than the record's size, or a record
     larger than ``max_size`` bytes, is refused (:class:`StateTooLargeError`) before any chunk.
-    ``progress(done, total)`` (bytes) is called from the event loop as chunks land.
+    ``progress(done, total)`` (bytes) is called from the event loop as chunks land. ``timeout``
+    (None: derived from the record's size and ``link``, which times the download) bounds it all.
     """
     if not record.verify():
         raise CheckpointUnavailable(f"the record of checkpoint {record.manifest_id.hex()[:12]} is not validly signed")
@@ -180,8 +183,9 @@ async def download_checkpoint(
     if record.size > limit:
         raise StateTooLargeError(f"checkpoint {record.manifest_id.hex()[:12]} of run {record.run_id!r} is "
                                  f"{record.size} bytes (its record says), more than the {limit} expected here: refused")
+    timeout = resolve(timeout, CHECKPOINT_FETCH, record.size, link)
     wire = [(p.peer, p.addr) for p in providers if p.peer != node.peer_id]
-    done = 0
+    done = got = 0
 
     async def have(m: Manifest) -> set[int]:
         nonlocal done
@@ -193,9 +197,10 @@ async def download_checkpoint(
         return held
 
     async def on_chunk(m: Manifest, index: int, data: memoryview) -> None:
-        nonlocal done
+        nonlocal done, got
         await asyncio.to_thread(store.add_chunk, m, index, data)
         done += len(data)
+        got += len(data)
         if progress is not None:
             progress(done, m.total_size)
 
@@ -206,6 +211,8 @@ async def download_checkpoint(
     result = await fetch_state(node.host, transfer_key(record.run_id), wire, manifest_id=record.manifest_id,
                                have=have, on_chunk=on_chunk, timeout=timeout, stall_timeout=stall_timeout,
                                rpc_timeout=rpc_timeout, max_total=record.size)
+    if link is not None:
+        link.observe_transfer(got, result.seconds)
     try:
         info = await asyncio.to_thread(_commit, store, result.manifest, record, agreeing)
     except RecordError as e:  # a validly signed record that does not describe this manifest (its size)
@@ -236,8 +243,8 @@ def _unbelieved(run_id: str, verdict: Verdict) -> str:
 
 async def fetch_checkpoint(
     node: DHTNode, store: CheckpointStore, *, run_id: str, manifest_id: bytes | None = None,
-    progress: Callable[[int, int], None] | None = None, timeout: float = 600.0,
-    trusted: Collection[PeerID] = (), max_size: int | None = None,
+    progress: Callable[[int, int], None] | None = None, timeout: float | None = None,
+    trusted: Collection[PeerID] = (), max_size: int | None = None, link: LinkMeter | None = None,
 ) -> CheckpointInfo:
     """Fetch a checkpoint of ``run_id`` from the swarm into ``store``: ``manifest_id``, or the
     run's latest (the newest claim that ``QUORUM`` distinct writers, one ``trusted`` writer or
@@ -250,11 +257,15 @@ async def fetch_checkpoint(
     new checkpoint is served and announced right away (a one-shot process does not announce what
     it will not be there to serve).
 
+    ``timeout`` bounds it all; None: derived from the checkpoint's size and ``link`` (our
+    measured bandwidth, which the download then updates) once its record is found.
+
     Raises :class:`CheckpointUnavailable` (nothing announced, no provider left) or another
     :class:`~p2ptrain.checkpoint.errors.StateTransferError` (every provider failed, timeout).
     """
     check_run_id(run_id)
-    deadline = asyncio.timeout(timeout)
+    limit = CHECKPOINT_FETCH.fallback if timeout is None else timeout  # (until the checkpoint's size is known)
+    deadline = asyncio.timeout(limit)
     t0 = time.monotonic()
     try:
         async with deadline:
@@ -283,13 +294,16 @@ async def fetch_checkpoint(
                 raise CheckpointUnavailable(
                     f"no peer announces checkpoint {manifest_id.hex()[:12]} of run {run_id!r}: check the id "
                     "(p2ptrain ckpt ls on a peer that has it) and that such a peer is running")
-            remaining = max(0.001, timeout - (time.monotonic() - t0))
+            if timeout is None:
+                limit = resolve(None, CHECKPOINT_FETCH, record.size, link)
+                deadline.reschedule(asyncio.get_running_loop().time() + limit - (time.monotonic() - t0))
+            remaining = max(0.001, limit - (time.monotonic() - t0))
             fetched = await download_checkpoint(node, store, record, providers, progress=progress, timeout=remaining,
-                                                agreeing=agreeing, max_size=max_size)
+                                                agreeing=agreeing, max_size=max_size, link=link)
     except TimeoutError:
         if not deadline.expired():
             raise
-        raise StateTimeoutError(f"fetching a checkpoint of run {run_id!r} timed out after {timeout} s "
+        raise StateTimeoutError(f"fetching a checkpoint of run {run_id!r} timed out after {limit} s "
                                 "(finding it in the DHT)") from None
     service = _services.get(node)
     if service is not None and Path(service.store.root).resolve() == Path(store.root).resolve():

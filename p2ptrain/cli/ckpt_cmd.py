@@ -106,7 +106,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
                    help="any peer of the swarm (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP")
     a.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
-    a.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole fetch (default: %(default)s)")
+    a.add_argument("--timeout", type=float, help="seconds for the whole fetch (default: derived from the checkpoint's "
+                   "size and the measured bandwidth, or 600 s where none is measured, as in a one-shot fetch)")
     a.add_argument("--json", action="store_true", help="print the fetched checkpoint as JSON")
     add_trusted_writers(a, "'latest' is the newest checkpoint that three distinct writers agree on or that one of "
                          "these PeerIDs signed (repeatable, or comma-separated)")
@@ -497,8 +498,9 @@ def _get(args: argparse.Namespace) -> int:
             manifest_id = parse_cid(args.id)
         except ValueError as e:
             raise ConfigError(f"{e} (or 'latest'; a prefix only names a checkpoint already stored)") from None
-    if args.timeout <= 0:
+    if args.timeout is not None and args.timeout <= 0:
         raise ConfigError("--timeout must be positive")
+    join_for = 30.0 if args.timeout is None else min(args.timeout, 30.0)
     boot = bootstrap_addrs(args.bootstrap, args.bootstrap_file)
     if not boot:
         raise ConfigError("get fetches from the swarm: give --bootstrap MULTIADDR of any peer (a peer prints its "
@@ -512,10 +514,10 @@ def _get(args: argparse.Namespace) -> int:
         from ..checkpoint.swarm import fetch_checkpoint
         from ..checkpoint.errors import StateTransferError
 
-        node = DHTNode(Identity(), None, config=DHTConfig(bootstrap_timeout=min(args.timeout, 30.0)),
+        node = DHTNode(Identity(), None, config=DHTConfig(bootstrap_timeout=join_for),
                        swarm_key=swarm_key)
         try:
-            with joining(boot, min(args.timeout, 30.0)):
+            with joining(boot, join_for):
                 await node.start(boot)
             with _progress("fetching") as update:
                 try:

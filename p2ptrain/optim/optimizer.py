@@ -40,6 +40,7 @@ from dht.limits import LogThrottle
 from ..averaging import AllReduceConfig, Averager, StepResult
 from ..background import DHT
 from ..checkpoint.autosave import Checkpointer
+from ..deadlines import STATE_LOAD, resolve
 from .adopt import Schedule
 from .catch_up import catch_up_at_start, fall_behind, fetch_state, load_state_from_peers
 from .claims import EpochJudge
@@ -90,6 +91,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     In the DHT a checkpoint counts only when three distinct writers signed it, or one of
     ``trusted_writers`` (PeerIDs or their strings) did: never one peer's claim alone.
 
+    ``averaging_timeout``, ``load_state_timeout``: seconds for one all-reduce round and for loading
+    the swarm's state (or its checkpoint, on resume); by default derived from the bytes moved and
+    this peer's own measured bandwidth and latency (:mod:`p2ptrain.deadlines`), 60 s until measured.
+
     ``model``: the module whose parameters ``optimizer`` trains (optional). Checkpoints then
     record its ``state_dict`` names, so ``p2ptrain ckpt export`` writes a file that
     ``model.load_state_dict`` takes, and hold its other state_dict tensors (buffers such as
@@ -116,10 +121,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         delay_updates: bool = False,
         scheduler: Any = None,
         matchmaking_timeout: float = 5.0,
-        averaging_timeout: float = 60.0,
+        averaging_timeout: float | None = None,
         refresh_period: float = 0.5,
         bandwidth: float = 1.0,
-        load_state_timeout: float = 60.0,
+        load_state_timeout: float | None = None,
         average_state_every: int | None = None,
         outer_momentum_in_state: bool = False,
         checkpoint_every: int | None = None,
@@ -240,7 +245,6 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._state_averager: Averager | None = None
         self._state_shapes: list[Any] = []
         self._last_expected = 1
-        self.load_state_timeout = load_state_timeout
         self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock,
                                     settled=self._settled, settle_timeout=matchmaking_timeout,
                                     version=lambda: self._version)
@@ -376,6 +380,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         return round_over(self, view)
 
     # ---- shared state (late join, missed rounds, checkpoints)
+
+    @property
+    def load_state_timeout(self) -> float:
+        """Seconds a state load from peers, or a resume from the swarm's checkpoint, may take."""
+        size = self.state_sync.size  # (0 before our state's size is known: not derived then)
+        return resolve(self.options.load_state_timeout, STATE_LOAD, size, self.averager.service.link if size else None)
 
     def _shared_state(self) -> tuple[int, dict[str, Any]]:
         return shared_state(self)

@@ -100,10 +100,10 @@ class TrainerOptions:
     target_group_size: int = 16
     delay_updates: bool = False
     matchmaking_timeout: float = 5.0
-    averaging_timeout: float = 60.0
+    averaging_timeout: float | None = None  # None: derived (p2ptrain.deadlines)
     refresh_period: float = 0.5
     bandwidth: float = 1.0
-    load_state_timeout: float = 60.0
+    load_state_timeout: float | None = None  # None: derived (p2ptrain.deadlines)
     average_state_every: int | None = None
     outer_momentum_in_state: bool = False
     checkpoint_every: int | None = None

@@ -67,6 +67,8 @@ class StateSync:
         self.server = StateServer(host)
         #: snapshot buffers, touched ahead; two take turns (see ``warm`` and checkpoint.recycle)
         self.buffers = Recycler()
+        #: bytes of our own state as ``warm`` last sized it (0: not yet): what a state load moves
+        self.size = 0
 
     async def start(self) -> None:
         await self.server.start()
@@ -91,10 +93,10 @@ class StateSync:
         served one comes back when the next is published, ``drop_idle``). Before the first
         snapshot both are spares: touching the second only once a joiner asked put those faults
         beside its download. A client-mode peer serves nobody and touches nothing."""
+        with self._lock:
+            n = self.size = self.state_bytes()
         if self.host is None or self.host.client_mode:
             return
-        with self._lock:
-            n = self.state_bytes()
         self.buffers.warm(n, count=1 if self.server.latest(self.key) is not None else 2)
 
     async def _refresh(self) -> None:
