@@ -26,6 +26,7 @@ from .node import BootstrapRefused, DHTNode
 from .noise import SwarmKeyMismatch
 from .relay import CircuitLimit, RelayRefused, RelayService
 from .swarmkey import SwarmKey
+from .tasks import TaskGroup
 from .transport import Connection, Host, Limits
 
 __all__ = [
@@ -55,5 +56,6 @@ __all__ = [
     "RelayService",
     "SwarmKey",
     "SwarmKeyMismatch",
+    "TaskGroup",
     "ValueWithExpiration",
 ]

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Awaitable
+from typing import TYPE_CHECKING, Any
 
 from .aio import wait_event
 from .errors import HandshakeError, PeerUnreachable, ProtocolError, RPCTimeout
@@ -27,6 +27,7 @@ from .rpc import RPCEndpoint
 from .sealer import OrderedSender
 from .stream import COALESCE_BELOW, Stream
 from .streamtable import StreamHandler, StreamTable
+from .tasks import TaskGroup
 from .wire import HEADER_SIZE, LEGACY_FRAME_BODY, MAX_FRAME_BODY, TAG_SIZE, Kind, pack
 
 if TYPE_CHECKING:
@@ -69,7 +70,9 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         # (MAX_FRAME_BODY read now, not at import: an experiment of allreduce_bench lowers it)
         self._mux = Mux(initiator, host.pool, lambda: host.discard_buffer, self.streams.__contains__,
                         max_body=MAX_FRAME_BODY)
-        self._tasks: set[asyncio.Task] = set()
+        #: the tasks serving this connection (handshake, requests, streams): cancelled when it closes
+        self._tasks = TaskGroup("connection", log=log, loop=host.loop)
+        self._spawn = self._tasks.spawn
         self._write_ok = asyncio.Event()
         self._write_ok.set()
         # frames waiting for an earlier frame's encryption on the host's sealing pool (dht.sealer)
@@ -413,14 +416,12 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
             if not fut.done():
                 fut.set_exception(err)
         self.streams.reset_all(self.close_reason)
-        for task in list(self._tasks):
-            task.cancel()
+        self._tasks.cancel()
         if self._throttled is not None:
             self._throttled.cancel()
         self.host.connection_closed(self)
 
-    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
-        task = self.host.loop.create_task(coro)  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    async def aclose(self, reason: str = "closed") -> None:
+        """``close`` and wait until every task serving this connection has ended."""
+        self.close(reason)
+        await self._tasks.close()

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from .config import DHTConfig
 from .errors import DHTError, InvalidRecord, ProtocolError
@@ -19,6 +19,7 @@ from .identity import PeerID
 from .protocol import decode_contacts
 from .routing import Contact, Lookup, RoutingTable, key_id
 from .storage import Record, RecordStore, merge_records, validate_record
+from .tasks import TaskGroup
 from .transport import Connection, Host
 from .wire import unpack
 
@@ -53,7 +54,7 @@ class Lookups:
     routing: RoutingTable
     storage: RecordStore
     _learn: Callable[[Connection], None]
-    _spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
+    _tasks: TaskGroup
 
     async def _call(self, contact: Contact, method: str, args: Any) -> Any:
         try:
@@ -82,7 +83,10 @@ class Lookups:
         try:
             while True:
                 for contact in lookup.next_queries():
-                    pending[self._spawn(self._call(contact, method, arg))] = contact
+                    if self._tasks.closed:  # a closed node reaches no one
+                        lookup.on_failure(contact)
+                    else:
+                        pending[self._tasks.spawn(self._call(contact, method, arg), awaited=True)] = contact
                 if not pending or lookup.finished:
                     break
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

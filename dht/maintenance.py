@@ -21,6 +21,7 @@ from .multiaddr import Multiaddr
 from .peercache import cache_entries, save_peer_cache
 from .routing import Contact, RoutingTable
 from .storage import Record, RecordStore
+from .tasks import TaskGroup
 from .transport import Connection, Host
 
 log = logging.getLogger("dht.node")
@@ -41,7 +42,7 @@ class Maintenance:
     _cache_saved: set[str]
     _cache_saved_at: float | None
     _cache_warned: bool
-    _spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
+    _tasks: TaskGroup
     _lookup_nodes: Callable[[int], Coroutine[Any, Any, list[Contact]]]
     _replicate: Callable[..., Coroutine[Any, Any, int]]
 
@@ -57,8 +58,8 @@ class Maintenance:
         if contact.peer_id == self.peer_id:
             return
         stale = self.routing.update(contact, time.monotonic())
-        if stale is not None:
-            self._spawn(self._check_liveness(stale))
+        if stale is not None and not self._tasks.closed:  # (a closed node checks no one)
+            self._tasks.spawn(self._check_liveness(stale))
 
     async def _check_liveness(self, contact: Contact) -> None:
         """A full bucket met a new peer: keep the old one if it still answers (Kademlia favours

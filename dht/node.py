@@ -21,7 +21,6 @@ import random
 import time
 from typing import Any, Iterable
 
-from .aio import cancel_all
 from .bootstrap import DialPlan
 from .config import DHTConfig
 from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable
@@ -35,6 +34,7 @@ from .protocol import NodeProtocol
 from .routing import Contact, RoutingTable, node_id_of
 from .storage import Record, RecordStore, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
+from .tasks import TaskGroup
 from .transport import Host, Limits
 from .wire import pack
 
@@ -85,8 +85,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             max_bytes_per_source=self.config.max_bytes_per_source,
         )
         self._originated: dict[tuple[bytes, bytes | None], Record] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._maintenance: asyncio.Task | None = None
+        self._tasks = TaskGroup("dht node", log=log)  # maintenance, lookups' queries, liveness checks
         self._rng = random.Random()
         self._received_at: dict[bytes, float] = {}  # key -> when a peer last replicated it to us
         self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
@@ -133,7 +132,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             await self.close()
             raise
         self._joined = True
-        self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+        self._tasks.spawn(self._maintain(), name="dht maintenance")
 
     async def _bootstrap(self, addrs: list[Multiaddr]) -> None:
         cfg = self.config
@@ -149,7 +148,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             while not joined:
                 now = loop.time()
                 for addr in plan.due(now):
-                    attempts[self._spawn(self._reach(addr))] = addr
+                    attempts[self._tasks.spawn(self._reach(addr), awaited=True)] = addr
                 if plan.expired(now) or plan.given_up or (not attempts and plan.idle):
                     break
                 if not attempts:
@@ -212,10 +211,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
 
     async def close(self) -> None:
         """Cancel every task this node owns, save the peer cache, and close all connections."""
-        tasks = list(self._tasks)
-        if self._maintenance is not None:
-            tasks.append(self._maintenance)
-        await cancel_all(tasks)
+        await self._tasks.close()
         if self._joined:
             self._joined = False
             self.save_peer_cache()
@@ -227,12 +223,6 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def _spawn(self, coro: Any) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # ------------------------------------------------------------------ writes
 

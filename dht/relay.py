@@ -25,6 +25,9 @@ Status lines (relay to dialer, target to relay) are a 2-byte big-endian length a
 ``{"ok": true}`` or ``{"ok": false, "error": "<one line>"}``.
 
 Relays do not chain: reservations and circuits over a relayed connection are refused.
+
+Importing this module makes every ``transport.Host`` dial circuit addresses and take reservations
+(``Host.reserve_relay``) through a :class:`CircuitTransport`.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from .multiaddr import Multiaddr
 from .quota import address_group
 from .stream import Stream, StreamReset
 from .stream_transport import StreamTransport
-from .transport import Connection, Host
+from .tasks import TaskGroup
+from .transport import CIRCUIT, Connection, Host, register_transport
 from .wire import pack, unpack
 
 log = logging.getLogger("dht.relay")
@@ -413,7 +417,7 @@ class RelayClient:
         self.retry_max = retry_max
         self._relays: dict[PeerID, Multiaddr] = {}  # relay id -> our circuit address through it
         self._active: set[PeerID] = set()  # relays whose reservation is current
-        self._tasks: dict[PeerID, asyncio.Task] = {}
+        self._tasks = TaskGroup("relay client", log=log)  # one reservation keeper per relay
         self._wake: dict[PeerID, asyncio.Event] = {}
         host.on_stream(STOP_PROTOCOL, self._on_stop)
         self._unsubscribe = host.on_disconnect(self._on_disconnect)
@@ -431,13 +435,12 @@ class RelayClient:
         if addr.peer_id is None or addr.is_circuit:
             raise ValueError(f"relay address {addr} must be a direct address ending in /p2p/<relay id>")
         circuit = addr.circuit(self.host.peer_id)
-        if addr.peer_id in self._tasks:
+        if addr.peer_id in self._relays:
             return circuit
         first: asyncio.Future[float] = self.host.loop.create_future()
         self._relays[addr.peer_id] = circuit
         self._wake[addr.peer_id] = asyncio.Event()
-        task = self.host.loop.create_task(self._keep(addr, timeout, first))
-        self._tasks[addr.peer_id] = task
+        task = self._tasks.spawn(self._keep(addr, timeout, first))
 
         def ended(t: asyncio.Task) -> None:  # never leave reserve() waiting on a task that is gone
             if not first.done():
@@ -454,7 +457,6 @@ class RelayClient:
         return circuit
 
     def _forget(self, relay: PeerID) -> None:
-        self._tasks.pop(relay, None)
         self._relays.pop(relay, None)
         self._wake.pop(relay, None)
         self._active.discard(relay)
@@ -519,6 +521,35 @@ class RelayClient:
         """Stop refreshing reservations (the relay lets them expire) and accepting circuits."""
         self.host.off_stream(STOP_PROTOCOL)
         self._unsubscribe()
-        await cancel_all(self._tasks.values())
+        await self._tasks.close()
         for relay in list(self._relays):
             self._forget(relay)
+
+
+class CircuitTransport:
+    """A host's transport for circuit addresses (``transport.PeerTransport``): dials through the
+    relay an address names, and listens through relays that hold a reservation for us (a
+    ``RelayClient``, made on the first one)."""
+
+    def __init__(self, host: Host):
+        self.host = host
+        self._client: RelayClient | None = None
+
+    @property
+    def addrs(self) -> list[Multiaddr]:
+        return self._client.addrs if self._client is not None else []
+
+    async def dial(self, addr: Multiaddr, timeout: float) -> Connection:
+        return await dial_circuit(self.host, addr, timeout)
+
+    async def listen(self, addr: Multiaddr | str, timeout: float) -> Multiaddr:
+        if self._client is None:
+            self._client = RelayClient(self.host)
+        return await self._client.reserve(addr, timeout)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+register_transport(CIRCUIT, CircuitTransport)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any, Awaitable, Callable
 
 from .errors import DHTError, ProtocolError, RPCError, RPCTimeout
@@ -33,7 +34,7 @@ class RPCEndpoint:
     _serving: dict[int, asyncio.Task]
     send_frame: Callable[..., None]
     post: Callable[..., None]
-    _spawn: Callable[[Awaitable[Any]], asyncio.Task]
+    _spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
 
     async def call(self, method: str, args: Any = None, timeout: float = 5.0) -> Any:
         """Call ``method`` on the remote peer; raises RPCTimeout, RPCError or PeerUnreachable."""

@@ -23,7 +23,7 @@ import concurrent.futures
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from .bufpool import POOLED_FRAME_MIN, BufferPool
 # (Connection and the names below lived here before the module was split: importing them from
@@ -41,9 +41,6 @@ from .stream import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
 from .swarmkey import SwarmKey, load_swarm_key
 from .wire import MAX_FRAME, MAX_FRAME_BODY
 
-if TYPE_CHECKING:
-    from .relay import RelayClient
-
 log = logging.getLogger("dht.transport")
 
 #: seconds a listing of this machine's interface addresses is reused (a laptop changing networks
@@ -52,8 +49,39 @@ _ANNOUNCE_TTL = 30.0
 #: peers whose last address a host remembers (see Host.connect)
 _SEEN_MAX = 4096
 
-__all__ = ["DEFAULT_PROLOGUE", "POOLED_FRAME_MIN", "BufferPool", "Connection", "Host", "Limits", "LogThrottle",
-           "RequestHandler", "StreamHandler"]
+__all__ = ["CIRCUIT", "DEFAULT_PROLOGUE", "POOLED_FRAME_MIN", "BufferPool", "Connection", "Host", "Limits",
+           "LogThrottle", "PeerTransport", "RequestHandler", "StreamHandler", "register_transport"]
+
+#: the kind of a circuit address (``/p2p/<relay>/p2p-circuit/p2p/<peer>``), dialed through a relay
+CIRCUIT = "p2p-circuit"
+
+
+class PeerTransport(Protocol):
+    """Dials, and listens on, a kind of address a host does not reach over TCP itself (one per
+    host, made on first use from the factory given to ``register_transport``)."""
+
+    @property
+    def addrs(self) -> list[Multiaddr]:
+        """Where others reach this host through it now."""
+        ...
+
+    async def dial(self, addr: Multiaddr, timeout: float) -> Connection: ...
+
+    async def listen(self, addr: Multiaddr | str, timeout: float) -> Multiaddr:
+        """Become reachable through ``addr``; returns our address there."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+_factories: dict[str, Callable[[Host], PeerTransport]] = {}
+
+
+def register_transport(kind: str, factory: Callable[[Host], PeerTransport]) -> None:
+    """Let every host dial and listen on addresses of ``kind`` with ``factory(host)``'s transport:
+    how a module above this one (``dht.relay``, for ``CIRCUIT``) plugs in, as go-libp2p's circuit
+    transport does."""
+    _factories[kind] = factory
 
 
 class Host:
@@ -97,7 +125,7 @@ class Host:
         self._dialing: dict[tuple[str, int, PeerID | None], asyncio.Future[Connection]] = {}
         #: where each peer that listens was last connected (its address as we saw it), oldest first
         self._seen: dict[PeerID, tuple[str, int]] = {}
-        self._relay_client: RelayClient | None = None
+        self._transports: dict[str, PeerTransport] = {}  # by address kind, made on first use
         #: windows of the streams remote peers opened to us, summed (see Limits.max_inbound_streams)
         self.inbound_stream_memory = 0
         self._watchdog: asyncio.Task | None = None
@@ -144,7 +172,7 @@ class Host:
         """Full multiaddrs (with /p2p/<id>) others can dial: the direct ones first (none in client
         mode; on a wildcard listen host, one per routable interface address, see
         ``dht.interfaces``), then a circuit address per relay that holds a reservation for us."""
-        circuits = self._relay_client.addrs if self._relay_client is not None else []
+        circuits = [a for t in self._transports.values() for a in t.addrs]
         if self._server is None or self.listen_port is None:
             return circuits
         return [*(Multiaddr.from_host_port(h, self.listen_port, self.peer_id) for h in self._announced()), *circuits]
@@ -164,11 +192,17 @@ class Host:
         ``listen_addrs`` then lists too. Raises (e.g. ``relay.RelayRefused``) if the first try fails."""
         if self._closed or self.loop is None:
             raise PeerUnreachable("start the host before reserving a relay" if not self._closed else "host is closed")
-        if self._relay_client is None:
-            from .relay import RelayClient  # relay builds on this module
+        return await self._transport(CIRCUIT).listen(relay, timeout)
 
-            self._relay_client = RelayClient(self)
-        return await self._relay_client.reserve(relay, timeout)
+    def _transport(self, kind: str) -> PeerTransport:
+        """This host's transport for addresses of ``kind`` (see ``register_transport``)."""
+        transport = self._transports.get(kind)
+        if transport is None:
+            factory = _factories.get(kind)
+            if factory is None:
+                raise PeerUnreachable(f"no transport for /{kind} addresses is registered")
+            transport = self._transports[kind] = factory(self)
+        return transport
 
     def on_request(self, method: str, handler: RequestHandler) -> None:
         self._handlers[method] = handler
@@ -270,8 +304,6 @@ class Host:
         return await self.connect(host, addr.port, addr.peer_id, timeout)
 
     async def _connect_circuit(self, addr: Multiaddr, timeout: float) -> Connection:
-        from .relay import dial_circuit  # relay builds on this module
-
         target = addr.peer_id
         assert target is not None and addr.relay_id is not None
         if self._closed:
@@ -283,7 +315,8 @@ class Host:
             raise PeerUnreachable("refusing to dial ourselves")
         # the key's "host" cannot collide with a real address: it holds the relay's id
         key = (f"p2p-circuit/{addr.relay_id}", 0, target)
-        return await self._dial_once(key, lambda: dial_circuit(self, addr, timeout))
+        transport = self._transport(CIRCUIT)
+        return await self._dial_once(key, lambda: transport.dial(addr, timeout))
 
     async def call(self, peer: PeerID, addr: tuple[str, int] | None, method: str, args: Any = None,
                    timeout: float = 5.0) -> Any:
@@ -418,8 +451,8 @@ class Host:
         if self._closed:
             return
         self._closed = True
-        if self._relay_client is not None:
-            await self._relay_client.close()
+        for transport in self._transports.values():
+            await transport.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self._server is not None:
@@ -429,11 +462,11 @@ class Host:
         conns = list(self._all)
         for conn in conns:
             conn.close("host closing")
-        tasks = [t for c in conns for t in c._tasks]
+        waits: list[Awaitable[Any]] = [c.aclose() for c in conns]
         if self._watchdog is not None:
-            tasks.append(self._watchdog)
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            waits.append(self._watchdog)
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
         if self.sealer is not None:
