@@ -607,3 +607,76 @@ def test_state_is_never_loaded_from_peers_behind_us():
     view.behind.append(report(level, 5))  # as far as we are: theirs may be the swarm's, ours a stray
     assert DecentralizedOptimizer._fetch_state(fake, view) == "state"  # type: ignore[arg-type]
     assert asked == [[level]]
+
+
+def test_a_holder_that_fails_us_is_not_taken_for_nobody_holding_the_update():
+    """A peer that missed a round skips its update only when nobody holds it (NoProviders). When
+    the one peer that holds it fails to serve it (slow under load) and is left out, the next try
+    finds nobody: that must not read as "nobody holds it", or we skip an update the swarm applied
+    and stay a step apart for good (the same epoch number on another state)."""
+    import asyncio
+    import types
+
+    from p2ptrain.checkpoint import StateTransferError
+    from p2ptrain.optim.progress import PeerReport, SwarmView
+    from dht import Identity
+    from p2ptrain.optim.state_sync import NoProviders, StateSync
+
+    me, holder = (Identity().peer_id for _ in range(2))
+    first = SwarmView(epoch=2, samples=0, target=64,
+                      peers=[PeerReport(holder, 2, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1))])
+    ignored: list = []
+
+    async def fetch(providers, timeout, into=None, **_vetting):
+        raise StateTransferError("timed out waiting for the manifest")
+
+    async def refresh_now():
+        return SwarmView(epoch=1, samples=0, target=64)  # the holder is left out now
+
+    fake = types.SimpleNamespace(
+        _applied=1, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, _newest=None,
+        state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
+        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend,
+                                      refresh_now=refresh_now),
+        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
+    )
+    with pytest.raises(StateTransferError, match="timed out") as caught:
+        DecentralizedOptimizer._fetch_state(fake, first, at_least=2)  # type: ignore[arg-type]
+    assert not isinstance(caught.value, NoProviders) and ignored == [holder]
+
+
+def test_a_peer_that_skipped_the_update_is_no_provider_of_it():
+    """A peer whose round failed for everyone skips the update and reports the next epoch with
+    one update fewer in its state (``held``). A peer that missed the same round must read that
+    as "nobody holds it" and skip it too, without downloading a state that cannot do (and
+    leaving that peer out of its view: it would then train alone, a state apart)."""
+    import asyncio
+    import types
+
+    from dht import Identity
+    from p2ptrain.optim.progress import PeerReport, SwarmView, parse_report
+    from p2ptrain.optim.state_sync import NoProviders, StateSync
+
+    me, skipped = (Identity().peer_id for _ in range(2))
+    report = PeerReport(skipped, 2, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1), held=1)
+    assert parse_report(report.to_wire(), skipped) == report
+    assert parse_report({**report.to_wire(), "u": "1"}, skipped) is None
+    asked, ignored = [], []
+
+    async def fetch(providers, timeout, into=None, **_vetting):
+        asked.append(providers)
+        return "its state"
+
+    fake = types.SimpleNamespace(
+        _applied=1, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, _newest=None,
+        state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
+        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend),
+        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
+    )
+    with pytest.raises(NoProviders):
+        DecentralizedOptimizer._fetch_state(fake, SwarmView(epoch=2, samples=0, target=64, peers=[report]),
+                                            at_least=2)  # type: ignore[arg-type]
+    assert asked == [] and ignored == []
+    held = PeerReport(skipped, 2, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1), held=2)
+    assert DecentralizedOptimizer._fetch_state(fake, SwarmView(epoch=2, samples=0, target=64, peers=[held]),
+                                               at_least=2) == "its state"  # type: ignore[arg-type]

@@ -137,7 +137,8 @@ def fetch_state(opt: DecentralizedOptimizer, view: SwarmView, at_least: int, att
     alone and left (its record lingers) must not drag the swarm along. Peers that report
     fewer updates than ``at_least`` are no providers: theirs would take us back; while peers
     one epoch short of it (still in its round) may get there, we wait for them, at most a
-    matchmaking timeout."""
+    matchmaking timeout. NoProviders only when nobody held it: once holders failed us, their
+    error (a missed update that peers hold is not one to skip)."""
     deadline = time.monotonic() + opt.load_state_timeout
     patience = time.monotonic() + opt.matchmaking_timeout
     strict = opt._strict
@@ -148,14 +149,19 @@ def fetch_state(opt: DecentralizedOptimizer, view: SwarmView, at_least: int, att
         return (await opt.tracker.refresh_now(timeout=FRESH_LOOK)).epoch + 1
 
     attempt = 0
+    failed: StateTransferError | None = None
     while True:
         me = opt.tracker.me.peer
         others = [p for p in (*view.peers, *view.behind) if p.peer != me]
-        providers = opt.state_sync.choose([p for p in others if p.epoch >= at_least], quorum=strict)
+        # (a peer that skipped a round reports its epoch but holds fewer updates: no provider)
+        holders = [p for p in others if p.epoch >= at_least and (p.held is None or p.held >= at_least)]
+        providers = opt.state_sync.choose(holders, quorum=strict)
         if not providers and time.monotonic() < min(patience, deadline) and any(
                 p.epoch == at_least - 1 and p.addr is not None for p in others):
             view = opt._loop.run(opt.tracker.wait_fresh(0.5))
             continue
+        if not providers and failed is not None:  # the ones that hold it failed us: not "nobody holds it"
+            raise failed
         if not providers:
             raise NoProviders(f"no peer at or past our epoch {at_least} serves it")
         try:
@@ -164,6 +170,7 @@ def fetch_state(opt: DecentralizedOptimizer, view: SwarmView, at_least: int, att
                                                       max_total=opt._state_cap, newest=newest))
         except StateTransferError as e:
             opt.tracker.ignore([p.peer for p in providers])
+            failed = e
             attempt += 1
             if attempt == attempts or time.monotonic() >= deadline:
                 raise

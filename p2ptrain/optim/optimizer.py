@@ -206,7 +206,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._judge = EpochJudge(strict=self._strict, live_window=max(3.0, 4 * refresh_period))
         self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.hash,
                                        self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
-                                       refresh=refresh_period, judge=self._judge_claims, on_refused=self._refused)
+                                       refresh=refresh_period, judge=self._judge_claims, on_refused=self._refused,
+                                       held=lambda: self._applied)
         self._grad_acc: list[torch.Tensor] = []  # sync: allocated at the first step (a joiner's
         # download should not wait for zero-filling a model-sized buffer it does not need yet)
         self._outer: list[torch.Tensor] = []

@@ -52,19 +52,24 @@ class PeerReport:
     ready: bool = False  # waiting to average the end of ``epoch``
     client: bool = False
     left: bool = False  # said goodbye: no longer counts, whatever its record's expiry
+    #: updates its state holds (the label of the state it serves; behind ``epoch`` after a round it
+    #: skipped or while one is in flight); None: not said
+    held: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": _VERSION, "e": self.epoch, "s": self.samples, "sps": self.sps, "t": self.time,
                 "h": self.schema, "a": list(self.addr) if self.addr else None, "r": self.ready,
-                "c": self.client, "l": self.left}
+                "c": self.client, "l": self.left, "u": self.held}
 
 
 def parse_report(value: object, owner: PeerID) -> PeerReport | None:
     """A validated report, or None for anything malformed (a hostile peer may publish anything)."""
     if not isinstance(value, dict) or value.get("v") != _VERSION:
         return None
-    e, s, sps, t, h, a = (value.get(k) for k in ("e", "s", "sps", "t", "h", "a"))
+    e, s, sps, t, h, a, u = (value.get(k) for k in ("e", "s", "sps", "t", "h", "a", "u"))
     if not (isinstance(e, int) and 0 <= e < 2**53 and isinstance(s, int) and 0 <= s < 2**53):
+        return None
+    if u is not None and not (type(u) is int and 0 <= u < 2**53):
         return None
     if not (isinstance(sps, (int, float)) and math.isfinite(sps) and 0 <= sps < 1e12):
         return None
@@ -77,7 +82,7 @@ def parse_report(value: object, owner: PeerID) -> PeerReport | None:
             return None
         addr = (a[0], a[1])
     return PeerReport(owner, e, s, float(sps), float(t), h, addr, value.get("r") is True, value.get("c") is True,
-                      value.get("l") is True)
+                      value.get("l") is True, u)
 
 
 def parse_record(record: Any) -> PeerReport | None:
@@ -194,7 +199,8 @@ class ProgressTracker:
                  min_refresh: float = 0.05, fast_refresh: float = 0.01, ttl: float | None = None,
                  on_mismatch: Callable[[PeerID, str], None] | None = None,
                  judge: Callable[[list[PeerReport], PeerReport], dict[PeerID, str]] | None = None,
-                 on_refused: Callable[[dict[PeerID, str]], None] | None = None):
+                 on_refused: Callable[[dict[PeerID, str]], None] | None = None,
+                 held: Callable[[], int] | None = None):
         if target < 1:
             raise ValueError("target_batch_size must be at least 1")
         self.node = node
@@ -209,6 +215,7 @@ class ProgressTracker:
         #: verdicts on epoch claims (see ``claims``): the peers it refuses stay out of the view
         self._judge = judge
         self._on_refused = on_refused
+        self._held = held  # the updates our state holds, published with each report
         addr = None if node.client_mode else (node.multiaddrs[0].host, node.multiaddrs[0].port)
         self._me = PeerReport(node.peer_id, 0, 0, 0.0, time.time(), schema, addr, False, node.client_mode)
         self._published: PeerReport | None = None
@@ -279,7 +286,8 @@ class ProgressTracker:
         old = self._me
         if epoch != old.epoch:
             self._epoch_started = time.time()
-        self._me = replace(old, epoch=epoch, samples=samples, sps=sps, ready=ready, time=time.time())
+        self._me = replace(old, epoch=epoch, samples=samples, sps=sps, ready=ready, time=time.time(),
+                           held=None if self._held is None else self._held())
         self.view = view = self.estimate()
         if (epoch, ready) != (old.epoch, old.ready) and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake.set)
