@@ -15,6 +15,7 @@ from dht.identity import PeerID
 from dht.wire import MAX_FRAME_BODY
 
 from ..compression import Codec, CompressionError, ErrorFeedback
+from ..errors import P2PTrainError
 
 if TYPE_CHECKING:
     from dht.transport import Host
@@ -108,11 +109,11 @@ def codec_id(codec: Codec) -> str:
     return f"{b.name}({b._opts_repr()})"
 
 
-class Drop(Exception):
+class Drop(P2PTrainError):
     """A peer broke the protocol: drop it from the round."""
 
 
-class InputRefused(Exception):
+class InputRefused(P2PTrainError):
     """Our own input cannot be averaged (NaN/inf, found by the encode of a chunk we were sending or
     where our own shard was first read), ending our round: to the others we are a member that died."""
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import blake3
 
+from ..errors import P2PTrainError
 from .manifest import DIGEST_SIZE
 
 try:
@@ -47,7 +48,7 @@ SYNC_THREADS = 4
 MAX_IN_FLIGHT = 32
 
 
-class StoreError(Exception):
+class StoreError(P2PTrainError):
     """Base of the errors the store raises on purpose; the message is meant for a person."""
 
 

@@ -3,8 +3,10 @@ messages name the key, the manifest and what went wrong."""
 
 from __future__ import annotations
 
+from ..errors import P2PTrainError
 
-class StateTransferError(Exception):
+
+class StateTransferError(P2PTrainError):
     """Fetching state failed; the message names the key, the manifest and what went wrong."""
 
 
@@ -24,6 +26,6 @@ class StateTimeoutError(StateTransferError, TimeoutError):
     """The fetch did not finish within its timeout."""
 
 
-class CorruptReply(Exception):
+class CorruptReply(P2PTrainError):
     """A provider sent bytes that fail verification or break the protocol (the fetch drops it;
     never raised to the caller)."""

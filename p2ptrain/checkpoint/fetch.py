@@ -26,6 +26,7 @@ from dht.errors import DHTError
 from dht.identity import PeerID
 from dht.transport import Host
 
+from ..errors import P2PTrainError
 from .errors import ChunksUnavailableError, CorruptReply, StateTimeoutError, StateTransferError
 from .manifest import DEFAULT_MAX_TOTAL, Manifest, restore
 from .placement import Placement
@@ -63,7 +64,7 @@ class FetchResult:
         return restore(self.manifest, self.buffer, copy=copy)
 
 
-class _SinkFailed(Exception):
+class _SinkFailed(P2PTrainError):
     """``on_chunk`` raised: our own failure (e.g. a full disk), not the provider's."""
 
 

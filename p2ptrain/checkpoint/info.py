@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dht.identity import PeerID
 
+from ..errors import P2PTrainError
 from .blobs import StoreError
 from .cid import cid as make_cid
 from .record import CheckpointRecord
@@ -16,11 +17,11 @@ class IncompleteCheckpointError(StoreError):
     """``commit`` was called before every chunk of the manifest was stored."""
 
 
-class AmbiguousCheckpointError(ValueError):
+class AmbiguousCheckpointError(P2PTrainError, ValueError):
     """A prefix matches more than one checkpoint."""
 
 
-class CheckpointNotFound(KeyError):
+class CheckpointNotFound(P2PTrainError, KeyError):
     """No checkpoint of that id (or prefix) in the store."""
 
     def __str__(self) -> str:  # KeyError would print the message quoted

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import blake3
 import msgpack
 
+from ..errors import P2PTrainError
 from ..gil import short_gil_waits
 from .tree import TensorSpec, flatten, known_dtype, tensor_specs, torch_dtype, unflatten
 
@@ -44,7 +45,7 @@ MAX_TENSORS = 1 << 20
 _KEYS = ("v", "skeleton", "tensors", "chunk_size", "total", "digests", "meta")
 
 
-class ManifestError(ValueError):
+class ManifestError(P2PTrainError, ValueError):
     """A manifest (or a buffer claimed to match one) is malformed, too large or inconsistent."""
 
 

@@ -20,6 +20,8 @@ import msgpack
 
 from dht.identity import Identity, PeerID
 
+from ..errors import P2PTrainError
+
 VERSION = 1
 DIGEST_SIZE = 32
 SIGNATURE_SIZE = 64
@@ -30,7 +32,7 @@ _DOMAIN = "p2ptrain/checkpoint-record/1"
 _KEYS = ("v", "run_id", "epoch", "manifest", "size", "created", "writer", "sig")
 
 
-class RecordError(ValueError):
+class RecordError(P2PTrainError, ValueError):
     """Bytes that are not a well-formed checkpoint record; the message says which field is wrong."""
 
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Union
 
 import torch
 
+from ..errors import P2PTrainError
 from . import kernels
 
 __all__ = [
@@ -50,7 +51,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 DEFAULT_MAX_NUMEL = 1 << 28
 
 
-class CompressionError(ValueError):
+class CompressionError(P2PTrainError, ValueError):
     """Raised for any input a codec refuses: NaN/inf on encode, or a malformed/hostile message on
     decode (wrong meta, wrong buffer size, out-of-range indices, non-finite scales...)."""
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..errors import P2PTrainError
+
 MODES = ("sync", "diloco")
 
 
-class OptionError(ValueError):
+class OptionError(P2PTrainError, ValueError):
     """A bad option: the message names the keyword argument, ``flag_message`` the CLI flag."""
 
     def __init__(self, message: str, flag_message: str) -> None:
