@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .aio import cancel_all
 from .config import DHTConfig
 from .node import DHTNode
+from .tasks import TaskGroup
 
 _LINE_LIMIT = 64 << 20  # get_many replies can be large; the stdio default (64 KiB) is not enough
 
@@ -145,7 +145,7 @@ async def serve_commands(target: Any) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=_LINE_LIMIT)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    tasks: set[asyncio.Task] = set()
+    tasks = TaskGroup("swarm commands")
     reply({"id": None, "ready": True, "pid": os.getpid()})
 
     async def handle(msg: dict) -> None:
@@ -169,11 +169,9 @@ async def serve_commands(target: Any) -> None:
             if msg.get("op") == "exit":
                 reply({"id": msg.get("id")})
                 break
-            task = loop.create_task(handle(msg))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            tasks.spawn(handle(msg))
     finally:
-        await cancel_all(tasks)
+        await tasks.close()
         await target.close()
 
 

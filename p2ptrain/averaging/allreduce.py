@@ -19,14 +19,13 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from dht.aio import cancel_all
+from dht import TaskGroup
 from dht.identity import PeerID
 from dht.sealer import usable_cpus
 from dht.stream import Stream
@@ -81,7 +80,7 @@ class AllReduceService:
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._waiting_by_peer: collections.Counter[PeerID] = collections.Counter()  # streams waiting, per sender
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskGroup("all-reduce service", log=log)  # rounds and stream handlers, while they run
         self._closed = False
         # One shard-sized accumulator kept between rounds: a fresh 100+ MB tensor costs a page
         # fault per 4 KiB on first touch (~40k faults, a measurable share of a round's CPU time).
@@ -173,7 +172,7 @@ class AllReduceService:
         self.host.off_stream(AUDIT_PROTOCOL)
         for rnd in list(self._rounds.values()):
             rnd.abort("all-reduce service closing")
-        await cancel_all(self._tasks)
+        await self._tasks.close()
         if self.resources.executor is not None:
             self.resources.executor.shutdown(wait=True, cancel_futures=True)
         self._scratch = []
@@ -212,7 +211,7 @@ class AllReduceService:
         return ledger
 
     async def _on_audit_stream(self, stream: Stream) -> None:
-        with self._owned():
+        with self._tasks.adopt():
             gid = _group_id(stream)
             ledger = self._ledgers.get(gid) if isinstance(gid, bytes) else None
             if ledger is None:
@@ -231,20 +230,9 @@ class AllReduceService:
             await serve_audit(ledger, stream, wait, max(cfg.stall_timeout, cfg.read_timeout(1 << 22)),
                               self._audit_answer)
 
-    @contextlib.contextmanager
-    def _owned(self) -> Iterator[None]:
-        """The running task (a stream handler) is this service's until it returns: close() cancels it."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            yield
-        finally:
-            self._tasks.discard(task)
-
     # ------------------------------------------------------------------ incoming streams
     async def _on_stream(self, stream: Stream) -> None:
-        with self._owned():
+        with self._tasks.adopt():
             gid = _group_id(stream)
             if not isinstance(gid, bytes) or len(gid) > 64:
                 stream.reset("malformed header")
@@ -345,32 +333,29 @@ class AllReduceService:
         waiting = self._waiting.pop(gid, None)
         if waiting is not None and not waiting.done():
             waiting.set_result(rnd)
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        try:
-            async with asyncio.timeout(cfg.timeout + cfg.stall_timeout):
-                result = await rnd.run()
-            if result.ok and not result.failed:  # (a round that waited on a failing peer times no link)
-                self.link.observe_transfer(result.bytes_sent + result.bytes_received, result.time_total)
-            if ledger is not None:
-                ledger.finished.set()
-                try:
-                    await audit_round(rnd.ctx, result, self.audit)
-                except TimeoutError:
-                    log.warning("all-reduce %s: the audit of the owners' results ran out of time; the chunks not "
-                                "checked by then are kept as their owners sent them", gid.hex()[:8])
-            return result
-        finally:
-            if ledger is not None:
-                ledger.finished.set()
-            rnd.abort("round over")
-            self._give_back_scratch(rnd)
-            self._tasks.discard(task)  # type: ignore[arg-type]
-            del self._rounds[gid]
-            self._finished[gid] = None
-            while len(self._finished) > 1024:
-                self._finished.popitem(last=False)
+        with self._tasks.adopt():  # close() cancels the round
+            try:
+                async with asyncio.timeout(cfg.timeout + cfg.stall_timeout):
+                    result = await rnd.run()
+                if result.ok and not result.failed:  # (a round that waited on a failing peer times no link)
+                    self.link.observe_transfer(result.bytes_sent + result.bytes_received, result.time_total)
+                if ledger is not None:
+                    ledger.finished.set()
+                    try:
+                        await audit_round(rnd.ctx, result, self.audit)
+                    except TimeoutError:
+                        log.warning("all-reduce %s: the audit of the owners' results ran out of time; the chunks not "
+                                    "checked by then are kept as their owners sent them", gid.hex()[:8])
+                return result
+            finally:
+                if ledger is not None:
+                    ledger.finished.set()
+                rnd.abort("round over")
+                self._give_back_scratch(rnd)
+                del self._rounds[gid]
+                self._finished[gid] = None
+                while len(self._finished) > 1024:
+                    self._finished.popitem(last=False)
 
 
 def round_payload(numel: int, chunk_numel: int, codec: Codec, gather_codec: Codec) -> int:

@@ -49,8 +49,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from dht import DHTNode, PeerID
-from dht.aio import cancel_all, wait_event
+from dht import DHTNode, PeerID, TaskGroup
+from dht.aio import wait_event
 
 from .board import Board
 from .claims import Entry
@@ -106,9 +106,9 @@ class Matchmaker(JoinProtocol):
         self.bandwidth = float(bandwidth)
         self.client_mode = node.client_mode if client_mode is None else client_mode
         self._rounds: OrderedDict[str, MatchRound] = OrderedDict()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskGroup("matchmaker", log=log)  # the board's writes and reads
         self._closed = False
-        self.board = Board(node, prefix, schema, self._spawn)
+        self.board = Board(node, prefix, schema, self._tasks.spawn)
         self.last_stats: dict[str, Any] = {}
         JoinDispatcher.register(node.host, self)
 
@@ -145,7 +145,7 @@ class Matchmaker(JoinProtocol):
             if rnd.lead is not None and rnd.lead.done is not None and not rnd.lead.done.done():
                 rnd.lead.done.set_result(None)
             rnd.set_state("done")
-        await cancel_all(self._tasks)
+        await self._tasks.close()
 
     async def __aenter__(self) -> Matchmaker:
         return self
@@ -206,7 +206,8 @@ class Matchmaker(JoinProtocol):
             if rnd.lead is not None and rnd.lead.done is not None and not rnd.lead.done.done():
                 rnd.lead.done.set_result(None)
             rnd.set_state("done")
-            self._spawn(self.board.mark_done(rnd))
+            if not self._closed:  # (a closed board writes nothing)
+                self._tasks.spawn(self.board.mark_done(rnd))
             self.last_stats = {
                 "round": round_id, "group_size": group.size, "seconds": loop.time() - started,
                 "attempts": attempts, "dht_latency": self.latency,
@@ -216,12 +217,6 @@ class Matchmaker(JoinProtocol):
         return group
 
     # ------------------------------------------------------------------ steps
-
-    def _spawn(self, coro: Any) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def _gather(self, rnd: MatchRound, me: Member, timeout: float, deadline: float,
                       failed: set[PeerID], expected: int | None = None) -> list[Member] | None:
@@ -236,8 +231,8 @@ class Matchmaker(JoinProtocol):
         schema_task: asyncio.Task | None = None
         polls = 0
         while True:
-            if polls % 8 == 0 and (schema_task is None or schema_task.done()):
-                schema_task = self._spawn(self.board.check_schemas(rnd, deadline))
+            if polls % 8 == 0 and not self._closed and (schema_task is None or schema_task.done()):
+                schema_task = self._tasks.spawn(self.board.check_schemas(rnd, deadline))
             polls += 1
             entries = await self.board.read(rnd, deadline)
             rnd.registered.update((p, e.member) for p, e in entries.items())

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dht.aio import cancel_all
+from dht import TaskGroup
 from dht.stream import Stream
 from dht.transport import Connection, Host
 
@@ -68,7 +68,7 @@ class StateServer:
         self._providers: dict[str, Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]] = {}
         self._resolvers: list[Resolver] = []
         self._refreshing: dict[str, asyncio.Task] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskGroup("state server", log=log)  # snapshot refreshes and the streams being served
         self._started = False
         self._closed = False
         self.bytes_sent = 0  # chunk bytes sent, all streams
@@ -98,7 +98,7 @@ class StateServer:
             self.host.off_stream(MANIFEST_PROTOCOL)
             self.host.off_stream(CHUNKS_PROTOCOL)
             self.host.off_request(MANIFEST_METHOD, self._on_manifest)
-        await cancel_all(self._tasks)
+        await self._tasks.close()
         for snaps in self._snapshots.values():
             evict(snaps)
         self._snapshots.clear()
@@ -146,7 +146,7 @@ class StateServer:
 
     async def _refresh(self, key: str) -> None:
         refresh = self._providers.get(key)
-        if refresh is None:
+        if refresh is None or self._closed:
             return
         task = self._refreshing.get(key)
         if task is None or task.done():
@@ -154,9 +154,7 @@ class StateServer:
                 snap = await refresh()
                 if snap is not None and not self._closed:
                     self.publish(key, *snap)
-            task = self._refreshing[key] = asyncio.get_running_loop().create_task(run())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self._refreshing[key] = self._tasks.spawn(run(), awaited=True)  # (its error: logged below)
         try:
             await asyncio.shield(task)
         except Exception as e:  # noqa: BLE001 - serve the previous snapshot rather than fail the request
@@ -226,12 +224,6 @@ class StateServer:
             "held": held,
         }
 
-    def _own(self) -> asyncio.Task:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        return task
-
     async def _lookup(self, stream: Stream) -> ChunkSource | None:
         hdr = stream.header
         try:
@@ -248,70 +240,66 @@ class StateServer:
         return snap
 
     async def _on_manifest_stream(self, stream: Stream) -> None:
-        task = self._own()
-        try:
+        with self._tasks.adopt():
             snap = await self._lookup(stream)
             if snap is not None:
                 await stream.write(snap.manifest.encoded, timeout=self.write_timeout)
-        finally:
-            self._tasks.discard(task)
 
     async def _on_chunks(self, stream: Stream) -> None:
-        task = self._own()
-        ahead: asyncio.Future | None = None
-        held: MemorySource | None = None
-        try:
-            snap = await self._lookup(stream)
-            if snap is None:
-                return
-            if isinstance(snap, MemorySource):
-                if not snap.acquire():  # released while the request was looked up
-                    stream.reset("state no longer held")
+        with self._tasks.adopt():
+            ahead: asyncio.Future | None = None
+            held: MemorySource | None = None
+            try:
+                snap = await self._lookup(stream)
+                if snap is None:
                     return
-                held = snap
-            first, count = stream.header.get("first"), stream.header.get("count")
-            m = snap.manifest
-            if type(first) is not int or type(count) is not int or not (
-                    0 <= first and 1 <= count and first + count <= m.num_chunks):
-                stream.reset(f"chunk range out of bounds (the state has {m.num_chunks} chunks)")
-                return
-            end = first + count
-            loop = asyncio.get_running_loop()
-            ahead = asyncio.ensure_future(snap.chunk(first))
-            for i in range(first, end):
-                await self._before_chunk(stream.header["key"], i)
-                try:
-                    data = await ahead
-                except (LookupError, OSError, ValueError) as e:
-                    log.warning("cannot serve chunk %d of %s: %s", i, m.id.hex()[:12], e)
-                    stream.reset(f"chunk {i} is no longer held here")
+                if isinstance(snap, MemorySource):
+                    if not snap.acquire():  # released while the request was looked up
+                        stream.reset("state no longer held")
+                        return
+                    held = snap
+                first, count = stream.header.get("first"), stream.header.get("count")
+                m = snap.manifest
+                if type(first) is not int or type(count) is not int or not (
+                        0 <= first and 1 <= count and first + count <= m.num_chunks):
+                    stream.reset(f"chunk range out of bounds (the state has {m.num_chunks} chunks)")
                     return
-                # the next chunk is read (from disk, for a store) while this one is sent
-                ahead = asyncio.ensure_future(snap.chunk(i + 1)) if i + 1 < end else None
-                a, b = m.chunk_span(i)
-                if len(data) != b - a:
-                    stream.reset(f"chunk {i} is damaged here")
-                    return
-                if self._bucket is None:
-                    await stream.write(data, timeout=self.write_timeout)
-                else:  # in pieces, so a slow cap never leaves the fetcher without data for long
-                    view = memoryview(data)
-                    for p in range(0, len(view), _THROTTLE_PIECE):
-                        piece = view[p : p + _THROTTLE_PIECE]
-                        delay = self._bucket.take(len(piece), loop.time())
-                        if delay > 0:
-                            await asyncio.sleep(delay)  # the uplink cap, not synchronisation
-                        await stream.write(piece, timeout=self.write_timeout)
-                self.bytes_sent += b - a
-        finally:
-            if ahead is not None and not ahead.done():
-                ahead.cancel()
-            if ahead is not None:
-                # a read that failed or was abandoned must not be reported as never retrieved
-                ahead.add_done_callback(lambda f: f.cancelled() or f.exception())
-            if held is not None:
-                held.release()
-            self._tasks.discard(task)
+                end = first + count
+                loop = asyncio.get_running_loop()
+                ahead = asyncio.ensure_future(snap.chunk(first))
+                for i in range(first, end):
+                    await self._before_chunk(stream.header["key"], i)
+                    try:
+                        data = await ahead
+                    except (LookupError, OSError, ValueError) as e:
+                        log.warning("cannot serve chunk %d of %s: %s", i, m.id.hex()[:12], e)
+                        stream.reset(f"chunk {i} is no longer held here")
+                        return
+                    # the next chunk is read (from disk, for a store) while this one is sent
+                    ahead = asyncio.ensure_future(snap.chunk(i + 1)) if i + 1 < end else None
+                    a, b = m.chunk_span(i)
+                    if len(data) != b - a:
+                        stream.reset(f"chunk {i} is damaged here")
+                        return
+                    if self._bucket is None:
+                        await stream.write(data, timeout=self.write_timeout)
+                    else:  # in pieces, so a slow cap never leaves the fetcher without data for long
+                        view = memoryview(data)
+                        for p in range(0, len(view), _THROTTLE_PIECE):
+                            piece = view[p : p + _THROTTLE_PIECE]
+                            delay = self._bucket.take(len(piece), loop.time())
+                            if delay > 0:
+                                await asyncio.sleep(delay)  # the uplink cap, not synchronisation
+                            await stream.write(piece, timeout=self.write_timeout)
+                    self.bytes_sent += b - a
+            finally:
+                if ahead is not None and not ahead.done():
+                    ahead.cancel()
+                if ahead is not None:
+                    # a read that failed or was abandoned must not be reported as never retrieved
+                    ahead.add_done_callback(lambda f: f.cancelled() or f.exception())
+                if held is not None:
+                    held.release()
 
     async def _before_chunk(self, key: str, index: int) -> None:
         """Hook before each chunk is sent (tests override it to simulate slow or dying peers)."""

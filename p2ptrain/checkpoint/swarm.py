@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dht import DHTError, DHTNode, InvalidRecord, PeerID
-from dht.aio import cancel_all, wait_event
+from dht import DHTError, DHTNode, InvalidRecord, PeerID, TaskGroup
+from dht.aio import wait_event
 
 from ..deadlines import CHECKPOINT_FETCH, LinkMeter, resolve
 from .directory import (
@@ -363,8 +363,7 @@ class CheckpointService:
         self._server = server
         self._own_server = server is None
         self._manifests: OrderedDict[bytes, Manifest] = OrderedDict()
-        self._task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskGroup("checkpoint service", log=log)  # the announce loop and one-off announcements
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -377,7 +376,7 @@ class CheckpointService:
             await self._server.start()
         self._server.add_resolver(self._resolve)
         _services[self.node] = self
-        self._task = self._loop.create_task(self._run())
+        self._tasks.spawn(self._run(), name="checkpoint announcements")
 
     async def close(self) -> None:
         """Stop announcing and serving (idempotent). Entries already in the DHT expire by themselves."""
@@ -386,7 +385,7 @@ class CheckpointService:
         self._closed = True
         if _services.get(self.node) is self:
             del _services[self.node]
-        await cancel_all(t for t in (self._task, *self._tasks) if t is not None)
+        await self._tasks.close()
         if self._server is not None:
             self._server.remove_resolver(self._resolve)
             if self._own_server:
@@ -410,9 +409,7 @@ class CheckpointService:
     def _spawn_announce(self, info: CheckpointInfo) -> None:
         if self._closed:
             return
-        task = asyncio.get_running_loop().create_task(self._announce_one(info))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._announce_one(info))
 
     async def _announce_one(self, info: CheckpointInfo) -> None:
         try:
