@@ -110,7 +110,8 @@ def _msg1_factory() -> Callable[[], bytes]:
     """A valid first XX handshake message (fresh ephemeral key each time), length-prefixed."""
     from dht.identity import Identity
     from dht.noise import StaticKey, XXHandshake
-    from dht.connection import _HS_LEN, DEFAULT_PROLOGUE
+    from dht.connection import DEFAULT_PROLOGUE
+    from dht.mux import _HS_LEN
 
     ident = Identity()
     static = StaticKey(ident)

@@ -6,6 +6,7 @@ identity/multiaddr -> wire/noise -> transport/stream -> relay (circuits through 
 """
 
 from .config import DHTConfig
+from .connection import Connection
 from .errors import (
     BootstrapError,
     ConfigError,
@@ -20,6 +21,7 @@ from .errors import (
     RPCTimeout,
 )
 from .identity import Identity, PeerID
+from .limits import Limits
 from .lookup import LookupResult, ValueWithExpiration
 from .multiaddr import Multiaddr
 from .node import BootstrapRefused, DHTNode
@@ -27,7 +29,7 @@ from .noise import SwarmKeyMismatch
 from .relay import CircuitLimit, RelayRefused, RelayService
 from .swarmkey import SwarmKey
 from .tasks import TaskGroup
-from .transport import Connection, Host, Limits
+from .transport import Host
 
 __all__ = [
     "BootstrapError",

@@ -26,7 +26,7 @@ from .pacing import SMALL_FRAME_COST, RequestPacer
 from .rpc import RPCEndpoint
 from .sealer import OrderedSender
 from .stream import COALESCE_BELOW, Stream
-from .streamtable import StreamHandler, StreamTable
+from .streamtable import StreamTable
 from .tasks import TaskGroup
 from .wire import HEADER_SIZE, LEGACY_FRAME_BODY, MAX_FRAME_BODY, TAG_SIZE, Kind, pack
 
@@ -41,7 +41,7 @@ PACED = "busy: more requests than this peer serves per second"
 #: stream data frames shorter than this (header and tag included) are paced (``dht.pacing``)
 SMALL_DATA_FRAME = HEADER_SIZE + COALESCE_BELOW + TAG_SIZE
 
-__all__ = ["DEFAULT_PROLOGUE", "Connection", "StreamHandler"]
+__all__ = ["DEFAULT_PROLOGUE", "Connection"]
 
 
 class Connection(asyncio.BufferedProtocol, RPCEndpoint):

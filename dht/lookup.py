@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from .config import DHTConfig
+from .connection import Connection
 from .errors import DHTError, InvalidRecord, ProtocolError
 from .identity import PeerID
 from .protocol import decode_contacts
 from .routing import Contact, Lookup, RoutingTable, key_id
 from .storage import Record, RecordStore, merge_records, validate_record
 from .tasks import TaskGroup
-from .transport import Connection, Host
+from .transport import Host
 from .wire import unpack
 
 log = logging.getLogger("dht.node")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine
 
 from .config import DHTConfig
+from .connection import Connection
 from .errors import DHTError
 from .identity import PeerID
 from .multiaddr import Multiaddr
@@ -22,7 +23,7 @@ from .peercache import cache_entries, save_peer_cache
 from .routing import Contact, RoutingTable
 from .storage import Record, RecordStore
 from .tasks import TaskGroup
-from .transport import Connection, Host
+from .transport import Host
 
 log = logging.getLogger("dht.node")
 

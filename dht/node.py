@@ -25,6 +25,7 @@ from .bootstrap import DialPlan
 from .config import DHTConfig
 from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable
 from .identity import Identity
+from .limits import Limits
 from .lookup import Lookups, key_bytes
 from .maintenance import Maintenance
 from .multiaddr import Multiaddr
@@ -35,7 +36,7 @@ from .routing import Contact, RoutingTable, node_id_of
 from .storage import Record, RecordStore, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
 from .tasks import TaskGroup
-from .transport import Host, Limits
+from .transport import Host
 from .wire import pack
 
 log = logging.getLogger("dht.node")

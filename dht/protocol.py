@@ -11,13 +11,14 @@ import time
 from typing import Any, Callable, Iterable
 
 from .config import DHTConfig
+from .connection import Connection
 from .errors import InvalidRecord, ProtocolError
 from .identity import PeerID
 from .quota import address_group
 from .relay import relayed_via
 from .routing import Contact, RoutingTable, key_id
 from .storage import Record, RecordStore
-from .transport import Connection, Host
+from .transport import Host
 from .wire import MAX_MESSAGE
 
 #: bytes of records one find_value reply may carry: the rest of the 1 MiB message is for contacts

@@ -40,6 +40,7 @@ from collections import Counter
 from typing import Any
 
 from .aio import cancel_all, wait_event
+from .connection import Connection
 from .errors import DHTError, PeerUnreachable, ProtocolError, RPCError
 from .identity import PeerID
 from .multiaddr import Multiaddr
@@ -47,7 +48,7 @@ from .quota import address_group
 from .stream import Stream, StreamReset
 from .stream_transport import StreamTransport
 from .tasks import TaskGroup
-from .transport import CIRCUIT, Connection, Host, register_transport
+from .transport import CIRCUIT, Host, register_transport
 from .wire import pack, unpack
 
 log = logging.getLogger("dht.relay")

@@ -25,10 +25,8 @@ import socket
 import time
 from typing import Any, Awaitable, Callable, Protocol
 
-from .bufpool import POOLED_FRAME_MIN, BufferPool
-# (Connection and the names below lived here before the module was split: importing them from
-# dht.transport keeps working)
-from .connection import _HS_LEN, DEFAULT_PROLOGUE, Connection, StreamHandler  # noqa: F401
+from .bufpool import BufferPool
+from .connection import DEFAULT_PROLOGUE, Connection
 from .errors import HandshakeError, PeerUnreachable
 from .identity import Identity, PeerID
 from .interfaces import announce_hosts
@@ -38,6 +36,7 @@ from .noise import StaticKey
 from .rpc import RequestHandler
 from .sealer import default_threads, make_pool
 from .stream import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
+from .streamtable import StreamHandler
 from .swarmkey import SwarmKey, load_swarm_key
 from .wire import MAX_FRAME, MAX_FRAME_BODY
 
@@ -49,8 +48,7 @@ _ANNOUNCE_TTL = 30.0
 #: peers whose last address a host remembers (see Host.connect)
 _SEEN_MAX = 4096
 
-__all__ = ["CIRCUIT", "DEFAULT_PROLOGUE", "POOLED_FRAME_MIN", "BufferPool", "Connection", "Host", "Limits",
-           "LogThrottle", "PeerTransport", "RequestHandler", "StreamHandler", "register_transport"]
+__all__ = ["CIRCUIT", "Host", "PeerTransport", "register_transport"]
 
 #: the kind of a circuit address (``/p2p/<relay>/p2p-circuit/p2p/<peer>``), dialed through a relay
 CIRCUIT = "p2p-circuit"

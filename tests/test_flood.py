@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from dht.identity import Identity
-from dht.transport import Host, Limits
+from dht.limits import Limits
+from dht.transport import Host
 
 pytestmark = [pytest.mark.timeout(30),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs 127.0.0.2 (Linux loopback)")]

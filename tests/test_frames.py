@@ -8,9 +8,10 @@ import os
 
 import pytest
 
+from dht.bufpool import BufferPool
 from dht.identity import Identity
 from dht.noise import XXHandshake
-from dht.transport import BufferPool, Host
+from dht.transport import Host
 from dht.wire import LEGACY_FRAME_BODY, MAX_FRAME_BODY, MAX_MESSAGE, Kind, pack
 
 MiB = 1 << 20

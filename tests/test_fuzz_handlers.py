@@ -37,10 +37,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dht import DHTConfig, DHTNode, Identity, PeerUnreachable, RPCError, RPCTimeout
+from dht.connection import DEFAULT_PROLOGUE
 from dht.noise import XXHandshake
 from dht.storage import Record, owned_name, sign_record
 from dht.stream import StreamReset
-from dht.transport import DEFAULT_PROLOGUE, Host
+from dht.transport import Host
 from dht.wire import HEADER_SIZE, LENGTH, MAX_MESSAGE, Kind, pack, parse_header
 
 pytestmark = pytest.mark.timeout(240)

@@ -31,7 +31,8 @@ from dht.noise import (
     XXHandshake,
 )
 from dht.swarmkey import SwarmKey, load_swarm_key
-from dht.transport import Host, LogThrottle
+from dht.limits import LogThrottle
+from dht.transport import Host
 from p2ptrain.averaging import Averager
 
 CLI = [sys.executable, "-m", "p2ptrain"]

@@ -26,11 +26,12 @@ import pytest
 import dht.relay as relay_mod
 from dht.errors import HandshakeError, MultiaddrError, PeerIdMismatch, PeerUnreachable, RPCTimeout
 from dht.identity import Identity, PeerID
+from dht.limits import Limits
 from dht.multiaddr import Multiaddr
 from dht.node import DHTNode
 from dht.relay import RelayRefused, RelayService, Reservations, relayed_via
 from dht.stream import Stream
-from dht.transport import Host, Limits
+from dht.transport import Host
 
 MiB = 1 << 20
 

@@ -18,8 +18,9 @@ import torch
 
 from dht import sealer
 from dht.identity import Identity
+from dht.limits import Limits
 from dht.stream import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
-from dht.transport import Host, Limits
+from dht.transport import Host
 from p2ptrain.averaging.allreduce import AllReduceService
 from p2ptrain.averaging.round_types import AllReduceConfig
 from p2ptrain.averaging.group import Group, Member

@@ -16,12 +16,14 @@ import time
 
 import pytest
 
+from dht.connection import DEFAULT_PROLOGUE
 from dht.errors import HandshakeError, PeerIdMismatch, PeerUnreachable, ProtocolError, RPCError, RPCTimeout
 from dht.identity import Identity
+from dht.limits import Limits
 from dht.multiaddr import Multiaddr
 from dht.noise import XXHandshake
 from dht.stream import Stream, StreamReset
-from dht.transport import DEFAULT_PROLOGUE, Host, Limits
+from dht.transport import Host
 from dht.wire import HEADER_SIZE, LENGTH, Kind, pack, pack_header, parse_header, unpack
 
 MiB = 1 << 20

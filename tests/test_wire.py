@@ -157,7 +157,7 @@ def test_large_frames_with_a_shared_pool_are_intact_and_hold_no_buffer_after():
     """With ``alloc`` (the host's frame pool), large frames are received into pool buffers, and
     the view handed out is the reader's only hold on one: once the caller drops the frame the
     buffer is reusable, so an idle connection keeps no multi-MiB buffer of its own."""
-    from dht.transport import BufferPool
+    from dht.bufpool import BufferPool
 
     sizes = [10, 40_000, 1 << 20, 33_000, MAX_FRAME - 4, 12, 300_000]
     payloads = [payload_of(n, i) for i, n in enumerate(sizes)]
