@@ -155,8 +155,7 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
 
     import torch
 
-    from dht.identity import Identity, PeerID
-    from dht.transport import Host, Limits
+    from dht import Host, Identity, Limits, PeerID
     from p2ptrain.averaging import AllReduceConfig
     from p2ptrain.averaging.allreduce import AllReduceService
     from p2ptrain.averaging.group import Group, Member

@@ -3,8 +3,13 @@
 Knows nothing of torch or training. Layers, each depending only on the ones before it:
 identity/multiaddr -> wire/noise -> transport/stream -> relay (circuits through a public peer)
 -> routing/storage -> node.
+
+Besides the DHT it exports what code built on it shares: byte streams and their msgpack framing
+(``Stream``, ``pack``/``unpack``, the size limits) and a few asyncio/OS helpers (``TaskGroup``,
+``cancel_all``, ``wait_event``, ``LogThrottle``, ``usable_cpus``). Users import from here only.
 """
 
+from .aio import cancel_all, wait_event
 from .config import DHTConfig
 from .connection import Connection
 from .errors import (
@@ -21,15 +26,21 @@ from .errors import (
     RPCTimeout,
 )
 from .identity import Identity, PeerID
-from .limits import Limits
+from .limits import Limits, LogThrottle
 from .lookup import LookupResult, ValueWithExpiration
 from .multiaddr import Multiaddr
 from .node import BootstrapRefused, DHTNode
 from .noise import SwarmKeyMismatch
+from .owned import OwnedRead, OwnedValue
+from .peercache import default_cache_name
 from .relay import CircuitLimit, RelayRefused, RelayService
-from .swarmkey import SwarmKey
+from .routing import Contact
+from .sealer import usable_cpus
+from .stream import Stream, StreamReset
+from .swarmkey import SwarmKey, load_swarm_key
 from .tasks import TaskGroup
 from .transport import Host
+from .wire import MAX_FRAME_BODY, MAX_MESSAGE, pack, unpack
 
 __all__ = [
     "BootstrapError",
@@ -37,6 +48,7 @@ __all__ = [
     "CircuitLimit",
     "ConfigError",
     "Connection",
+    "Contact",
     "DHTConfig",
     "DHTError",
     "DHTNode",
@@ -45,9 +57,14 @@ __all__ = [
     "Identity",
     "InvalidRecord",
     "Limits",
+    "LogThrottle",
     "LookupResult",
+    "MAX_FRAME_BODY",
+    "MAX_MESSAGE",
     "Multiaddr",
     "MultiaddrError",
+    "OwnedRead",
+    "OwnedValue",
     "PeerID",
     "PeerIdMismatch",
     "PeerUnreachable",
@@ -56,8 +73,17 @@ __all__ = [
     "RPCTimeout",
     "RelayRefused",
     "RelayService",
+    "Stream",
+    "StreamReset",
     "SwarmKey",
     "SwarmKeyMismatch",
     "TaskGroup",
     "ValueWithExpiration",
+    "cancel_all",
+    "default_cache_name",
+    "load_swarm_key",
+    "pack",
+    "unpack",
+    "usable_cpus",
+    "wait_event",
 ]

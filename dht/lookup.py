@@ -1,5 +1,6 @@
 """The node's lookups: iterative find_node / find_value over ``routing.Lookup``, reads
-(``lookup_value``, ``get``) and the fan-out of a store to a key's k closest peers.
+(``lookup_value``, ``get``, ``get_owned``, from given holders) and the fan-out of a store to a key's
+k closest peers.
 
 ``Lookups`` is a part of ``DHTNode`` (``dht.node``); it asks peers through ``_call``, which also
 keeps the routing table told of who answered and who failed.
@@ -17,14 +18,17 @@ from .config import DHTConfig
 from .connection import Connection
 from .errors import DHTError, InvalidRecord, ProtocolError
 from .identity import PeerID
+from .owned import OwnedRead, owned_values
 from .protocol import decode_contacts
 from .routing import Contact, Lookup, RoutingTable, key_id
-from .storage import Record, RecordStore, merge_records, validate_record
+from .storage import Record, RecordStore, VerifiedOwners, merge_records, validate_record
 from .tasks import TaskGroup
 from .transport import Host
 from .wire import unpack
 
 log = logging.getLogger("dht.node")
+
+MAX_REPLY_RECORDS = 1000  # records taken from one find_value reply
 
 
 class ValueWithExpiration(NamedTuple):
@@ -54,6 +58,7 @@ class Lookups:
     peer_id: PeerID
     routing: RoutingTable
     storage: RecordStore
+    _verified: VerifiedOwners
     _learn: Callable[[Connection], None]
     _tasks: TaskGroup
 
@@ -98,7 +103,7 @@ class Lookups:
                         if want_records:
                             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
                                 raise ProtocolError("malformed find_value reply")
-                            records = self._valid_records(reply[0][:1000], arg)
+                            records = self._valid_records(reply[0][:MAX_REPLY_RECORDS], arg)
                             found = decode_contacts(reply[1], self.config.k)
                             if records:
                                 result.records.extend(records)
@@ -131,7 +136,7 @@ class Lookups:
         for item in wire:
             try:
                 record = Record.from_wire(item)
-                validate_record(record, now, st.max_value_size, st.max_key_size, st.max_ttl)
+                validate_record(record, now, st.max_value_size, st.max_key_size, st.max_ttl, self._verified)
             except InvalidRecord:
                 continue
             if record.key != key:
@@ -181,6 +186,42 @@ class Lookups:
         now = time.time()
         result.records = [r for r in merge_records(result.records) if r.expiration > now]
         return result
+
+    async def _read_from(self, key: bytes, holders: list[Contact], timeout: float) -> LookupResult:
+        """The records of ``key`` that ``holders`` (one RPC each, no lookup) and this node hold;
+        ``closest``: the holders that answered. Unmerged: a peer's newest is chosen by the caller."""
+
+        async def ask(contact: Contact) -> list[Record]:
+            reply = await self.host.call(contact.peer_id, contact.addr, "find_value", key, timeout)
+            if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
+                raise ProtocolError("malformed find_value reply")
+            return self._valid_records(reply[0][:MAX_REPLY_RECORDS], key)
+
+        replies = await asyncio.gather(*(ask(c) for c in holders), return_exceptions=True)
+        result = LookupResult(records=self.storage.get(key, time.time()), queried=len(holders))
+        for contact, reply in zip(holders, replies):
+            if isinstance(reply, list):
+                result.records.extend(reply)
+                result.closest.append(contact)
+            elif not isinstance(reply, (DHTError, InvalidRecord)):
+                raise reply
+        return result
+
+    async def get_owned(self, key: str | bytes, name: str, *, max_size: int | None = None,
+                        holders: list[Contact] | None = None, timeout: float | None = None) -> OwnedRead:
+        """Each peer's value under its own ``name`` sub-key of ``key`` (written with ``store_owned``),
+        its signature checked: one value per peer, values over ``max_size`` bytes left out.
+
+        Looks the key up over its k closest peers, or with ``holders`` (say, a previous read's
+        ``closest``) asks only those, one RPC each within ``timeout`` (default: ``rpc_timeout``);
+        ``closest`` is then the holders that answered."""
+        kb = key_bytes(key)
+        if holders:
+            result = await self._read_from(kb, holders, self.config.rpc_timeout if timeout is None else timeout)
+        else:
+            result = await self.lookup_value(kb, latest=True)
+        limit = self.storage.max_value_size if max_size is None else max_size
+        return OwnedRead(owned_values(result.records, name, self._verified, limit), result.closest)
 
     async def get(self, key: str | bytes, latest: bool = False) -> ValueWithExpiration | dict[str, ValueWithExpiration] | None:
         """The value under ``key``: a ValueWithExpiration, a dict sub-key -> ValueWithExpiration,

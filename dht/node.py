@@ -10,7 +10,8 @@ cancelled by ``close()``.
 Values are any msgpack-able object. A key holds either one value or a dictionary of sub-keys, each
 with its own expiration (used for group matchmaking and progress reports). Keys and sub-keys that
 contain ``[owner:<PeerID>]`` (see ``DHTNode.owned``) can only be written by that peer: every node
-checks the signature before storing.
+checks the signature before storing. ``store_owned``/``get_owned`` keep one such entry per peer
+under a shared key, read back as {PeerID: value}.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .noise import SwarmKeyMismatch
 from .peercache import load_peer_cache
 from .protocol import NodeProtocol
 from .routing import Contact, RoutingTable, node_id_of
-from .storage import Record, RecordStore, owned_name, owner_of, sign_record, validate_record
+from .storage import Record, RecordStore, VerifiedOwners, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
 from .tasks import TaskGroup
 from .transport import Host
@@ -85,6 +86,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             max_bytes=self.config.max_bytes,
             max_bytes_per_source=self.config.max_bytes_per_source,
         )
+        self._verified = VerifiedOwners()
         self._originated: dict[tuple[bytes, bytes | None], Record] = {}
         self._tasks = TaskGroup("dht node", log=log)  # maintenance, lookups' queries, liveness checks
         self._rng = random.Random()
@@ -255,3 +257,9 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
                         self.storage.max_ttl)
         self._originated[(kb, sb)] = record
         return await self._replicate([record], closest)
+
+    async def store_owned(self, key: str | bytes, name: str, value: Any, expiration: float,
+                          closest: list[Contact] | None = None) -> int:
+        """Store our entry under ``key``: ``value`` under our own ``name`` sub-key (``owned``), signed,
+        so that ``get_owned(key, name)`` reads it back as ours. Otherwise as ``store``."""
+        return await self.store(key, value, expiration, subkey=self.owned(name), closest=closest)

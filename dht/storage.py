@@ -109,14 +109,58 @@ def record_owner(record: Record) -> PeerID | None:
     return key_owner or subkey_owner
 
 
+def verified_owner(record: Record) -> PeerID | None:
+    """The peer that signed ``record``, None when anyone may write it; InvalidRecord when the
+    record names an owner whose signature is missing or wrong."""
+    owner = record_owner(record)
+    if owner is None:
+        return None
+    if record.signature is None:
+        raise InvalidRecord(f"unsigned write to owned key {record.key!r} (owner {owner})")
+    if not owner.verify(record.signature, signing_payload(record)):
+        raise InvalidRecord(f"bad signature for owned key {record.key!r} (owner {owner})")
+    return owner
+
+
+_UNSEEN = object()
+
+
+class VerifiedOwners:
+    """``verified_owner``, remembered per record (bounded; records of small values only): a key
+    polled again and again costs one signature check per record, not one per read. Refusals are
+    remembered too, so a forgery replayed on every read costs nothing more."""
+
+    def __init__(self, max_entries: int = 4096, max_value: int = 4096):
+        self.max_entries, self.max_value = max_entries, max_value
+        self._seen: dict[tuple, PeerID | str | None] = {}  # record's fields -> owner, or why it was refused
+
+    def owner(self, record: Record) -> PeerID | None:
+        fields = (record.key, record.subkey, record.value, record.expiration, record.signature)  # (hashed in C)
+        seen = self._seen.get(fields, _UNSEEN)
+        if seen is _UNSEEN:
+            try:
+                seen = verified_owner(record)
+            except InvalidRecord as e:
+                seen = str(e)
+            if len(record.value) <= self.max_value:
+                if len(self._seen) >= self.max_entries:
+                    self._seen.clear()
+                self._seen[fields] = seen
+        if isinstance(seen, str):
+            raise InvalidRecord(seen)
+        return seen  # type: ignore[return-value]
+
+
 def validate_record(
     record: Record,
     now: float,
     max_value_size: int = 64 * 1024,
     max_key_size: int = 1024,
     max_ttl: float = 86400.0,
-) -> None:
-    """Raise InvalidRecord unless ``record`` may be stored at time ``now``."""
+    owners: VerifiedOwners | None = None,
+) -> PeerID | None:
+    """Raise InvalidRecord unless ``record`` may be stored at time ``now``; else return its owner
+    (None: anyone may write it). ``owners`` remembers signatures already checked."""
     for what, name in (("key", record.key), ("subkey", record.subkey)):
         if name is not None and len(name) > max_key_size:
             raise InvalidRecord(
@@ -130,13 +174,7 @@ def validate_record(
         raise InvalidRecord("record expired")
     if record.expiration > now + max_ttl:
         raise InvalidRecord(f"expiration is more than max_ttl ({max_ttl:g}s) in the future")
-    owner = record_owner(record)
-    if owner is None:
-        return
-    if record.signature is None:
-        raise InvalidRecord(f"unsigned write to owned key {record.key!r} (owner {owner})")
-    if not owner.verify(record.signature, signing_payload(record)):
-        raise InvalidRecord(f"bad signature for owned key {record.key!r} (owner {owner})")
+    return owners.owner(record) if owners is not None else verified_owner(record)
 
 
 def _max_expiration(entry: Record | dict[bytes, Record]) -> float:

@@ -19,8 +19,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dht import DHTConfig, DHTNode, Identity, Multiaddr
-from dht.swarmkey import SwarmKey, load_swarm_key
+from dht import DHTConfig, DHTNode, Identity, Multiaddr, SwarmKey, load_swarm_key
 
 from .loop import LoopThread
 

@@ -286,7 +286,7 @@ def validate(args: argparse.Namespace, sources: Mapping[str, str]) -> None:
         check_key_file(key_file, _where("key_file", sources))
     swarm_key_file = getattr(args, "swarm_key_file", None)
     if swarm_key_file is not None:  # must exist: a private swarm's key is created once, shared by hand
-        from dht.swarmkey import SwarmKey
+        from dht import SwarmKey
 
         try:
             SwarmKey.load(swarm_key_file)

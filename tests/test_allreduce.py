@@ -14,9 +14,7 @@ import os
 import pytest
 import torch
 
-from dht.identity import Identity
-from dht.stream import StreamReset
-from dht.transport import Host
+from dht import Host, Identity, StreamReset
 from p2ptrain.averaging.allreduce import AllReduceService
 from p2ptrain.averaging.protocol import PROTOCOL
 from p2ptrain.averaging.round_types import AllReduceConfig, AllReduceResult, codec_id

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from dht import DHTConfig, DHTNode, Identity, InvalidRecord
-from dht.storage import owned_name
 from p2ptrain.checkpoint import StateServer, StateTimeoutError, build_snapshot, restore
 from p2ptrain.checkpoint.directory import latest_key, latest_value, provider_value, providers_key
 from p2ptrain.checkpoint.record import CheckpointRecord
@@ -152,7 +151,7 @@ async def test_forged_latest_records_are_ignored_and_logged_once(peers, caplog):
         # the DHT itself refuses a write to the writer's own sub-key by anyone else
         with pytest.raises(InvalidRecord, match="owned by another peer"):
             await mallory.node.store(key, latest_value(real), expiration,
-                                     subkey=owned_name(b"ckpt", writer.node.peer_id).decode())
+                                     subkey=writer.node.owned("ckpt"))
         # so the forgeries go under mallory's own sub-key:
         tampered = dataclasses.replace(real, epoch=99)  # epoch raised after signing
         stolen = CheckpointRecord.sign(writer.node.identity, run_id=RUN, epoch=50, manifest_id=b"\x01" * 32, size=1)

@@ -145,7 +145,7 @@ def test_joining_shows_progress_while_bootstrap_peers_do_not_answer(argv, tmp_pa
 
 
 def test_private_swarm_join_hint_names_the_swarm_key(tmp_path, monkeypatch, capsys):
-    from dht.swarmkey import SwarmKey
+    from dht import SwarmKey
 
     from p2ptrain.cli import build_parser
     from p2ptrain.cli.peer_cmd import _printer, join_flags

@@ -199,7 +199,7 @@ async def test_audit_requests_out_of_protocol_are_refused_and_good_ones_answered
     """After a robust round, member 1 asks member 0 (which holds the round's ledger) for parts: a
     malformed request is reset, an item it does not hold is answered "not held", a stranger and a
     member past its stream allowance are refused; the service stays up for the next round."""
-    from dht.stream import StreamReset
+    from dht import StreamReset
     from p2ptrain.averaging.audit import AUDIT_PROTOCOL
 
     async with asyncio.timeout(40):

@@ -544,8 +544,7 @@ def test_client_mode_peers_ahead_are_left_out_instead_of_stopping_training(caplo
     import logging
     import types
 
-    from dht import Identity
-    from dht.limits import LogThrottle
+    from dht import Identity, LogThrottle
     from p2ptrain.optim.progress import PeerReport, SwarmView
 
     me, client, server = (Identity().peer_id for _ in range(3))

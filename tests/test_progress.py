@@ -119,8 +119,8 @@ def test_refresh_now_is_bounded_when_the_dht_does_not_answer():
     async def silent(*args, **kwargs):
         await asyncio.Event().wait()  # never answers
 
-    node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id, store=silent,
-                                 lookup_value=silent, owned=lambda name: name.encode())
+    node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id, store_owned=silent,
+                                 get_owned=silent)
 
     async def main():
         tracker = ProgressTracker(node, "run", "schema", target=64)

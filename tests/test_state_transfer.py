@@ -14,10 +14,7 @@ import time
 import pytest
 import torch
 
-from dht.errors import RPCError
-from dht.identity import Identity
-from dht.stream import StreamReset
-from dht.transport import Host
+from dht import Host, Identity, RPCError, StreamReset
 from p2ptrain.checkpoint import (
     ChunksUnavailableError,
     NoProviderError,

@@ -25,11 +25,7 @@ from typing import Any
 
 import torch
 
-from dht import TaskGroup
-from dht.identity import PeerID
-from dht.sealer import usable_cpus
-from dht.stream import Stream
-from dht.transport import Host
+from dht import Host, PeerID, Stream, TaskGroup, usable_cpus
 
 from ..compression import Codec, CompressionError, get_codec
 from ..compression.base import abs_max

@@ -49,10 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dht import DHTError, PeerUnreachable, ProtocolError
-from dht.aio import wait_event
-from dht.stream import Stream
-from dht.wire import pack, unpack
+from dht import DHTError, PeerUnreachable, ProtocolError, Stream, pack, unpack, wait_event
 
 from .group import counted_weight, weight_cap
 from .ledger import Ledger, chunks

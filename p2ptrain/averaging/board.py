@@ -10,10 +10,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from dht import DHTError, DHTNode, InvalidRecord, PeerID, ProtocolError
-from dht.routing import Contact
-from dht.storage import Record, owned_name, record_owner, validate_record
-from dht.wire import unpack
+from dht import Contact, DHTError, DHTNode, OwnedValue, PeerID
 
 from .claims import VERSION as _VERSION
 from .claims import Entry, parse_entry
@@ -23,13 +20,12 @@ from .schema import Schema, parse_summary, schema_mismatch_message
 
 log = logging.getLogger("p2ptrain.matchmaking")
 
-_MEMBER_SUBKEY = b"m"
+_MEMBER_SUBKEY = "m"
 _MAX_ENTRY_BYTES = 4096
 _MAX_SUMMARY_BYTES = 16 * 1024
 _LINGER = 2.0  # s: our entry outlives our deadline by this much
 _READ_FANOUT = 3  # holders asked per poll once a full lookup has found them
 _FULL_LOOKUP_EVERY = 16  # polls between full lookups (new holders, dead ones replaced)
-_MAX_RECORDS = 1000
 
 
 class Board:
@@ -77,12 +73,11 @@ class Board:
         now_wall = time.time()
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER
-        subkey = self.node.owned(_MEMBER_SUBKEY.decode())
         # The schema summary only explains mismatches: publish it without waiting for it.
-        self._spawn(self._publish_summary(rnd, subkey))
-        self._spawn(self._store_entry(rnd, subkey, deadline))
+        self._spawn(self._publish_summary(rnd))
+        self._spawn(self._store_entry(rnd, deadline))
 
-    async def _store_entry(self, rnd: MatchRound, subkey: str, deadline: float) -> None:
+    async def _store_entry(self, rnd: MatchRound, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
@@ -90,18 +85,18 @@ class Board:
                 await rnd.first_read.wait()
                 if rnd.state == "done":
                     return  # over before the first read came back: _mark_done writes what is left
-                await self.node.store(rnd.key, rnd.entry_value, rnd.entry_expiration, subkey=subkey,
-                                      closest=rnd.holders or None)
+                await self.node.store_owned(rnd.key, _MEMBER_SUBKEY, rnd.entry_value, rnd.entry_expiration,
+                                            closest=rnd.holders or None)
             log.debug("round %s: registered in %.3f s", rnd.round_id, loop.time() - t0)
         except TimeoutError:
             return
         except DHTError as e:
             log.warning("could not register for round %s: %s", rnd.round_id, e)
 
-    async def _publish_summary(self, rnd: MatchRound, subkey: str) -> None:
+    async def _publish_summary(self, rnd: MatchRound) -> None:
         try:
-            await self.node.store(self.schemas_key(rnd.round_id), self.schema.summary(), rnd.entry_expiration,
-                                  subkey=subkey)
+            await self.node.store_owned(self.schemas_key(rnd.round_id), _MEMBER_SUBKEY, self.schema.summary(),
+                                        rnd.entry_expiration)
         except DHTError as e:
             log.debug("could not publish our schema summary for round %s: %s", rnd.round_id, e)
 
@@ -112,45 +107,30 @@ class Board:
         value = dict(rnd.entry_value, d=True)
         rnd.entry_expiration = max(rnd.entry_expiration, time.time() + 1.0) + 0.001
         try:
-            await self.node.store(rnd.key, value, rnd.entry_expiration, subkey=self.node.owned(_MEMBER_SUBKEY.decode()))
+            await self.node.store_owned(rnd.key, _MEMBER_SUBKEY, value, rnd.entry_expiration)
         except DHTError:
             pass
 
-    async def _records(self, key: str, holders: list[Contact], deadline: float) -> tuple[list[Record], list[Contact]]:
-        """The records under ``key`` and the peers that hold them.
+    async def _entries(self, key: str, holders: list[Contact],
+                       deadline: float) -> tuple[dict[PeerID, OwnedValue], list[Contact]]:
+        """Each peer's entry under ``key`` (signature checked), and the peers that hold the key.
 
-        With no ``holders`` known this is a full DHT lookup (``latest``). Afterwards we ask
-        ``_READ_FANOUT`` of the holders that lookup found, chosen at random, directly: every
-        registration is replicated to all of them, so a few suffice, and a poll costs 3 RPCs
-        instead of a lookup over the k closest (which overloads the holders when many peers poll).
-        Records are returned unmerged: the caller validates each one before choosing.
+        With no ``holders`` known this is a full DHT lookup. Afterwards we ask ``_READ_FANOUT`` of
+        the holders that lookup found, chosen at random, directly: every registration is replicated
+        to all of them, so a few suffice, and a poll costs 3 RPCs instead of a lookup over the k
+        closest (which overloads the holders when many peers poll).
         """
-        now = time.time()
-        kb = key.encode()
         if not holders:
-            result = await self.node.lookup_value(kb, latest=True)
-            return result.records, [c for c in result.closest if c.addr is not None]
+            read = await self.node.get_owned(key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
+            return read.values, [c for c in read.closest if c.addr is not None]
         chosen = random.sample(holders, min(_READ_FANOUT, len(holders)))
         timeout = max(0.01, min(self.node.config.rpc_timeout, deadline - asyncio.get_running_loop().time()))
-
-        async def ask(contact: Contact) -> list[Record]:
-            reply = await self.node.host.call(contact.peer_id, contact.addr, "find_value", kb, timeout)
-            if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
-                raise ProtocolError("malformed find_value reply")
-            return [Record.from_wire(r) for r in reply[0][:_MAX_RECORDS]]
-
-        results = await asyncio.gather(*(ask(c) for c in chosen), return_exceptions=True)
-        records = list(self.node.storage.get(kb, now))
-        dead = {ch.peer_id for ch, r in zip(chosen, results) if isinstance(r, BaseException)}
-        alive = [c for c in holders if c.peer_id not in dead]
-        for r in results:
-            if isinstance(r, list):
-                records.extend(r)
-            elif not isinstance(r, (DHTError, InvalidRecord)):
-                raise r
-        if not any(isinstance(r, list) for r in results):
-            alive = []  # nobody answered: look the key up afresh next time
-        return records, alive
+        read = await self.node.get_owned(key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES, holders=chosen,
+                                         timeout=timeout)
+        if not read.closest:
+            return read.values, []  # nobody answered: look the key up afresh next time
+        dead = {c.peer_id for c in chosen} - {c.peer_id for c in read.closest}
+        return read.values, [c for c in holders if c.peer_id not in dead]
 
     async def registered(self, rnd: MatchRound, deadline: float) -> dict[PeerID, Member]:
         return {p: e.member for p, e in (await self.read(rnd, deadline)).items()}
@@ -163,7 +143,7 @@ class Board:
         rnd.reads += 1
         try:
             async with asyncio.timeout_at(deadline):
-                records, rnd.holders = await self._records(rnd.key, rnd.holders, deadline)
+                values, rnd.holders = await self._entries(rnd.key, rnd.holders, deadline)
         except (TimeoutError, DHTError):
             rnd.holders = []
             return {}
@@ -171,60 +151,24 @@ class Board:
             rnd.first_read.set()  # our entry may go out now (to the holders this read found, if any)
         elapsed = loop.time() - t0
         self._latency = elapsed if self._latency is None else 0.7 * self._latency + 0.3 * elapsed
-        now_wall = time.time()
-        best: dict[PeerID, tuple[float, Entry]] = {}
-        for record in records:
-            cache_key = (record.key, record.subkey, record.value, record.expiration, record.signature)
-            if cache_key in rnd.verified:
-                entry = rnd.verified[cache_key]
-            else:
-                entry = self._check_entry(record, now_wall)
-                if len(rnd.verified) < 10_000:
-                    rnd.verified[cache_key] = entry
-            if entry is None or record.expiration <= now_wall:
-                continue
-            # validated before merging, so a forged record cannot shadow the owner's newest one
-            peer = entry.member.peer_id
-            if peer not in best or record.expiration > best[peer][0]:
-                best[peer] = (record.expiration, entry)
-        return {peer: entry for peer, (_, entry) in best.items()}
-
-    def _check_entry(self, record: Any, now_wall: float) -> Entry | None:
-        if record.subkey is None or len(record.value) > _MAX_ENTRY_BYTES:
-            return None
-        try:
-            validate_record(record, now_wall, _MAX_ENTRY_BYTES, 1024, 86_400)
-            owner = record_owner(record)
-            if owner is None or record.subkey != owned_name(_MEMBER_SUBKEY, owner):
-                return None
-            return parse_entry(unpack(record.value, _MAX_ENTRY_BYTES), owner)
-        except (InvalidRecord, ProtocolError):
-            return None
+        entries = ((peer, parse_entry(got.value, peer)) for peer, got in values.items())
+        return {peer: entry for peer, entry in entries if entry is not None}
 
     async def check_schemas(self, rnd: MatchRound, deadline: float) -> None:
         """Explain (once per peer) why peers registered for this round are not candidates."""
         try:
             async with asyncio.timeout_at(deadline):
-                result = await self.node.lookup_value(self.schemas_key(rnd.round_id), latest=True)
+                read = await self.node.get_owned(self.schemas_key(rnd.round_id), _MEMBER_SUBKEY,
+                                                 max_size=_MAX_SUMMARY_BYTES)
         except (TimeoutError, DHTError):
             return
-        now_wall = time.time()
-        for record in result.records:
-            try:
-                if record.subkey is None or len(record.value) > _MAX_SUMMARY_BYTES:
-                    continue
-                owner = record_owner(record)
-                if owner is None or owner == self.node.peer_id or str(owner) in self._mismatches:
-                    continue
-                if record.subkey != owned_name(_MEMBER_SUBKEY, owner):
-                    continue
-                summary = parse_summary(unpack(record.value, _MAX_SUMMARY_BYTES))
-                if summary is None or summary["hash"] == self.schema.hash:
-                    continue
-                validate_record(record, now_wall, _MAX_SUMMARY_BYTES, 1024, 86_400)
-            except (InvalidRecord, ProtocolError):
+        for owner, got in read.values.items():
+            if owner == self.node.peer_id or str(owner) in self._mismatches:
                 continue
-            message = schema_mismatch_message(self.schema, unpack(record.value), peer=str(owner), run=self.prefix)
+            summary = parse_summary(got.value)
+            if summary is None or summary["hash"] == self.schema.hash:
+                continue
+            message = schema_mismatch_message(self.schema, got.value, peer=str(owner), run=self.prefix)
             if len(self._mismatches) < 1000:
                 self._mismatches[str(owner)] = message
                 log.warning("%s", message)

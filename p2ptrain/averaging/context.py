@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dht.stream import Stream
+from dht import Stream
 
 from ..compression import Codec
 from .group import Group, counted_weight, partition, weight_cap

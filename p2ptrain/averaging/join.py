@@ -11,8 +11,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
-from dht import DHTError, DHTNode, Host, PeerID
-from dht.aio import wait_event
+from dht import DHTError, DHTNode, Host, PeerID, wait_event
 
 from .board import Board
 from .claims import VERSION as _VERSION

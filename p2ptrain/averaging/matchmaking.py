@@ -49,8 +49,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from dht import DHTNode, PeerID, TaskGroup
-from dht.aio import wait_event
+from dht import DHTNode, PeerID, TaskGroup, wait_event
 
 from .board import Board
 from .claims import Entry

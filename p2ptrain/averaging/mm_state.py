@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from dht import PeerID
-from dht.routing import Contact
+from dht import Contact, PeerID
 
-from .claims import Entry
 from .group import Group, Member
 from .plan import MIN_SETTLE
 
@@ -42,7 +40,6 @@ class MatchRound:
         self.group: Group | None = None
         self.entry_value: dict | None = None
         self.entry_expiration = 0.0
-        self.verified: dict[tuple, Entry | None] = {}  # record fields -> parsed entry (checked once)
         self.registered: dict[PeerID, Member] = {}  # each peer as it registered (claims.verify_group)
         self.settle = MIN_SETTLE  # the last settle window used while gathering
         self.holders: list[Contact] = []  # peers that store the round's key (from the last lookup)

@@ -24,9 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dht.aio import wait_event
-from dht.errors import DHTError
-from dht.stream import Stream
+from dht import DHTError, Stream, wait_event
 
 from ..compression import CompressionError
 from .context import RoundContext, log, retrieve

@@ -17,9 +17,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from dht.errors import ProtocolError
-from dht.stream import Stream
-from dht.wire import pack, unpack
+from dht import ProtocolError, Stream, pack, unpack
 
 from .round_types import Drop
 

@@ -34,8 +34,7 @@ import time
 
 import torch
 
-from dht.identity import PeerID
-from dht.stream import Stream
+from dht import PeerID, Stream
 
 from ..compression import Codec, CompressionError
 from .context import RoundContext

@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dht.identity import PeerID
-from dht.wire import MAX_FRAME_BODY
+from dht import MAX_FRAME_BODY, PeerID
 
 from ..compression import Codec, CompressionError, ErrorFeedback
 from ..errors import P2PTrainError
 
 if TYPE_CHECKING:
-    from dht.transport import Host
+    from dht import Host
 
 __all__ = ["AllReduceConfig", "AllReduceResult", "Drop", "InputRefused", "PartialResult", "RoundResources", "ShardResult",
            "base_codec", "codec_id"]

@@ -23,8 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from dht.errors import DHTError
-from dht.stream import Stream
+from dht import DHTError, Stream
 
 from ..compression import CompressionError, ErrorFeedback, kernels
 from ..compression.base import frombuffer

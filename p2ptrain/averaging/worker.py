@@ -47,9 +47,7 @@ from typing import Any
 
 import torch
 
-from dht import DHTNode
-from dht.node import DHTConfig
-from dht.stream import Stream
+from dht import DHTConfig, DHTNode, Stream
 from dht.swarmproc import die_with_parent
 
 from .protocol import PROTOCOL

@@ -14,7 +14,8 @@ There is no checkpoint server, so two kinds of DHT entries stand in for one:
   every chunk of that manifest and serves it), whose value is its address and the signed record
   it holds for the manifest (so a fetch by manifest id finds the record to store with it).
 
-Everything here takes decoded DHT records and returns decisions; ``swarm`` does the network.
+Everything here takes the entries ``DHTNode.get_owned`` read (each peer's value under its own sub-key,
+signature checked) and returns decisions; ``swarm`` does the network.
 Forged or malformed entries are dropped and reported once each (by owner and value hash), so a
 hostile peer cannot flood the log.
 """
@@ -29,9 +30,7 @@ from typing import Any
 
 import blake3
 
-from dht import InvalidRecord, PeerID, ProtocolError
-from dht.storage import Record, owned_name, record_owner
-from dht.wire import unpack
+from dht import PeerID, pack
 
 from .record import CheckpointRecord, RecordError, check_run_id
 
@@ -116,27 +115,12 @@ def report_once(owner: str, value: bytes, why: str) -> None:
     log.warning("ignoring a checkpoint entry from %s: %s", owner, why)
 
 
-def _owner_of_subkey(record: Record, name: str) -> PeerID | None:
-    """The owner of ``record`` when it sits under that owner's own ``name`` sub-key, else None."""
-    try:
-        if record.subkey is None:
-            return None
-        owner = record_owner(record)
-    except InvalidRecord:
-        return None
-    if owner is None or record.subkey != owned_name(name.encode(), owner):
-        return None
-    return owner
-
-
-def _decode(record: Record) -> dict[str, Any] | None:
-    if len(record.value) > MAX_ENTRY_BYTES:
-        return None
-    try:
-        value = unpack(record.value, MAX_ENTRY_BYTES)
-    except ProtocolError:
-        return None
+def _entry(value: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) and value.get("v") == VERSION else None
+
+
+def _report(owner: PeerID, value: Any, why: str) -> None:
+    report_once(owner.short(), pack(value), why)
 
 
 def _signed_record(raw: Any, owner: PeerID | None, run_id: str) -> tuple[CheckpointRecord | None, str]:
@@ -157,24 +141,20 @@ def _signed_record(raw: Any, owner: PeerID | None, run_id: str) -> tuple[Checkpo
     return rec, ""
 
 
-def parse_latest(record: Record, run_id: str) -> list[CheckpointRecord]:
-    """The checkpoint records in one sub-key of :func:`latest_key` (its writer's newest first),
-    each a well-formed record for ``run_id`` signed by the sub-key's owner; [] (reported once)
-    when the newest is not, and a bad older one is left out (reported once)."""
-    owner = _owner_of_subkey(record, LATEST_SUBKEY)
-    if owner is None:
-        report_once("an unowned sub-key", record.value, "a latest-checkpoint entry must sit under its writer's sub-key")
-        return []
-    value = _decode(record)
-    history = value.get("h", []) if value is not None else None
-    if value is None or not isinstance(history, list) or len(history) >= LATEST_HISTORY:
-        report_once(owner.short(), record.value, "malformed latest-checkpoint entry")
+def parse_latest(owner: PeerID, value: Any, run_id: str) -> list[CheckpointRecord]:
+    """The checkpoint records in ``owner``'s entry under :func:`latest_key` (its newest first),
+    each a well-formed record for ``run_id`` signed by ``owner``; [] (reported once) when the
+    newest is not, and a bad older one is left out (reported once)."""
+    entry = _entry(value)
+    history = entry.get("h", []) if entry is not None else None
+    if entry is None or not isinstance(history, list) or len(history) >= LATEST_HISTORY:
+        _report(owner, value, "malformed latest-checkpoint entry")
         return []
     found = []
-    for raw in (value.get("r"), *history):
+    for raw in (entry.get("r"), *history):
         rec, why = _signed_record(raw, owner, run_id)
         if rec is None:
-            report_once(owner.short(), record.value, why)
+            _report(owner, value, why)
             if not found:
                 return []
         else:
@@ -203,23 +183,19 @@ def _address(raw: Any) -> Address | None | bool:
     return False
 
 
-def parse_provider(record: Record, run_id: str, manifest_id: bytes) -> Provider | None:
-    """The provider in one sub-key of :func:`providers_key`, or None (reported once) unless it is
-    well-formed, under its owner's sub-key, and carries a valid record of that run and manifest."""
-    owner = _owner_of_subkey(record, PROVIDER_SUBKEY)
-    if owner is None:
-        report_once("an unowned sub-key", record.value, "a provider entry must sit under its provider's sub-key")
+def parse_provider(owner: PeerID, value: Any, run_id: str, manifest_id: bytes) -> Provider | None:
+    """The provider in ``owner``'s entry under :func:`providers_key`, or None (reported once) unless
+    it is well-formed and carries a valid record of that run and manifest."""
+    entry = _entry(value)
+    addr = _address(entry.get("a")) if entry is not None else False
+    if entry is None or addr is False:
+        _report(owner, value, "malformed provider entry")
         return None
-    value = _decode(record)
-    addr = _address(value.get("a")) if value is not None else False
-    if value is None or addr is False:
-        report_once(owner.short(), record.value, "malformed provider entry")
-        return None
-    rec, why = _signed_record(value.get("r"), None, run_id)
+    rec, why = _signed_record(entry.get("r"), None, run_id)
     if rec is not None and rec.manifest_id != manifest_id:
         rec, why = None, "its record names another manifest"
     if rec is None:
-        report_once(owner.short(), record.value, why)
+        _report(owner, value, why)
         return None
     return Provider(owner, addr, rec)  # type: ignore[arg-type]
 

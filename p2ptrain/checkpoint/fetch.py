@@ -22,9 +22,7 @@ from typing import Any
 
 import torch
 
-from dht.errors import DHTError
-from dht.identity import PeerID
-from dht.transport import Host
+from dht import DHTError, Host, PeerID
 
 from ..errors import P2PTrainError
 from .errors import ChunksUnavailableError, CorruptReply, StateTimeoutError, StateTransferError

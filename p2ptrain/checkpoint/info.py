@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dht.identity import PeerID
+from dht import PeerID
 
 from ..errors import P2PTrainError
 from .blobs import StoreError

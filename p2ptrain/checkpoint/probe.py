@@ -14,10 +14,7 @@ from typing import Any
 
 import blake3
 
-from dht.aio import cancel_all
-from dht.errors import DHTError
-from dht.identity import PeerID
-from dht.transport import Connection, Host
+from dht import Connection, DHTError, Host, PeerID, cancel_all
 
 from .errors import CorruptReply, NoProviderError, StateTooLargeError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, StateTooLarge

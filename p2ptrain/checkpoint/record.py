@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from dht.identity import Identity, PeerID
+from dht import Identity, PeerID
 
 from ..errors import P2PTrainError
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dht.identity import PeerID
-from dht.wire import MAX_MESSAGE
+from dht import MAX_MESSAGE, PeerID
 
 from .manifest import DIGEST_SIZE
 

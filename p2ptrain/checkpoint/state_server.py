@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dht import TaskGroup
-from dht.stream import Stream
-from dht.transport import Connection, Host
+from dht import Connection, Host, Stream, TaskGroup
 
 from .manifest import Manifest
 from .sources import ChunkSource, MemorySource, Resolver, evict

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import blake3
 
-from dht.identity import Identity
+from dht import Identity
 
 from ..paths import default_data_dir
 from .blobs import BlobStore, CorruptBlobError, MissingBlobError, Progress, StoreError, fsync_dir

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dht import DHTError, DHTNode, InvalidRecord, PeerID, TaskGroup
-from dht.aio import wait_event
+from dht import DHTError, DHTNode, InvalidRecord, PeerID, TaskGroup, wait_event
 
 from ..deadlines import CHECKPOINT_FETCH, LinkMeter, resolve
 from .directory import (
     LATEST_HISTORY,
     LATEST_SUBKEY,
+    MAX_ENTRY_BYTES,
     PROVIDER_SUBKEY,
     Provider,
     announce_period,
@@ -94,15 +94,14 @@ async def announce(node: DHTNode, store: CheckpointStore, info: CheckpointInfo, 
 
 
 async def _announce_provider(node: DHTNode, record: CheckpointRecord, ttl: float) -> None:
-    await node.store(providers_key(record.run_id, record.manifest_id), provider_value(_addr(node), record),
-                     time.time() + ttl, subkey=node.owned(PROVIDER_SUBKEY))
+    await node.store_owned(providers_key(record.run_id, record.manifest_id), PROVIDER_SUBKEY,
+                           provider_value(_addr(node), record), time.time() + ttl)
 
 
 async def _announce_latest(node: DHTNode, store: CheckpointStore, run_id: str, ttl: float) -> None:
     own = await asyncio.to_thread(_own_newest, store, run_id, node.peer_id)
     if own:
-        await node.store(latest_key(run_id), latest_value(own[0], own[1:]), time.time() + ttl,
-                         subkey=node.owned(LATEST_SUBKEY))
+        await node.store_owned(latest_key(run_id), LATEST_SUBKEY, latest_value(own[0], own[1:]), time.time() + ttl)
 
 
 def _own_newest(store: CheckpointStore, run_id: str, me: PeerID) -> list[CheckpointRecord]:
@@ -116,9 +115,9 @@ async def latest_verdict(node: DHTNode, run_id: str, *, trusted: Collection[Peer
     ``quorum`` distinct writers, a ``trusted`` writer, or our own record). Forged, tampered or
     replayed entries are ignored and logged once; so are (``report``) the newer claims that are
     not believed, by their writers."""
-    result = await node.lookup_value(latest_key(run_id), latest=True)
-    verdict = decide((rec for r in result.records for rec in parse_latest(r, run_id)), trusted=trusted,
-                     me=node.peer_id, quorum=quorum)
+    read = await node.get_owned(latest_key(run_id), LATEST_SUBKEY, max_size=MAX_ENTRY_BYTES)
+    verdict = decide((rec for w, e in read.values.items() for rec in parse_latest(w, e.value, run_id)),
+                     trusted=trusted, me=node.peer_id, quorum=quorum)
     if report:
         report_refused(verdict, quorum)
     return verdict
@@ -140,8 +139,8 @@ async def find_latest(node: DHTNode, run_id: str, *, trusted: Collection[PeerID]
 
 async def find_providers(node: DHTNode, run_id: str, manifest_id: bytes) -> list[Provider]:
     """The peers that announced they serve ``manifest_id`` of ``run_id`` (this one excluded)."""
-    result = await node.lookup_value(providers_key(run_id, manifest_id), latest=True)
-    found = [parse_provider(r, run_id, manifest_id) for r in result.records]
+    read = await node.get_owned(providers_key(run_id, manifest_id), PROVIDER_SUBKEY, max_size=MAX_ENTRY_BYTES)
+    found = [parse_provider(p, e.value, run_id, manifest_id) for p, e in read.values.items()]
     return [p for p in found if p is not None and p.peer != node.peer_id]
 
 

@@ -14,10 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Iterator, Sequence
 
-from dht import ConfigError, DHTError, Multiaddr
-from dht.aio import cancel_all
-from dht.noise import SwarmKeyMismatch
-from dht.swarmkey import SwarmKey
+from dht import ConfigError, DHTError, Multiaddr, SwarmKey, SwarmKeyMismatch, cancel_all
 
 from ..paths import default_data_dir
 
@@ -169,7 +166,7 @@ def peer_cache_of(args: Any, swarm_key: SwarmKey | None = None) -> Path | None:
         if not str(path).strip():
             raise ConfigError("--peer-cache: empty path (use --no-peer-cache to disable the cache)")
         return Path(path).expanduser()
-    from dht.peercache import default_cache_name
+    from dht import default_cache_name
 
     root = getattr(args, "data_dir", None)
     base = Path(root).expanduser() if root else default_data_dir()

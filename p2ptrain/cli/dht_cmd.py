@@ -67,7 +67,7 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _new_swarm_key(args: argparse.Namespace) -> int:
-    from dht.swarmkey import SwarmKey
+    from dht import SwarmKey
 
     if len(args.args) != 1:
         raise ConfigError("usage: p2ptrain dht swarm-key FILE (creates FILE; it must not exist)")

@@ -11,8 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dht import ConfigError, DHTError
-from dht.noise import SwarmKeyMismatch
+from dht import ConfigError, DHTError, SwarmKeyMismatch
 
 from .common import (ANNOUNCE_HELP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, LISTEN_DEFAULT, LISTEN_HELP,
                      SWARM_KEY_ENV, add_peer_cache_args,

@@ -38,7 +38,7 @@ async def start_relaying(host: Any, relay: bool, vias: list[Multiaddr], timeout:
 
     Returns the service (or None); it needs no closing of its own: closing the host ends its
     circuits and drops its handlers' connections."""
-    from dht.relay import RelayService
+    from dht import RelayService
 
     service = None
     if relay:

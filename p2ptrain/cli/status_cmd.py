@@ -14,12 +14,15 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
 from .common import (EXIT_FAILURE, EXIT_OK, add_swarm_key_arg, bootstrap_addrs, fail, joining, make_console, run,
                      swarm_key_of, until)
+
+if TYPE_CHECKING:
+    from ..optim.progress import PeerReport
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +67,7 @@ def main(args: argparse.Namespace) -> int:
     if not run_id or "/" in run_id or len(run_id) > 100:
         raise ConfigError(f"--run-id {run_id!r}: a run id is 1 to 100 characters without '/'")
     key = f"{run_id}/progress"
+    from ..optim.progress import read_reports
 
     async def session(stop: asyncio.Event) -> int:
         node = DHTNode(Identity(), None, config=DHTConfig(bootstrap_timeout=args.timeout), swarm_key=swarm_key)
@@ -72,30 +76,30 @@ def main(args: argparse.Namespace) -> int:
                 await node.start(boot)
             try:
                 async with asyncio.timeout(args.timeout):
-                    result = await until(stop, node.lookup_value(key, latest=True))
+                    result = await until(stop, read_reports(node, key))  # the peers' own validation
             except TimeoutError:
                 return fail(f"reading key {key!r} timed out after {args.timeout:g} s; the swarm may be overloaded, "
                             "try a larger --timeout")
             if result is None:  # Ctrl+C
                 return EXIT_FAILURE
-            return _show(args, run_id, key, result.records, len(node.routing), time.time())
+            reports, read = result
+            return _show(args, run_id, key, reports, len(read.values), len(node.routing), time.time())
         finally:
             await node.close()
 
     return run(session)
 
 
-def _show(args: argparse.Namespace, run_id: str, key: str, records: list[Any], dht_peers: int, now: float) -> int:
-    """Print ``records`` (read at ``now``) as a table or JSON; a one-line error when none is a report."""
+def _show(args: argparse.Namespace, run_id: str, key: str, reports: list[PeerReport], entries: int, dht_peers: int,
+          now: float) -> int:
+    """Print ``reports`` (read at ``now``, from ``entries`` peers' entries) as a table or JSON; a one-line
+    error when there is none."""
     how = "check the run id (a peer prints it when it starts; --run-id or --example must match) and that its " \
           "peers are training now (records expire some seconds after a peer stops)"
-    if not records:
+    if not entries:
         return fail(f"no progress records under key {key!r} (run {run_id!r}, {dht_peers} DHT peers asked); {how}")
-    from ..optim.progress import parse_record  # the peers' own validation
-
-    reports = [r for r in (parse_record(rec) for rec in records) if r is not None]
     if not reports:
-        return fail(f"{len(records)} records under key {key!r}, none a valid progress report (peers of another "
+        return fail(f"{entries} records under key {key!r}, none a valid progress report (peers of another "
                     "p2ptrain version, or a key used for something else)")
     reports.sort(key=lambda r: (r.left, -r.epoch, str(r.peer)))
     active = [r for r in reports if not r.left]

@@ -15,10 +15,10 @@ The optimizer is imported lazily: tools that only read progress (``p2ptrain stat
 
 from typing import Any
 
-from .progress import PeerReport, ProgressTracker, SwarmView, parse_record, summarize
+from .progress import PeerReport, ProgressTracker, SwarmView, read_reports, summarize
 
 __all__ = ["DecentralizedOptimizer", "OptimizerStats", "PeerReport", "ProgressTracker", "SwarmView",
-           "parse_record", "summarize"]
+           "read_reports", "summarize"]
 
 
 def __getattr__(name: str) -> Any:

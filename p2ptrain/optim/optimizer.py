@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 
-from dht import PeerID
-from dht.limits import LogThrottle
+from dht import LogThrottle, PeerID
 
 from ..averaging import AllReduceConfig, Averager, StepResult
 from ..background import DHT

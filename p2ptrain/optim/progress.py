@@ -25,15 +25,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dht import DHTError, DHTNode, InvalidRecord, LookupResult, PeerID, ProtocolError
-from dht.aio import wait_event
-from dht.storage import owned_name, record_owner
-from dht.wire import unpack
+from dht import Contact, DHTError, DHTNode, InvalidRecord, OwnedRead, PeerID, wait_event
 
 log = logging.getLogger("p2ptrain.progress")
 
 _VERSION = 1
-_SUBKEY = b"p"
+_SUBKEY = "p"
 _MAX_RECORD = 2048
 _MAX_EXTRAPOLATION = 5.0  # s: never extrapolate a report further than this (clock skew, stalls)
 
@@ -85,18 +82,12 @@ def parse_report(value: object, owner: PeerID) -> PeerReport | None:
                       value.get("l") is True, u)
 
 
-def parse_record(record: Any) -> PeerReport | None:
-    """The report in a DHT record under ``{run_id}/progress``, or None unless it is a well-formed
-    report under its owner's own sub-key (nobody can speak for another peer)."""
-    try:
-        if record.subkey is None or len(record.value) > _MAX_RECORD:
-            return None
-        owner = record_owner(record)
-        if owner is None or record.subkey != owned_name(_SUBKEY, owner):
-            return None
-        return parse_report(unpack(record.value, _MAX_RECORD), owner)
-    except (InvalidRecord, ProtocolError):
-        return None
+async def read_reports(node: DHTNode, key: str) -> tuple[list[PeerReport], OwnedRead]:
+    """The well-formed reports under ``key`` (``{run_id}/progress``), each from its owner's own
+    sub-key (nobody can speak for another peer), and the read that found them."""
+    read = await node.get_owned(key, _SUBKEY, max_size=_MAX_RECORD)
+    reports = (parse_report(entry.value, peer) for peer, entry in read.values.items())
+    return [r for r in reports if r is not None], read
 
 
 @dataclass(frozen=True)
@@ -228,7 +219,7 @@ class ProgressTracker:
         self._wake = asyncio.Event()
         self._hurried = False  # a hurry() wake-up is pending (one per refresh, however many steps ask)
         self._last_refresh = 0.0  # loop time the last refresh began
-        self._closest: list[Any] = []  # the key's closest peers, as the last read found them
+        self._closest: list[Contact] = []  # the key's closest peers, as the last read found them
         self._fresh = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -256,8 +247,7 @@ class ProgressTracker:
             self._me = replace(self._me, left=True, time=time.time())
             try:
                 async with asyncio.timeout(goodbye_timeout):
-                    await self.node.store(self.key, self._me.to_wire(), time.time() + self.ttl,
-                                          subkey=self.node.owned(_SUBKEY.decode()))
+                    await self.node.store_owned(self.key, _SUBKEY, self._me.to_wire(), time.time() + self.ttl)
             except (TimeoutError, DHTError, InvalidRecord, OSError) as e:
                 log.debug("could not say goodbye: %s", e)
 
@@ -352,12 +342,12 @@ class ProgressTracker:
     async def _refresh(self) -> None:
         me = self._me
         try:
-            read = self.node.lookup_value(self.key, latest=True)
+            read = read_reports(self.node, self.key)
             if me != self._published and not self._hidden:
                 # publish while reading, straight to the peers the last read found closest to the
                 # key (no lookup of its own): a refresh takes one lookup, not three
-                store = self.node.store(self.key, me.to_wire(), time.time() + self.ttl,
-                                        subkey=self.node.owned(_SUBKEY.decode()), closest=self._closest or None)
+                store = self.node.store_owned(self.key, _SUBKEY, me.to_wire(), time.time() + self.ttl,
+                                              closest=self._closest or None)
                 stored, result = await asyncio.gather(store, read, return_exceptions=True)
                 for outcome in (stored, result):
                     if isinstance(outcome, BaseException):
@@ -368,13 +358,11 @@ class ProgressTracker:
         except (DHTError, InvalidRecord, OSError) as e:
             log.debug("progress refresh failed: %s", e)
             return
-        assert isinstance(result, LookupResult)
-        self._closest = result.closest
+        assert isinstance(result, tuple)
+        found, read = result
+        self._closest = read.closest
         reports = []
-        for record in result.records:
-            report = parse_record(record)
-            if report is None:
-                continue
+        for report in found:
             if report.schema != self.schema and report.peer != self.node.peer_id:
                 self._mismatch(report)
                 continue

@@ -48,7 +48,7 @@ class _Node:
         self.node: Any = None
 
     async def op_start(self, bootstrap: list[str] = (), config: dict | None = None) -> dict:  # type: ignore[assignment]
-        from dht.node import DHTConfig, DHTNode
+        from dht import DHTConfig, DHTNode
 
         if self.node is not None:
             raise RuntimeError("already started")
@@ -66,7 +66,7 @@ class _Node:
         return {"accepted": await self._started().store(key, value, time.time() + ttl)}
 
     async def op_get(self, key: str) -> dict:
-        from dht.node import DHTNode
+        from dht import DHTNode
 
         result = await self._started().lookup_value(key)
         found = DHTNode.decode(result.records)

@@ -1,0 +1,107 @@
+"""Owner-signed entries: ``store_owned``/``get_owned`` on a swarm, and the sans-IO pieces under them
+(``owned_values``, ``VerifiedOwners``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dht import DHTConfig, DHTNode, Identity, InvalidRecord, OwnedValue, PeerID, pack
+from dht.owned import owned_values
+from dht.storage import Record, VerifiedOwners, owned_name, sign_record
+
+FAST = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.2, republish_interval=0.5)
+ALICE, BOB = Identity(), Identity()
+
+
+def entry(who: Identity, value: object, expiration: float, name: bytes = b"m", key: bytes = b"round") -> Record:
+    return sign_record(Record(key, owned_name(name, who.peer_id), pack(value), expiration), who)
+
+
+def test_owned_values_takes_each_owners_latest_decodable_value_under_its_own_name():
+    now = time.time()
+    records = [
+        entry(ALICE, "old", now + 10),
+        entry(ALICE, "new", now + 20),
+        sign_record(Record(b"round", owned_name(b"m", ALICE.peer_id), b"\xc1", now + 30), ALICE),  # not msgpack
+        entry(BOB, "bob", now + 10),
+        entry(BOB, "other name", now + 40, name=b"x"),
+        entry(BOB, "x" * 100, now + 50),  # over max_size
+        Record(b"round", b"m", pack("unowned"), now + 60),
+        Record(b"round", None, pack("plain"), now + 60),
+    ]
+    assert owned_values(records, "m", VerifiedOwners(), max_size=64) == {
+        ALICE.peer_id: OwnedValue("new", now + 20), BOB.peer_id: OwnedValue("bob", now + 10)}
+
+
+def test_owned_values_refuses_an_entry_signed_by_anyone_but_its_owner():
+    forged = sign_record(Record(b"round", owned_name(b"m", ALICE.peer_id), pack("forged"), time.time() + 60), BOB)
+    assert owned_values([forged], "m", VerifiedOwners(), max_size=64) == {}
+
+
+def test_verified_owners_checks_a_record_once_and_remembers_refusals(monkeypatch):
+    checks: list[PeerID] = []
+    real = PeerID.verify
+
+    def counted(self: PeerID, signature: bytes, data: bytes) -> bool:
+        checks.append(self)
+        return real(self, signature, data)
+
+    monkeypatch.setattr(PeerID, "verify", counted)
+    good = entry(ALICE, 1, time.time() + 60)
+    forged = sign_record(Record(b"round", owned_name(b"m", ALICE.peer_id), pack(2), time.time() + 60), BOB)
+    big = entry(ALICE, "x" * 64, time.time() + 60)
+    memo = VerifiedOwners(max_entries=2, max_value=32)
+    for _ in range(3):
+        assert memo.owner(good) == ALICE.peer_id
+        with pytest.raises(InvalidRecord, match="bad signature"):
+            memo.owner(forged)
+    assert len(checks) == 2
+    memo.owner(big)
+    memo.owner(big)
+    assert len(checks) == 4  # values over max_value are not remembered
+    memo.owner(entry(BOB, 3, time.time() + 60))  # a third entry: the memo starts over
+    memo.owner(good)
+    assert len(checks) == 6
+
+
+@pytest.fixture
+async def nodes():
+    started: list[DHTNode] = []
+    first = DHTNode(config=FAST)
+    await first.start()
+    started.append(first)
+    rest = [DHTNode(config=FAST) for _ in range(5)]
+    await asyncio.gather(*(n.start(first.multiaddrs) for n in rest))
+    started += rest
+    try:
+        yield started
+    finally:
+        await asyncio.gather(*(n.close() for n in started), return_exceptions=True)
+
+
+async def test_get_owned_reads_each_peers_entry_by_peer(nodes):
+    a, b, reader = nodes[1], nodes[2], nodes[5]
+    exp = time.time() + 60
+    assert await a.store_owned("run/progress", "p", {"epoch": 3}, exp) > 0
+    assert await b.store_owned("run/progress", "p", {"epoch": 4}, exp + 1) > 0
+    await b.store("run/progress", {"epoch": 99}, exp, subkey="p")  # unowned: nobody's entry
+    read = await reader.get_owned("run/progress", "p")
+    assert read.values == {a.peer_id: OwnedValue({"epoch": 3}, exp), b.peer_id: OwnedValue({"epoch": 4}, exp + 1)}
+    assert read.closest
+    assert (await reader.get_owned("run/progress", "other")).values == {}
+
+
+async def test_get_owned_from_holders_asks_only_them_and_says_which_answered(nodes):
+    writer, reader = nodes[1], nodes[4]
+    await writer.store_owned("round", "m", "here", time.time() + 60)
+    holders = [c for c in (await reader.get_owned("round", "m")).closest if c.peer_id != writer.peer_id][:3]
+    dead = next(n for n in nodes if n.peer_id == holders[0].peer_id)
+    await dead.close()
+    lookups = []
+    reader._run_lookup = lambda *a: lookups.append(a)  # type: ignore[method-assign]
+    read = await reader.get_owned("round", "m", holders=holders, timeout=1.0)
+    assert read.values[writer.peer_id].value == "here" and not lookups
+    assert [c.peer_id for c in read.closest] == [c.peer_id for c in holders[1:]]
