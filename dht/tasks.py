@@ -32,6 +32,7 @@ class TaskGroup:
         self._log = log or logging.getLogger("dht.tasks")
         self._loop = loop
         self._tasks: set[asyncio.Task] = set()
+        self._cancelled: set[asyncio.Task] = set()  # cancelled once: a second cancel would cut their cleanup short
         self._closed = False
 
     @property
@@ -54,11 +55,15 @@ class TaskGroup:
         loop = self._loop or asyncio.get_running_loop()
         task = loop.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard if awaited else self._finished)
+        task.add_done_callback(self._forget if awaited else self._finished)
         return task
 
-    def _finished(self, task: asyncio.Task) -> None:
+    def _forget(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        self._cancelled.discard(task)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._forget(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             self._log.error("%s: task %s failed", self.name, task.get_name(), exc_info=exc)
 
@@ -78,22 +83,28 @@ class TaskGroup:
         try:
             yield
         finally:
-            self._tasks.discard(task)
+            self._forget(task)
 
     def cancel(self) -> None:
-        """Cancel every task of the group now, without waiting (for an owner whose close is not async)."""
-        for task in list(self._tasks):
-            task.cancel()
+        """Cancel every task of the group now, without waiting (for an owner whose close is not async).
+        Each task is cancelled once: its cleanup then runs to its end."""
+        self._cancel(list(self._tasks))
+
+    def _cancel(self, tasks: list[asyncio.Task]) -> None:
+        for task in tasks:
+            if task not in self._cancelled:
+                task.cancel()
+                self._cancelled.add(task)
 
     async def close(self) -> None:
         """Start no more tasks, cancel every one and wait until all have ended. Idempotent."""
         self._closed = True
         me = asyncio.current_task()
         while pending := [t for t in self._tasks if t is not me]:
-            for task in pending:
-                task.cancel()
+            self._cancel(pending)
             await asyncio.gather(*pending, return_exceptions=True)
-            self._tasks.difference_update(pending)
+            for task in pending:
+                self._forget(task)
 
     async def __aenter__(self) -> TaskGroup:
         return self

@@ -565,3 +565,16 @@ def test_netns_peer_without_inbound_route_is_reached_through_a_relay(child_pids)
     # host 2's routing table, read through the circuit: it holds the relay (its bootstrap peer)
     assert [tb.hosts[0].ip, int(relay_addr.split("/")[4])] in result["contacts"], result
     assert child_pids() <= before
+
+
+def test_transport_leaves_circuits_to_the_relay():
+    """dht.transport imports nothing of dht.relay, not even inside a function: the relay registers
+    itself as the transport of /p2p-circuit addresses, which every host then dials and listens on."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(relay_mod.__file__).parent / "transport.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not [m for m in imported if m.split(".")[-1] == "relay"]
+    assert isinstance(Host(Identity())._transport("p2p-circuit"), relay_mod.CircuitTransport)

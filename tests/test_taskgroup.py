@@ -145,3 +145,29 @@ async def test_close_from_inside_an_adopted_task_does_not_wait_for_itself() -> N
 
     await asyncio.wait_for(owner(), 5)
     assert other.cancelled()
+
+
+async def test_close_does_not_cancel_twice_what_cancel_already_cancelled() -> None:
+    """A task's cleanup (its ``finally``) may await: a second cancel would cut it short."""
+    group = TaskGroup()
+    started, in_cleanup, gate, cleaned = asyncio.Event(), asyncio.Event(), asyncio.Event(), []
+
+    async def job() -> None:
+        try:
+            started.set()
+            await asyncio.Event().wait()
+        finally:
+            in_cleanup.set()
+            await gate.wait()
+            cleaned.append(True)
+
+    group.spawn(job())
+    await started.wait()
+    group.cancel()  # (a connection's synchronous close)
+    await in_cleanup.wait()
+    closing = asyncio.ensure_future(group.close())
+    await asyncio.sleep(0)  # close() runs up to its wait
+    assert not closing.done()
+    gate.set()
+    await closing
+    assert cleaned == [True]

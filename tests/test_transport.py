@@ -1197,3 +1197,27 @@ async def test_writer_blocked_on_a_full_socket_wakes_when_the_connection_dies(ma
         with pytest.raises(PeerUnreachable):
             await writer
         assert time.monotonic() - t0 < 2.0
+
+
+async def test_close_waits_for_the_tasks_serving_its_connections(make_host):
+    """Host.close returns once every request handler its connections run has ended, cleanup included."""
+    a, b = await make_host(), await make_host()
+    entered, cleaned = asyncio.Event(), asyncio.Event()
+
+    async def stuck(_conn, _args):
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.05)  # a cleanup that takes a while: close() must wait it out
+            cleaned.set()
+
+    b.on_request("stuck", stuck)
+    async with asyncio.timeout(10):
+        conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
+        call = asyncio.ensure_future(conn.call("stuck", None, timeout=30))
+        await entered.wait()
+        await b.close()
+        assert cleaned.is_set()
+        with pytest.raises(PeerUnreachable):
+            await call
