@@ -6,8 +6,8 @@ aggregation, against clean training measured in the same run.
 
 Every peer is a DecentralizedOptimizer in this one process (a thread each, its own DHT node on
 127.0.0.1, real encrypted streams), sync mode, the digits task's model/optimizer/lr, batch 32,
-``--target-batch-size`` samples per global step. The hostile peers are ordinary peers whose
-test-only ``_corrupt`` hook rewrites the gradients they are about to average:
+``--target-batch-size`` samples per global step. The hostile peers are ordinary peers that rewrite
+the gradients they are about to average (``p2ptrain.testbed.hostile``'s ``gradient_rewrite``):
 
 * ``scaled``: their real gradient x100;
 * ``sign_flip``: x-100;
@@ -68,7 +68,7 @@ def _shard_attack(attack: str, opt: DecentralizedOptimizer) -> None:
 
 
 def corrupter(attack: str, seed: int):
-    """The ``_corrupt`` hook of a hostile peer (None for attacks done on the wire)."""
+    """What a hostile peer does to the gradients it averages (None for attacks done otherwise)."""
     gen = torch.Generator().manual_seed(seed)
 
     def scaled(bufs: list[torch.Tensor]) -> None:
@@ -199,7 +199,7 @@ def run_swarm(*, peers: int, hostile: int, attack: str | None, aggregation: str,
                 elif attack == "plain_value_poison":
                     poisoners.append(_Poisoner(dhts[i], opt, run_id))
                 elif attack not in ("epoch_claim", "latest_claim"):  # (claims come later, below)
-                    opt._corrupt = corrupter(attack, seed=1000 + i)
+                    MODES["gradient_rewrite"].run(opt, corrupter(attack, seed=1000 + i))
         for o in opts:
             o.wait_for_peers(peers, timeout=30)
         for poisoner in poisoners:

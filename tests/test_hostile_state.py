@@ -211,3 +211,29 @@ def test_a_schedule_replayed_to_n_updates_is_where_stepping_it_n_times_gets(make
     assert sched.last_epoch == stepped.last_epoch == 17
     assert opt.param_groups[0]["lr"] == pytest.approx(stepped_opt.param_groups[0]["lr"])
     assert opt.param_groups[0]["momentum"] == pytest.approx(stepped_opt.param_groups[0]["momentum"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+@pytest.mark.parametrize("rewrite", [True, False])
+def test_gradient_rewrite_hands_the_attack_what_the_peer_averages(nodes, mode, rewrite):
+    """``gradient_rewrite`` gets the tensors of each round (the mean gradient; diloco: the
+    pseudo-gradient) before they are averaged: a lone peer whose attack zeroes them ends its epoch
+    where it started, one without the attack does not."""
+    model, opt = make(nodes(), 0, **({"mode": "diloco"} if mode == "diloco" else {}))
+    rounds: list[int] = []
+
+    def zero(tensors: list[torch.Tensor]) -> None:
+        rounds.append(len(tensors))
+        for t in tensors:
+            t.zero_()
+
+    try:
+        if rewrite:
+            MODES["gradient_rewrite"].run(opt, zero)
+        before = [p.detach().clone() for p in opt.params]
+        train(model, opt, 1, seed=0)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, opt.params))
+        assert unchanged == rewrite
+        assert rounds == ([len(opt.params)] if rewrite else [])
+    finally:
+        opt.close()

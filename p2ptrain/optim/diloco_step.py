@@ -52,8 +52,6 @@ def outer_step(opt: DecentralizedOptimizer, view: SwarmView) -> None:
     samples = opt.local_samples
     for buf, outer, p in zip(opt._buffers, opt._outer, opt.params):
         torch.sub(outer, p.detach().to("cpu", torch.float32), out=buf)
-    if opt._corrupt is not None:
-        opt._corrupt(opt._buffers)
     epoch = opt.epoch
     try:
         _outer_round(opt, epoch, samples, view)

@@ -170,9 +170,6 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         # "mean" trusts every peer; a robust rule (trimmed_mean, median, centered_clip) bounds
         # what a minority of hostile peers can do to the average (see averaging/robust.py)
         self.aggregation = aggregation
-        #: test/benchmark hook: called with the tensors this peer is about to average (gradients
-        #: or pseudo-gradients) so a simulated hostile peer can rewrite them in place
-        self._corrupt: Callable[[list[torch.Tensor]], None] | None = None
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         if not self.params:
             raise ValueError("the optimizer has no parameters")

@@ -62,8 +62,6 @@ def end_sync_epoch(opt: DecentralizedOptimizer, view: SwarmView) -> None:
     torch._foreach_copy_(opt._buffers, opt._grad_acc)
     torch._foreach_div_(opt._buffers, float(samples))
     torch._foreach_zero_(opt._grad_acc)
-    if opt._corrupt is not None:
-        opt._corrupt(opt._buffers)
     epoch = opt.epoch
     opt.tracker.report(epoch, samples, opt._sps, ready=True)
     future = opt._average(epoch, samples, view)

@@ -6,6 +6,7 @@ identity and correctly signed records; it lies only in what it claims and serves
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,19 @@ def epoch_claim(opt: Any, epoch: int = 10**9, *, lr: float = 1000.0, scale: floa
     opt.epoch = epoch
     opt.tracker.report(epoch, 0, opt._sps)
     opt._loop.run(opt.tracker.refresh_now(timeout=10))
+
+
+@mode("gradient_rewrite", "rewrite, in place, the gradients (diloco: pseudo-gradients) it is about to average")
+def gradient_rewrite(opt: Any, rewrite: Callable[[list[torch.Tensor]], None]) -> None:
+    """Make ``opt`` (a DecentralizedOptimizer) call ``rewrite`` on the tensors of each of its rounds
+    just before they are averaged, by wrapping its ``_average`` stage on this instance."""
+    average = opt._average
+
+    def rewritten(epoch: int, samples: int, view: Any) -> Any:
+        rewrite(opt._buffers)
+        return average(epoch, samples, view)
+
+    opt._average = rewritten
 
 
 @mode("huge_state", "claim an epoch and serve, as the training state, a manifest of far more bytes than the model")
