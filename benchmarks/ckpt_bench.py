@@ -59,13 +59,13 @@ def make_state(size_mb: float, seed: int = 0):
 
 
 async def provider(args: argparse.Namespace) -> None:
-    from dht import DHTConfig, DHTNode
+    from dht import DHTConfig, DHTNode, Multiaddr
     from p2ptrain.checkpoint import StateServer
     from p2ptrain.checkpoint.store import CheckpointStore
     from p2ptrain.checkpoint.swarm import CheckpointService, announce
 
     node = DHTNode(config=DHTConfig(rpc_timeout=2.0))
-    await node.start(args.bootstrap or [])
+    await node.start([Multiaddr.parse(a) for a in args.bootstrap or []])
     store = CheckpointStore(args.store)
     server = StateServer(node.host, rate=args.rate_mb * MB if args.rate_mb else None)
     await server.start()
@@ -80,12 +80,12 @@ async def provider(args: argparse.Namespace) -> None:
 
 
 async def fetcher(args: argparse.Namespace) -> None:
-    from dht import DHTConfig, DHTNode
+    from dht import DHTConfig, DHTNode, Multiaddr
     from p2ptrain.checkpoint.store import CheckpointStore
     from p2ptrain.checkpoint.swarm import download_checkpoint, find_providers
 
     node = DHTNode(config=DHTConfig(rpc_timeout=2.0))
-    await node.start(args.bootstrap)
+    await node.start([Multiaddr.parse(a) for a in args.bootstrap])
     store = CheckpointStore(args.store)
     mid = bytes.fromhex(args.manifest)
     providers = []

@@ -108,7 +108,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
     def client_mode(self) -> bool:
         return self.host.client_mode
 
-    async def start(self, bootstrap: Iterable[Multiaddr | str] = ()) -> None:
+    async def start(self, bootstrap: Iterable[Multiaddr] = ()) -> None:
         """Listen, then join through ``bootstrap``; with no bootstrap this is the first peer.
 
         Addresses that refuse or time out are retried with backoff until ``config.bootstrap_timeout``
@@ -120,14 +120,17 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         that names a bootstrap peer which has since died).
 
         Raises BootstrapError (and cleans up) when no peer answers within the timeout, and
-        BootstrapRefused at once when every given peer refuses our swarm key.
+        BootstrapRefused at once when every given peer refuses our swarm key. Text is parsed by the
+        caller, once (``Multiaddr.parse``): a string here is a TypeError, before anything starts.
         """
+        addrs = list(bootstrap)
+        if not all(isinstance(a, Multiaddr) for a in addrs):
+            raise TypeError(f"DHTNode.start takes Multiaddr objects, got {addrs!r}: parse text with Multiaddr.parse")
         h = self.host
         self._serve()
         h.on_connect.append(self._learn)
         await h.start()
         self._started = True
-        addrs = [Multiaddr.parse(a) if isinstance(a, str) else a for a in bootstrap]
         try:
             if addrs:
                 await self._bootstrap(addrs)

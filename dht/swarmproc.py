@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import DHTConfig
+from .multiaddr import Multiaddr
 from .node import DHTNode
 from .tasks import TaskGroup
 
@@ -59,10 +60,10 @@ class _Swarm:
         cfg = DHTConfig(**(config or {}))
         t0 = time.perf_counter()
         new = [DHTNode(listen=None if client_mode else ("127.0.0.1", 0), config=cfg) for _ in range(n)]
-        boot = list(bootstrap)
+        boot = [Multiaddr.parse(a) for a in bootstrap]
         if not boot and new:  # this process hosts the first peer: the others join through it
             await new[0].start()
-            boot, rest = [str(new[0].multiaddrs[0])], new[1:]
+            boot, rest = [new[0].multiaddrs[0]], new[1:]
         else:
             rest = new
         m = bootstrap_per_node or len(boot)  # a rotating subset spreads hundreds of joins over peers

@@ -13,15 +13,15 @@ import argparse
 import asyncio
 import time
 
-from dht import DHTNode, InvalidRecord
+from dht import DHTNode, InvalidRecord, Multiaddr
 
 
-async def main(bootstrap: list[str]) -> None:
+async def main(bootstrap: list[Multiaddr]) -> None:
     first = None
     if not bootstrap:
         first = DHTNode()
         await first.start()
-        bootstrap = [str(first.multiaddrs[0])]
+        bootstrap = [first.multiaddrs[0]]
         print("started a bootstrap peer at", bootstrap[0])
     alice, bob = DHTNode(), DHTNode(listen=None)  # bob runs in client mode (no inbound connections)
     await asyncio.gather(alice.start(bootstrap), bob.start(bootstrap))
@@ -48,4 +48,4 @@ async def main(bootstrap: list[str]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", action="append", default=[], help="multiaddr of a running peer")
-    asyncio.run(main(parser.parse_args().bootstrap))
+    asyncio.run(main([Multiaddr.parse(a) for a in parser.parse_args().bootstrap]))

@@ -15,22 +15,45 @@ Several objects (optimizers, averagers) can share one ``DHT``; each schedules it
 from __future__ import annotations
 
 import os
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dht import DHTConfig, DHTNode, Identity, Multiaddr, SwarmKey, load_swarm_key
+from dht import DHTConfig, DHTNode, Identity, Multiaddr, MultiaddrError, SwarmKey, load_swarm_key
 
 from .loop import LoopThread
 
 T = TypeVar("T")
 
+#: the bootstrap peers ``p2ptrain peer --script`` hands the script it runs (space or comma separated)
+BOOTSTRAP_ENV = "P2PTRAIN_BOOTSTRAP"
+
+
+def parse_multiaddrs(addrs: Iterable[str | Multiaddr], where: str = "") -> list[Multiaddr]:
+    """``addrs`` as ``Multiaddr`` objects, text parsed here once: the edge where a library caller's
+    strings become addresses. A bad one raises the one-line ``MultiaddrError`` naming it, after
+    ``where`` (the option or variable it came from) when given."""
+    out = []
+    for a in addrs:
+        try:
+            out.append(a if isinstance(a, Multiaddr) else Multiaddr.parse(a))
+        except MultiaddrError as e:
+            raise MultiaddrError(f"{where}: {e}" if where else str(e)) from None
+    return out
+
+
+def env_bootstrap() -> list[Multiaddr]:
+    """The peers in ``$P2PTRAIN_BOOTSTRAP``: the one place p2ptrain reads that variable. ``DHT()``
+    without ``initial_peers`` joins them, so a script run by ``p2ptrain peer --script`` (which sets
+    it) joins the peers given to the command; the CLI falls back to it without ``--bootstrap``."""
+    return parse_multiaddrs(os.environ.get(BOOTSTRAP_ENV, "").replace(",", " ").split(), f"${BOOTSTRAP_ENV}")
+
 
 class DHT:
     """A started :class:`dht.DHTNode` on a background loop this object owns.
 
-    ``initial_peers``: multiaddrs (strings or ``Multiaddr``) of peers already in the swarm; an empty
-    list makes this the first peer; None (the default) reads ``$P2PTRAIN_BOOTSTRAP``.
+    ``initial_peers``: multiaddrs (strings or ``Multiaddr``, parsed here) of peers already in the
+    swarm; an empty list makes this the first peer; None (the default) joins :func:`env_bootstrap`'s.
 
     ``listen``: (host, port); by default every interface and a free port, announcing every
     routable interface address (``multiaddrs``), as ``p2ptrain peer`` does; ``("127.0.0.1", 0)``
@@ -56,8 +79,7 @@ class DHT:
         start_timeout: float = 30.0,
         swarm_key: SwarmKey | bytes | str | Path | bool | None = None,
     ):
-        if initial_peers is None:  # e.g. a script run by `p2ptrain peer --script`
-            initial_peers = os.environ.get("P2PTRAIN_BOOTSTRAP", "").replace(",", " ").split()
+        peers = env_bootstrap() if initial_peers is None else parse_multiaddrs(initial_peers)
         if identity is None and key_file is not None:
             identity = Identity.load_or_create(key_file)
         if swarm_key is None:
@@ -66,7 +88,7 @@ class DHT:
         self.loop = LoopThread("p2ptrain-dht")
         self.node = DHTNode(identity, listen, config=config, announce_host=announce_host, swarm_key=key)
         try:
-            self.loop.run(self.node.start(list(initial_peers)), timeout=start_timeout)
+            self.loop.run(self.node.start(peers), timeout=start_timeout)
         except BaseException:
             self._shutdown()
             raise

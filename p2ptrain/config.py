@@ -31,6 +31,8 @@ from typing import Any
 
 from dht import ConfigError, Identity, Multiaddr
 
+from .background import parse_multiaddrs
+
 ENV_PREFIX = "P2PTRAIN_"
 
 # verbose_1, log_json_1: -v/--log-json given after a command (cli._add_logging_flags), flags only:
@@ -254,12 +256,10 @@ def _where(key: str, sources: Mapping[str, str]) -> str:
 
 
 def validate(args: argparse.Namespace, sources: Mapping[str, str]) -> None:
-    """What argparse cannot check by type: multiaddrs, the listen address, the key file, ports."""
-    for addr in getattr(args, "bootstrap", None) or []:
-        try:
-            Multiaddr.parse(addr)
-        except ConfigError as e:
-            raise ConfigError(f"{_where('bootstrap', sources)}: {e}") from None
+    """What argparse cannot check by type: multiaddrs, the listen address, the key file, ports.
+    ``args.bootstrap`` is parsed here, once: it becomes a list of ``Multiaddr``."""
+    if getattr(args, "bootstrap", None):
+        args.bootstrap = parse_multiaddrs(args.bootstrap, _where("bootstrap", sources))
     listen = getattr(args, "listen", None)
     if listen is not None:
         try:

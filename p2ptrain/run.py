@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from dht import Multiaddr
+
 from .background import DHT
 from .optim import DecentralizedOptimizer
 
@@ -65,7 +67,7 @@ class PeerConfig:
     data_dir: str | None = None  # checkpoint store (default: $P2PTRAIN_DATA_DIR or the user's cache dir)
     wait_peers: int = 0  # wait for this many peers before training (a swarm started together)
     wait_timeout: float | None = 60.0  # seconds to wait for them at most (None: until they come or stop)
-    bootstrap: Sequence[str] = ()
+    bootstrap: Sequence[str | Multiaddr] = ()  # text is parsed once, by p2ptrain.DHT
     listen: tuple[str, int] | None = ("0.0.0.0", 0)  # all interfaces, as p2ptrain.DHT; None: client mode
     announce_host: str | None = None
     key_file: str | None = None

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from dht import DHTConfig, DHTNode, Identity, InvalidRecord
+from dht import DHTConfig, DHTNode, Identity, InvalidRecord, Multiaddr
 from p2ptrain.checkpoint import StateServer, StateTimeoutError, build_snapshot, restore
 from p2ptrain.checkpoint.directory import latest_key, latest_value, provider_value, providers_key
 from p2ptrain.checkpoint.record import CheckpointRecord
@@ -479,7 +479,7 @@ def _child(store_dir: str, seed: int, epoch: int, bootstrap: str) -> None:
 
     async def main() -> None:
         node = DHTNode(config=FAST)
-        await node.start([bootstrap] if bootstrap else [])
+        await node.start([Multiaddr.parse(bootstrap)] if bootstrap else [])
         store = CheckpointStore(store_dir)
         m, buf = snapshot(seed, epoch)
         info = store.save(m, buf, run_id=RUN, epoch=epoch, identity=node.identity)
@@ -514,7 +514,7 @@ async def test_saved_in_one_process_fetched_by_another_bit_exact(tmp_path, child
             procs.append(proc)
             assert hello["manifest"] == hello1["manifest"]
         async with asyncio.timeout(60):
-            await node.start([hello1["addr"]])
+            await node.start([Multiaddr.parse(hello1["addr"])])
             store = CheckpointStore(tmp_path / "me")
             record = await find_latest(node, RUN)
             assert record is not None and record.epoch == 9 and record.manifest_id.hex() == hello1["manifest"]

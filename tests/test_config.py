@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from dht import Identity
+from dht import Identity, Multiaddr
 from p2ptrain.cli import build_parser, main
 from p2ptrain.config import apply_config
 
 A = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWBtg3aaGc3bB8PxW4hbMHHzqDtdqdyiAMtoWDjuhzZAXv"
 B = "/ip4/127.0.0.1/tcp/4002/p2p/12D3KooWBtg3aaGc3bB8PxW4hbMHHzqDtdqdyiAMtoWDjuhzZAXv"
+MA, MB = Multiaddr.parse(A), Multiaddr.parse(B)  # the config check parses bootstrap addresses, once
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +61,7 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
     args, sources = resolve(["peer", "--config", "run.toml", "--epochs", "9"], env)
     assert args.epochs == 9 and sources["epochs"] == "--epochs"  # flag > env > file
     assert args.mode == "diloco" and sources["mode"] == "$P2PTRAIN_MODE"  # env > default
-    assert args.bootstrap == [B, A] and sources["bootstrap"] == "$P2PTRAIN_BOOTSTRAP"  # env > file
+    assert args.bootstrap == [MB, MA] and sources["bootstrap"] == "$P2PTRAIN_BOOTSTRAP"  # env > file
     assert args.target_batch_size == 256 and args.example == "char_lm" and sources["example"] == "run.toml"
     assert args.compute_delay == 1.0 and isinstance(args.compute_delay, float) and args.delay_updates is True
     assert args.key_file == str(tmp_path / "keys" / "peer.key")
@@ -71,7 +72,7 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
     args, _ = resolve(["peer", "--config", "run.toml", "--epochs", "40"], env)
     assert args.epochs == 40  # a flag wins even when it repeats the default
     args, _ = resolve(["peer", "--config", "run.toml"])
-    assert args.epochs == 5 and args.bootstrap == [A]  # file > default
+    assert args.epochs == 5 and args.bootstrap == [MA]  # file > default
 
 
 def test_bootstrap_and_bootstrap_file_are_one_setting(tmp_path):
@@ -89,7 +90,7 @@ def test_config_reaches_the_peer_config_and_swarm_forwards_it(tmp_path, monkeypa
     write(tmp_path / "run.toml", 'target_batch_size = 128\nthreads = 1\nlr = 0.01\nrun_id = "my-run"\n')
     args, _ = resolve(["peer", "--config", "run.toml", "--bootstrap", A])
     cfg = _config(args)
-    assert (cfg.target_batch_size, cfg.threads, cfg.lr, cfg.run_id, list(cfg.bootstrap)) == (128, 1, 0.01, "my-run", [A])
+    assert (cfg.target_batch_size, cfg.threads, cfg.lr, cfg.run_id, list(cfg.bootstrap)) == (128, 1, 0.01, "my-run", [MA])
 
     monkeypatch.setenv("P2PTRAIN_EPOCHS", "7")
     args, _ = resolve(["swarm", "--config", "run.toml", "--epochs", "40"], {"P2PTRAIN_EPOCHS": "7"})

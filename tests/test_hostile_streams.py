@@ -15,7 +15,8 @@ import tracemalloc
 import msgpack
 import pytest
 
-from dht import BootstrapRefused, DHTConfig, DHTNode, Host, Identity, Limits, PeerUnreachable, ProtocolError
+from dht import (BootstrapRefused, DHTConfig, DHTNode, Host, Identity, Limits, Multiaddr, PeerUnreachable,
+                 ProtocolError)
 from dht.pacing import RequestPacer
 from dht.stream import COALESCE_BELOW, Stream, held_bound
 from dht.swarmkey import SwarmKey
@@ -287,7 +288,7 @@ async def test_a_fake_refusal_is_reported_as_the_peers_word(code, our_key, says,
     node = DHTNode(config=DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0), swarm_key=our_key)
     try:
         with pytest.raises(BootstrapRefused) as refused:
-            await node.start([f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity().peer_id}"])
+            await node.start([Multiaddr.from_host_port("127.0.0.1", port, Identity().peer_id)])
         assert says in str(refused.value) and not_says not in str(refused.value)
     finally:
         server.close()

@@ -20,7 +20,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from dht import ConfigError, DHTConfig, DHTNode, Identity
+from dht import ConfigError, DHTConfig, DHTNode, Identity, Multiaddr
 from dht.node import BootstrapRefused
 from dht.noise import (
     REFUSE_NO_KEY,
@@ -318,7 +318,7 @@ async def test_nothing_readable_crosses_the_wire(nodes):
     try:
         async with asyncio.timeout(15):
             port = proxy.sockets[0].getsockname()[1]
-            via_proxy = f"/ip4/127.0.0.1/tcp/{port}/p2p/{target.peer_id}"
+            via_proxy = Multiaddr.from_host_port("127.0.0.1", port, target.peer_id)
             (client,) = await nodes(1, K1, boot=[via_proxy], listen=None)  # client mode: all traffic via the proxy
             await client.store(b"plain-key-" + marker, marker.decode(), time.time() + 60)
             held = target.storage.get(b"plain-key-" + marker, time.time())

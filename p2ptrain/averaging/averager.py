@@ -15,8 +15,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from dht import DHTNode, PeerID
+from dht import DHTNode, Multiaddr, PeerID
 
+from ..background import parse_multiaddrs
 from ..compression import get_codec
 from ..loop import LoopThread
 from .allreduce import AllReduceService
@@ -192,12 +193,13 @@ class BlockingAverager:
     ``step()`` blocks until the round is done. ``close()`` (or ``with``) shuts everything down.
     """
 
-    def __init__(self, tensors: TensorsLike, prefix: str, *, initial_peers: Sequence[str] = (),
+    def __init__(self, tensors: TensorsLike, prefix: str, *, initial_peers: Sequence[str | Multiaddr] = (),
                  listen: tuple[str, int] | None = ("127.0.0.1", 0), **kwargs: object):
+        peers = parse_multiaddrs(initial_peers)
         self._loop = LoopThread()
         try:
             self.dht = DHTNode(listen=listen)
-            self._loop.run(self.dht.start(list(initial_peers)))
+            self._loop.run(self.dht.start(peers))
             self.averager = Averager(self.dht, prefix, tensors, **kwargs)  # type: ignore[arg-type]
             self._loop.run(self.averager.start())
         except BaseException:

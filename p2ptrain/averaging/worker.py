@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from dht import DHTConfig, DHTNode, Stream
+from dht import DHTConfig, DHTNode, Multiaddr, Stream
 from dht.swarmproc import die_with_parent
 
 from .protocol import PROTOCOL
@@ -201,7 +201,7 @@ async def run(args: argparse.Namespace) -> None:
     cfg = DHTConfig(rpc_timeout=args.rpc_timeout)
     node = DHTNode(listen=None if args.client else ("127.0.0.1", 0), config=cfg)
     try:
-        await node.start([args.bootstrap] if args.bootstrap else [])
+        await node.start([Multiaddr.parse(args.bootstrap)] if args.bootstrap else [])
         codecs = [c for c in args.codec.split(",") if c]
         ar_cfg = AllReduceConfig(chunk_numel=args.chunk_numel, timeout=args.allreduce_timeout)
         avg: Averager | None = None

@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Iterator, Sequence
 
 from dht import ConfigError, DHTError, Multiaddr, SwarmKey, SwarmKeyMismatch, cancel_all
 
+from ..background import env_bootstrap, parse_multiaddrs
 from ..paths import default_data_dir
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -213,15 +214,17 @@ def read_bootstrap_file(path: str | os.PathLike[str]) -> list[Multiaddr]:
     return out
 
 
-def bootstrap_addrs(flags: list[str] | None, bootstrap_file: str | None) -> list[Multiaddr]:
-    """``--bootstrap`` flags win; else the bootstrap file (./bootstrap_peers.txt by default)."""
+def bootstrap_addrs(flags: Sequence[str | Multiaddr] | None, bootstrap_file: str | None) -> list[Multiaddr]:
+    """The command's bootstrap peers, parsed once here (``p2ptrain peer``'s flags were, by its config
+    check): ``--bootstrap`` flags win; else ``--bootstrap-file``, ``$P2PTRAIN_BOOTSTRAP``, then
+    ./bootstrap_peers.txt."""
     if flags:
-        return [Multiaddr.parse(a) for a in flags]
+        return parse_multiaddrs(flags, "--bootstrap")
     if bootstrap_file:
         return read_bootstrap_file(bootstrap_file)
-    env = os.environ.get("P2PTRAIN_BOOTSTRAP")
+    env = env_bootstrap()
     if env:
-        return [Multiaddr.parse(a) for a in env.replace(",", " ").split()]
+        return env
     default = Path("bootstrap_peers.txt")
     return read_bootstrap_file(default) if default.exists() else []
 

@@ -11,8 +11,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dht import ConfigError, DHTError, SwarmKeyMismatch
+from dht import ConfigError, DHTError, Multiaddr, SwarmKeyMismatch
 
+from ..background import BOOTSTRAP_ENV
 from .common import (ANNOUNCE_HELP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, LISTEN_DEFAULT, LISTEN_HELP,
                      SWARM_KEY_ENV, add_peer_cache_args,
                      add_swarm_key_arg, bootstrap_addrs, fail, interrupts, joining, parse_listen, peer_cache_of,
@@ -172,7 +173,7 @@ def _config(args: argparse.Namespace) -> Any:
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
     listen = None if args.client else parse_listen(args.listen)
-    bootstrap = [str(a) for a in bootstrap_addrs(args.bootstrap, args.bootstrap_file)]
+    bootstrap = bootstrap_addrs(args.bootstrap, args.bootstrap_file)
     wait_peers, wait_timeout = args.wait_peers, 60.0
     if wait_peers is None:  # the first peer of a new swarm waits for a second, however long it takes
         wait_peers, wait_timeout = (0, 60.0) if bootstrap or args.client else (2, None)
@@ -305,9 +306,9 @@ def _share_swarm_key(args: argparse.Namespace) -> None:
         os.environ.pop(SWARM_KEY_ENV, None)
 
 
-def _run_script(path: str, script_args: str, bootstrap: list[str]) -> int:
+def _run_script(path: str, script_args: str, bootstrap: list[Multiaddr]) -> int:
     """Run a user's training script in this process, as ``python PATH ARGS`` would, with the
-    bootstrap peers handed over through the environment (``p2ptrain.DHT()`` reads them)."""
+    bootstrap peers handed over in ``$P2PTRAIN_BOOTSTRAP`` (``p2ptrain.DHT()`` joins them)."""
     import os
     import runpy
     import shlex
@@ -319,7 +320,7 @@ def _run_script(path: str, script_args: str, bootstrap: list[str]) -> int:
     except ValueError as e:
         raise ConfigError(f"--script-args: {e}") from None
     if bootstrap:
-        os.environ["P2PTRAIN_BOOTSTRAP"] = " ".join(bootstrap)
+        os.environ[BOOTSTRAP_ENV] = " ".join(map(str, bootstrap))
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dht import LogThrottle, PeerID
+from dht import LogThrottle, Multiaddr, PeerID
 
 from ..averaging import AllReduceConfig, Averager, StepResult
 from ..background import DHT
@@ -106,7 +106,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         *,
         run_id: str,
         dht: DHT | None = None,
-        initial_peers: Sequence[str] | None = None,
+        initial_peers: Sequence[str | Multiaddr] | None = None,
         target_batch_size: int = 4096,
         batch_size_per_step: int = 32,
         mode: str = "sync",

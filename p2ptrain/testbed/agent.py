@@ -48,12 +48,12 @@ class _Node:
         self.node: Any = None
 
     async def op_start(self, bootstrap: list[str] = (), config: dict | None = None) -> dict:  # type: ignore[assignment]
-        from dht import DHTConfig, DHTNode
+        from dht import DHTConfig, DHTNode, Multiaddr
 
         if self.node is not None:
             raise RuntimeError("already started")
         node = DHTNode(listen=None if self.listen is None else (self.listen, 0), config=DHTConfig(**(config or {})))
-        await node.start(list(bootstrap))
+        await node.start([Multiaddr.parse(a) for a in bootstrap])
         self.node = node
         return {"addr": str(node.multiaddrs[0]) if node.multiaddrs else None, "peer_id": str(node.peer_id)}
 
