@@ -104,7 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("id", metavar="CID|latest", help="a full CID or hex digest, or 'latest'")
     a.add_argument("--run-id", required=True, help="the run the checkpoint belongs to")
     a.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
-                   help="any peer of the swarm (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP")
+                   help="any peer of the swarm (repeatable); default: $P2PTRAIN_BOOTSTRAP, else ./bootstrap_peers.txt")
     a.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
     a.add_argument("--timeout", type=float, help="seconds for the whole fetch (default: derived from the checkpoint's "
                    "size and the measured bandwidth, or 600 s where none is measured, as in a one-shot fetch)")

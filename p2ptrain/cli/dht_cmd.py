@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", default=LISTEN_DEFAULT, metavar="MULTIADDR", help=LISTEN_HELP)
     p.add_argument("--announce-host", metavar="HOST", help=ANNOUNCE_HELP)
     p.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
-                   help="peer to join through (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP")
+                   help="peer to join through (repeatable); default: $P2PTRAIN_BOOTSTRAP, else ./bootstrap_peers.txt")
     p.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
     p.add_argument("--key-file", metavar="PATH",
                    help="Ed25519 identity key (created with mode 0600 if missing; default: a fresh identity)")

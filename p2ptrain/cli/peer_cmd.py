@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "progress line per second. Ctrl+C leaves cleanly; a second Ctrl+C exits at once.",
     )
     p.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
-                   help="peer to join through (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP; "
+                   help="peer to join through (repeatable); default: $P2PTRAIN_BOOTSTRAP, else ./bootstrap_peers.txt; "
                    "none: start a new swarm")
     p.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
     p.add_argument("--bootstrap-timeout", type=float, default=10.0, metavar="S",

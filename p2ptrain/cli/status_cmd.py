@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "when it last reported, and whether it left.",
     )
     p.add_argument("--bootstrap", action="append", metavar="MULTIADDR",
-                   help="any peer of the swarm (repeatable); default: bootstrap_peers.txt or $P2PTRAIN_BOOTSTRAP")
+                   help="any peer of the swarm (repeatable); default: $P2PTRAIN_BOOTSTRAP, else ./bootstrap_peers.txt")
     p.add_argument("--bootstrap-file", metavar="PATH", help="file of bootstrap multiaddrs, one per line")
     p.add_argument("--run-id", help="the run to show (the peers print it when they start)")
     p.add_argument("--example", choices=["digits", "char_lm"],
