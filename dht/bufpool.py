@@ -19,21 +19,18 @@ class BufferPool:
     """Frame-sized bytearrays handed out again once nothing references them any more.
 
     Allocating a fresh multi-MiB buffer per frame churns malloc: freed memory goes back to the
-    kernel and every reuse page-faults (~1000 faults per 4 MiB frame, measured at 20-30% of an
-    all-reduce round's CPU time). A buffer here is reused only when the pool holds the one
+    kernel and every reuse page-faults (~1000 faults per 4 MiB frame). A buffer here is reused only when the pool holds the one
     reference left: a consumer still holding a view of a decrypted frame (a memoryview or a tensor
     over it), or the socket transport still queueing an encrypted frame, keeps it out of reuse, so
     no one ever sees its bytes change underneath.
 
     Buffers are sized to what is asked (rounded up to ``granule``), not all to the largest frame:
-    an int8 all-reduce sends ~1 MiB frames, and with every one of them in a 4 MiB buffer a member
-    held 10-11 of them (44 MiB) where ~12 MiB hold the same frames. A request takes an idle buffer
+    an int8 all-reduce sends ~1 MiB frames, which would each pin a 4 MiB buffer. A request takes an idle buffer
     of at least its size and at most twice it; when the pool is full, idle buffers of other sizes
     make room for a new size (the traffic changed), so the pool follows the frames in use. Requests
     over half the largest size all get that size: a whole received frame, a full frame's plaintext
     and its ciphertext differ by a few bytes, and as three sizes they could not use each other's
-    idle buffers (in an N = 8 all-reduce a member then allocated a fresh 4 MiB buffer, ~1000 page
-    faults and ~12 ms of CPU, about once a round). The pool keeps at most ``keep`` buffers and at
+    idle buffers. The pool keeps at most ``keep`` buffers and at
     most ``max_bytes`` of them: a count alone that is enough for the ~1 MiB frames of an int8
     round would let 4 MiB frames pin four times the memory.
     """

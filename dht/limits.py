@@ -26,11 +26,10 @@ class Limits:
     #: until a token is due: its requests wait in the kernel's buffers and TCP pushes back on it,
     #: instead of every one costing us a decrypt, a decode and a handler on the event loop that
     #: training shares. A stream open spends a token too, a stream data frame under 64 KiB a
-    #: quarter (a flood of 1-byte frames cut the victim's training to 0.3x); a big frame nothing,
+    #: quarter (else a flood of tiny frames goes unpaced); a big frame nothing,
     #: and senders join small writes (``dht.stream_transport``), so bulk data is not paced.
-    #: Honest peers send tens to a few hundred per second: about 18 per epoch (matchmaking polls,
-    #: progress reports, DHT lookups), measured at up to 146/s per connection in a 4-peer swarm
-    #: taking 8 epochs a second; the default leaves such fast small-model swarms a wide margin.
+    #: Honest peers send tens to a few hundred per second (about 18 per epoch: matchmaking polls,
+    #: progress reports, DHT lookups); the default leaves fast small-model swarms a wide margin.
     request_rate: float = 1000.0
     request_burst: int = 2000
     max_streams: int = 64  # per connection, both directions
@@ -69,17 +68,16 @@ class Limits:
     #: inbound connections still in their handshake, from all addresses / from one IP address.
     #: Past either cap a new inbound connection is closed at once: a flood of sockets that never
     #: finish a handshake (held open until ``handshake_timeout``) cannot fill ``max_connections``
-    #: and lock out real peers (measured by benchmarks/flood.py). Per IP it stays well above what
+    #: and lock out real peers (benchmarks/flood.py). Per IP it stays well above what
     #: a local swarm of a few hundred nodes on 127.0.0.1 opens at once when they all join.
     max_handshakes: int = 256
     max_handshakes_per_ip: int = 64
     write_buffer_high: int = 4 << 20
     #: frame buffers (up to 4 MiB each, sized to the frames) a host keeps for reuse by big frames,
     #: received, decrypted or encrypted, shared by all its connections; 0 disables (a connection
-    #: then keeps a receive buffer of its own). An 8-member all-reduce holds ~20-30 4 MiB frames
+    #: then keeps a receive buffer of its own). An 8-member all-reduce holds tens of 4 MiB frames
     #: at its peak (frames queued in 14 streams, both ways, and the ones being received), and
-    #: more of int8's ~1 MiB ones: with at most 32 kept, an int8 member at N = 8 re-allocated
-    #: 3000-8000 pages a round. Each pool miss costs a zero-filled, page-faulting allocation.
+    #: more of int8's ~1 MiB ones. Each pool miss costs a zero-filled, page-faulting allocation.
     #: Buffers are only allocated when that many frames are in flight at once, so a DHT-only
     #: node never holds any.
     buffer_pool: int = 128
@@ -88,7 +86,7 @@ class Limits:
     buffer_pool_bytes: int = 136 << 20
     #: threads that encrypt big outgoing frames off the event loop (``dht.sealer``); None: 2 where
     #: the process may use 4 or more CPUs, else 0 (inline: on 2 cores a thread only competes with
-    #: the loop, N = 2 rounds 0.198 s against 0.170 s inline). ``benchmarks/allreduce_bench.py
+    #: the loop). ``benchmarks/allreduce_bench.py
     #: --seal-threads T --stream-window B`` measures both knobs (see ``stream_window``).
     seal_threads: int | None = None
 

@@ -1,7 +1,7 @@
 """Sans-IO secure channel: a Noise XX handshake bound to Ed25519 PeerIDs, then AEAD frames.
 
 Why Noise and not TLS: asyncio's TLS runs through a memory BIO in 16 KB records and caps a stream
-at ~0.6 GB/s on this class of machine, while AES-GCM itself runs at ~15 GB/s. A Noise handshake
+far below what AES-GCM itself runs at (README, "Why Noise and not TLS"). A Noise handshake
 (one round trip and a half, no certificates) followed by AES-256-GCM over *large* frames keeps
 encryption nearly free. We follow libp2p-noise's identity binding: each side's static X25519 key
 is signed by its Ed25519 identity key (``"noise-libp2p-static-key:" + static``), so after the

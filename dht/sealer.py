@@ -1,13 +1,9 @@
 """AES-GCM for big outgoing frames on a small thread pool, frames still leaving in nonce order.
 
 Why: the event loop's one thread does every frame's work: socket copies, decryption and, inline,
-encryption (0.2-0.5 ms per 4 MiB frame; 18% of the loop thread's samples in an uncompressed N = 2
-all-reduce on a 16-core host, py-spy). ``cryptography`` 50 and later release the GIL while AES-GCM
-runs, so another thread can seal frame k while the loop sends frame k - 1, receives and decrypts
-the peer's frames, and runs the round's Python. Measured with benchmarks/allreduce_bench.py on
-16-core hosts (N = 2, 256 MB, uncompressed, two machines, two runs each): with 2 sealing threads
-and 32 MiB stream windows (``Limits``' defaults there) 0.190-0.238 s per round, against
-0.223-0.314 s inline with 8 MiB windows in the same sessions; either change alone gained little.
+encryption. ``cryptography`` 50 and later release the GIL while AES-GCM runs, so another thread can
+seal frame k while the loop sends frame k - 1, receives and decrypts the peer's frames, and runs
+the round's Python (figures: benchmarks/README.md, "Averaging").
 
 The wire does not change. A frame's nonce is its position in the connection's send order, so
 ``OrderedSender`` reserves the nonce on the loop when the frame is queued and writes frames only

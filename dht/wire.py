@@ -50,8 +50,7 @@ MAX_STREAM_HEADER = 16 << 10
 #: ``unpack``'s bound on what a body decodes to: its containers (lists and maps, by
 #: ``sys.getsizeof``) may take DECODED_PER_BYTE bytes per body byte, plus DECODED_SLACK (so any
 #: DHT value of up to 64 KiB decodes, whatever its shape). Each scalar sits in a container slot
-#: those count, so a 1 MiB body decodes to at most ~28 MiB (the worst measured: lists of
-#: one-character non-Latin strings, 76 bytes each; 1 MiB of empty maps was 72 MiB).
+#: those count, so a 1 MiB body decodes to at most ~28 MiB.
 DECODED_PER_BYTE = 4
 DECODED_SLACK = 512 << 10
 #: bodies up to this size are decoded without the container count (at most ~72x: 288 KiB)

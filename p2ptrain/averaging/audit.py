@@ -1,6 +1,6 @@
 """Shard audits: under a robust rule each member checks, after its round, that every other owner's
 reply is the rule over the members' parts, so that an owner cannot set the others' values beyond
-what the rule allows (issue 27, item 3).
+what the rule allows.
 
 What is checked: of every other owner's shard, ``AuditConfig.chunks`` chunks drawn at random (all of
 a shard that small: the examples' models are checked whole, every round, by every member), and of

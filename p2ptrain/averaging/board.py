@@ -68,8 +68,7 @@ class Board:
         """Write our entry for the round, in the background: at the key's holders that our first
         read finds (that read is a full lookup of the key), so the entry lands one round trip after
         the read instead of after a lookup of its own. Gathering does not wait for it: we count
-        ourselves in any case, and the others see us once it lands (4 peers on 100 ms RTT links:
-        0.43 s of matchmaking per round before, 0.37 s after; ``benchmarks/utilisation.py --netem``)."""
+        ourselves in any case, and the others see us once it lands."""
         now_wall = time.time()
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER

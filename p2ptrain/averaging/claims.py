@@ -3,7 +3,7 @@ one optional re-read): registrations read from the DHT, and the group a leader h
 
 A leader chooses the group's members, their order, addresses, bandwidths and weights: a hostile
 one could give itself every shard (the others' bandwidth 0), point a member's address elsewhere,
-or fill the group with peers that never registered (issue 27, item 3). So a joiner takes a group
+or fill the group with peers that never registered. So a joiner takes a group
 only if it is the size this round allows, led by the leader it asked, with our own entry as we
 declared it, and every other member exactly as that member registered itself for the round
 (owner-signed sub-keys, read from the DHT); a member we have not seen is looked up once more.

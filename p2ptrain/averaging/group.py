@@ -6,7 +6,7 @@ who owns which shard.
 
 Bandwidth and weight are each member's own claims: ``partition`` counts a bandwidth at most
 :data:`MAX_BANDWIDTH_RATIO` times the group's median, so that nobody owns more than about that
-many fair shares by claiming 1e15 (issue 27); weights are bounded the same way (``weight_cap``).
+many fair shares by claiming 1e15; weights are bounded the same way (``weight_cap``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Host byte buffers for state snapshots and downloads, kept and touched ahead of need.
 
 Why: the first write to fresh memory takes a page fault every 4 KiB, and on the virtual machines
-peers run on, with other processes busy, those faults cost far more than the copy itself. Filling
-a fresh 256 MiB buffer beside three memory-busy processes took 0.8-1.9 s on this 2-core machine,
-against 0.08-0.11 s for a buffer already touched (``MAP_POPULATE`` and huge-page advice did not
-help). A provider answering a joiner spent about 90% of its snapshot time in those faults
-(``benchmarks/late_join.py``: each 64 MiB copy 0.35-0.55 s). So a peer touches its snapshot
+peers run on, with other processes busy, those faults cost far more than the copy itself (a
+provider answering a joiner spent most of its snapshot time in them). So a peer touches its snapshot
 buffers ahead of time, in a background thread at low priority, once its state has its full size,
 and reuses the buffer of a snapshot it no longer serves (``optim.state_sync``: two buffers take
 turns). A joiner's download buffer is not touched ahead: a warm-up of it ran beside the download
-it was meant to speed up and made it slower (chunks 0.9-1.9 s against 0.4-1.2 s).
+it was meant to speed up and made it slower.
 """
 
 from __future__ import annotations

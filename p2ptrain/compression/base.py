@@ -191,9 +191,8 @@ class Codec:
         ``key`` identifies the chunk for stateful codecs (error feedback); stateless codecs ignore it.
         ``out``: a 1-D contiguous uint8 CPU tensor of at least ``encoded_nbytes`` bytes that a codec
         with one wire buffer writes into instead of allocating one, so a caller that encodes chunk
-        after chunk can take turns with a few buffers: a fresh buffer per chunk costs a page fault
-        per 4 KiB on first touch (measured: ~4700 faults per int8 round of 256 MB, most of the
-        round's system time). The result then aliases ``out``. Ignored for CUDA chunks and by
+        after chunk can take turns with a few buffers (a fresh buffer per chunk costs a page fault
+        per 4 KiB on first touch). The result then aliases ``out``. Ignored for CUDA chunks and by
         codecs that send the chunk itself (``none``) or several buffers (``topk``).
 
         ``scale`` (0 < scale <= 1): encode ``chunk * scale`` without a separate pass over the
@@ -454,8 +453,8 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> t
 def abs_max(x: torch.Tensor) -> float:
     """The largest |value| of a non-empty tensor from one min/max pass (no |x| temporary); NaN
     when it holds a NaN, which propagates through both. Contiguous float32 CPU tensors go to the
-    compiled kernel when it is built (one integer max over the bits, ~1.4x faster: a round's
-    NaN/inf check of its whole input)."""
+    compiled kernel when it is built (one integer max over the bits: a round's NaN/inf check of
+    its whole input)."""
     if kernels.AVAILABLE and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
         return kernels.absmax(x)
     lo, hi = torch.aminmax(x)

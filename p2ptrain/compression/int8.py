@@ -128,8 +128,8 @@ class Int8Codec(Codec):
         for start, stop, rows, cols, b0 in self._parts(n):
             xb = x[start:stop].view(rows, cols)
             t = tmp[: stop - start].view(rows, cols)
-            # amax and amin (fast vectorised reductions; aminmax(dim=1) is ~15x slower on CPU): no
-            # |x| temporary, NaN/inf propagate into absmax
+            # amax and amin (aminmax(dim=1) is much slower on CPU): no |x| temporary, NaN/inf
+            # propagate into absmax
             hi = torch.amax(xb, dim=1)
             absmax = torch.maximum(hi, torch.amin(xb, dim=1).neg_(), out=hi)
             if not float(absmax.max()) < _INF:  # NaN compares false

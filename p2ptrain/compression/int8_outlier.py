@@ -15,10 +15,9 @@ kept exactly (all of them when the block has at most ``k`` values); the others q
 
 Error bound: outliers exact (up to the ``scale`` argument's rounding); others
 ``|dec - x| <= r / 254`` up to float32 rounding, with r clamped to >= 2**-100 as in ``int8``.
-Measured on this machine (``python benchmarks/compression_bench.py --quality``): relative L2
-error 2-10x lower than ``int8`` on heavy-tailed data, 15-25% lower on the example tasks' (mildly
-tailed) updates, for 5.5% more bytes and ~4x the encode time (``torch.topk`` per block: 1.1 GB/s
-against 4.8 on one core here). For slow links and heavy-tailed updates; ``int8`` on fast ones.
+Lower error than ``int8`` on heavy-tailed updates, for a few % more bytes and a slower encode (a
+``torch.topk`` per block; figures in benchmarks/README.md, "Codecs"). For slow links and
+heavy-tailed updates; ``int8`` on fast ones.
 
 Wire layout (float32 parts first, 4-byte aligned whenever the buffer is)::
 

@@ -76,8 +76,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     ``inner_warmup_steps`` (``diloco`` only): scale the inner learning rate linearly from
     1/N to 1 over this peer's first N local steps. Early DiLoCo rounds start from random weights,
-    where H unsynchronised steps at full lr can leave the average stuck on a loss plateau (measured
-    on char_lm: one seed in two); a short warmup avoids it. Peers of one run need not agree on it
+    where H unsynchronised steps at full lr can leave the average stuck on a loss plateau; a short
+    warmup avoids it. Peers of one run need not agree on it
     (each replica's inner trajectory is its own) and a joiner warms up again, which costs it a few
     slower steps only. The scale is applied around each inner step, so a user's ``scheduler``
     (per outer round) and the inner optimizer's saved state are unaffected. Not for ``sync`` mode,
