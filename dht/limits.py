@@ -35,11 +35,8 @@ class Limits:
     max_streams: int = 64  # per connection, both directions
     #: Each stream's receive window: what a sender may have in flight to us. None: 8 MiB, or 32 MiB
     #: where big frames are sealed on threads (``seal_threads``, by default where this process may
-    #: use 4 or more CPUs): a sender that may run further ahead keeps them busy. Measured with
-    #: benchmarks/allreduce_bench.py on two 16-core hosts, N = 2, 256 MB, uncompressed: 0.190-0.195
-    #: and 0.220-0.238 s per round with both, 0.212-0.217 and 0.225-0.246 s sealing with 8 MiB
-    #: windows, 0.223-0.251 (either window) and 0.257-0.314 s inline (see ``dht.sealer``). On 2
-    #: cores a wider window only holds more memory (no faster round).
+    #: use 4 or more CPUs): a sender that may run further ahead keeps them busy. On 2 cores a
+    #: wider window only holds more memory (no faster round).
     stream_window: int | None = None
     #: Memory a peer can make us hold (the bound; ``peer_stream_memory`` computes it): every
     #: stream it opens may fill its window (``stream_window``) with data its handler has not read
@@ -55,8 +52,8 @@ class Limits:
     #: returned is reset unless the peer had ended it, and leaves the count once read to its end,
     #: so that a peer cannot keep streams queued past their use. An averaging round opens 1-2
     #: streams per peer pair. Besides streams: at most ``max_concurrent_requests`` RPC bodies of
-    #: 1 MiB each, each decoding to a bounded size (``dht.wire.unpack``: ~20-30 MiB at worst,
-    #: against 72 MiB before), held while its handler runs; a stream's header is at most 16 KiB.
+    #: 1 MiB each, each decoding to a bounded size (``dht.wire.unpack``), held while its handler
+    #: runs; a stream's header is at most 16 KiB.
     #: Shared by all peers, on top: the frame buffer pool (``buffer_pool_bytes``).
     max_inbound_streams: int = 16
     max_inbound_stream_memory: int | None = None

@@ -1,10 +1,8 @@
 """Where the chunks of a downloaded state land: some tensors straight into memory the caller holds.
 
 Why: a joiner downloads the swarm's state into a buffer of the state's size, then copies the
-parameters out of it into its model. That buffer is fresh memory, and on the machines we measure
-on its page faults cost more than the transfer itself: a 256 MiB state took 77k faults, 0.2-1.1 s
-of system time in the joiner, against 0.5 s for the whole chunk download without them
-(``benchmarks/late_join.py`` prints both). The model's parameters are memory the process touched
+parameters out of it into its model. That buffer is fresh memory, whose page faults can cost more
+than the transfer itself (``benchmarks/late_join.py`` prints both). The model's parameters are memory the process touched
 already, and they are about to be overwritten anyway. A ``Placement`` writes the bytes of chosen
 tensors (``targets``: manifest tensor index -> a tensor of the same dtype and shape) into those
 tensors, and every other byte into one buffer of the state's size, of which only the pages

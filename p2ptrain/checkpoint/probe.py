@@ -66,8 +66,8 @@ class ManifestProbe:
         """Ask every provider for its manifest at once, and return as soon as a strict majority
         of them name the same latest manifest (or one holds the wanted id), or all have answered.
 
-        Each provider snapshots its state when asked, and under load they take 0.7-2.5 s each:
-        waiting for the slowest one gated every download on it. A majority of the providers asked
+        Each provider snapshots its state when asked, which takes seconds under load: waiting for
+        the slowest one would gate every download on it. A majority of the providers asked
         cannot be outvoted by the rest, so the choice is the same as after hearing all of them.
         The requests still in flight stay in ``_late``; ``download`` adds those providers when
         they answer with the chosen manifest, and ``close`` cancels what is left."""
