@@ -114,6 +114,12 @@ def _module_names() -> dict[str, Path]:
     return mods
 
 
+def _extension_source(package: Path | None, name: str) -> bool:
+    """Whether ``name`` is a compiled module of ``package`` whose source is there but whose build
+    may not be (a clean clone): importing it does not import the package's ``__init__``."""
+    return package is not None and package.name == "__init__.py" and any(package.parent.glob(f"{name}.c"))
+
+
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the modules of ``mods`` it imports at module level."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
@@ -129,8 +135,9 @@ def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
                 if node.level:
                     parts = package.split(".")
                     base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            for target in targets:
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else
+                           None if _extension_source(mods.get(base), a.name) else base for a in node.names]
+            for target in filter(None, targets):
                 while target and target not in mods:  # a name inside a module: the module
                     target = target.rpartition(".")[0]
                 if target and target != name:
