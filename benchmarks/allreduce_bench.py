@@ -30,7 +30,7 @@ deadlines; the target is <= 3 s). ``--profile`` runs rank 0 of the first codec u
 
 ``--netem RATE[,DELAY[,LOSS]]`` (e.g. ``--netem 1gbit`` or ``--netem 1gbit,1ms``; root only) runs
 every process of a group -- our workers, the raw TCP pair, the gloo ranks and the hivemind members --
-one per network namespace of a :class:`p2ptrain.testbed.Testbed`, each behind a link shaped to RATE
+one per network namespace of a :class:`p2ptrain.testing.Testbed`, each behind a link shaped to RATE
 both ways, talking over the namespace IPs instead of 127.0.0.1: on loopback everything is
 CPU-bound, so what codecs buy on slow links only shows there. The raw TCP baseline then sends about
 2 s worth of the link rate instead of >= 1 GiB.
@@ -97,7 +97,7 @@ class _Net:
     """Where a run's processes live: on loopback (default), or rank r in host r of a Testbed (--netem)."""
 
     def __init__(self) -> None:
-        self.tb = None  # p2ptrain.testbed.Testbed when --netem
+        self.tb = None  # p2ptrain.testing.Testbed when --netem
 
     def ip(self, rank: int) -> str:
         return self.tb.hosts[rank].ip if self.tb is not None else "127.0.0.1"
@@ -683,7 +683,7 @@ def main() -> None:
         return
     import signal
 
-    from p2ptrain.testbed import Testbed, TestbedError
+    from p2ptrain.testing import Testbed, TestbedError
 
     try:
         tb = Testbed.from_netem(max(2, *args.n), args.netem)

@@ -4,7 +4,7 @@
     python benchmarks/dht_bench.py --nodes 64 256 [--procs P] [--gets 1000] [--json out.json]
                                    [--hivemind-python /tmp/hmvenv/bin/python]
 
-For each N: N DHTNodes spread over P child processes (dht/swarmproc.py; default min(8, N/8)),
+For each N: N DHTNodes spread over P child processes (p2ptrain/testing/dht_swarm.py; default min(8, N/8)),
 each joining through 2 of process 0's nodes (rotating). Reported:
   * start time from launch until every node has bootstrapped, with and without the worker
     interpreters' start-up (which is also measured on its own: bare ``python -c pass``, and
@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dht.swarmproc import SwarmProcess  # noqa: E402
+from p2ptrain.testing.dht_swarm import SwarmProcess  # noqa: E402
 
 CONFIG = {"republish_interval": 5.0, "maintenance_period": 1.0}
 TPUT_PROTOCOL = "bench/bytes"

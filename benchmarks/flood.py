@@ -165,7 +165,7 @@ async def _tiny_streams(host: str, port: int, peer: str, counts: _Counts, stop: 
     """Fresh identities, each with ``per_conn`` stream slots: open an all-reduce stream for a
     made-up group and send its window as 1-byte frames, 4096 at a time; reopen when reset."""
     from p2ptrain.averaging.protocol import PROTOCOL
-    from p2ptrain.testbed.hostile.streams import send_tiny
+    from p2ptrain.testing.hostile.streams import send_tiny
 
     async def slot(conn) -> None:  # type: ignore[no-untyped-def]
         while not stop.is_set() and not conn.is_closed:
@@ -189,7 +189,7 @@ async def _zombies(host: str, port: int, peer: str, counts: _Counts, stop: async
     it; hold it while the victim keeps it, else open another."""
     from dht.identity import Identity
     from dht.relay import HOP_PROTOCOL
-    from p2ptrain.testbed.hostile.streams import zombie_streams
+    from p2ptrain.testing.hostile.streams import zombie_streams
 
     async def slot(conn) -> None:  # type: ignore[no-untyped-def]
         while not stop.is_set() and not conn.is_closed:
@@ -213,7 +213,7 @@ async def _zombies(host: str, port: int, peer: str, counts: _Counts, stop: async
 async def _bombs(host: str, port: int, peer: str, counts: _Counts, stop: asyncio.Event, inflight: int) -> None:
     """Fresh identities, each with ``inflight`` loops calling find_node with a 1 MiB msgpack bomb."""
     from dht import PeerUnreachable
-    from p2ptrain.testbed.hostile.streams import msgpack_bomb
+    from p2ptrain.testing.hostile.streams import msgpack_bomb
 
     async def loop_calls(conn) -> None:  # type: ignore[no-untyped-def]
         while not stop.is_set() and not conn.is_closed:
@@ -311,7 +311,7 @@ def attacker_main(args: argparse.Namespace) -> None:
         return
     if args.mode in ("streams", *_STREAM_ATTACKS):  # (imports torch: seconds, not to be spent in the attack)
         import p2ptrain.averaging.allreduce  # noqa: F401
-        import p2ptrain.testbed.hostile.streams  # noqa: F401
+        import p2ptrain.testing.hostile.streams  # noqa: F401
     try:
         import uvloop
 

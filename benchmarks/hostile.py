@@ -7,16 +7,16 @@ aggregation, against clean training measured in the same run.
 Every peer is a DecentralizedOptimizer in this one process (a thread each, its own DHT node on
 127.0.0.1, real encrypted streams), sync mode, the digits task's model/optimizer/lr, batch 32,
 ``--target-batch-size`` samples per global step. The hostile peers are ordinary peers that rewrite
-the gradients they are about to average (``p2ptrain.testbed.hostile``'s ``gradient_rewrite``):
+the gradients they are about to average (``p2ptrain.testing.hostile``'s ``gradient_rewrite``):
 
 * ``scaled``: their real gradient x100;
 * ``sign_flip``: x-100;
 * ``random``: gaussian noise, 100x the norm of their real gradient (per tensor);
 * ``nan``: NaN on the wire (the service's ``resources.outgoing`` hook: a peer's own ``run`` refuses NaN input);
 * ``owner_tamper``: as the owner of a shard, they send everyone its result x-100
-  (``p2ptrain.testbed.hostile.shards``; honest members audit owners under a robust rule);
+  (``p2ptrain.testing.hostile.shards``; honest members audit owners under a robust rule);
 * ``epoch_claim``: they report epoch 1e9 and serve, under it, a state with lr 1000 and parameters
-  x1000 (``p2ptrain.testbed.hostile.state``), then only serve; a peer that believed them would load it;
+  x1000 (``p2ptrain.testing.hostile.state``), then only serve; a peer that believed them would load it;
 * ``bandwidth_inflate``: they declare a bandwidth of 1e14, to own the whole vector, and tamper with
   their replies as ``owner_tamper`` does (owning shards is worth it only to set them);
 * ``latest_claim``: every peer checkpoints every 5 epochs; 5 epochs before the end the whole swarm
@@ -54,7 +54,7 @@ from p2ptrain import DHT, DecentralizedOptimizer  # noqa: E402
 from p2ptrain.checkpoint import build_snapshot, restore  # noqa: E402
 from p2ptrain.checkpoint.store import CheckpointStore  # noqa: E402
 from p2ptrain.tasks.digits import DigitsTask  # noqa: E402
-from p2ptrain.testbed.hostile import MODES  # noqa: E402
+from p2ptrain.testing.hostile import MODES  # noqa: E402
 
 ATTACKS = ("scaled", "sign_flip", "random", "nan", "owner_tamper", "bandwidth_inflate", "epoch_claim",
            "latest_claim", "plain_value_poison")

@@ -6,7 +6,7 @@ Starts a DHT-only bootstrap process (``p2ptrain dht``) and ``--peers`` training 
 (``p2ptrain peer --json --checkpoint-every K`` sharing one checkpoint store), each its own process
 on 127.0.0.1. Every ``--churn-every`` seconds on average (jittered) one process is SIGKILLed --
 sometimes the bootstrap -- and replacements join through the addresses of live peers, so the
-number of trainers stays at ``--peers`` (:class:`p2ptrain.testbed.churn.ChurnSchedule` decides
+number of trainers stays at ``--peers`` (:class:`p2ptrain.testing.churn.ChurnSchedule` decides
 who and when, seeded). Then the same swarm runs as long without churn, as the baseline.
 
 What it checks, for both runs (``FAIL`` lines and exit code 1 when something is wrong):
@@ -50,8 +50,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from _procs import _signal_group, event_of  # noqa: E402
-from dht.swarmproc import die_with_parent  # noqa: E402
-from p2ptrain.testbed.churn import ChurnSchedule, Kill, ProgressWatch, Start  # noqa: E402
+from p2ptrain.children import die_with_parent  # noqa: E402
+from p2ptrain.testing.churn import ChurnSchedule, Kill, ProgressWatch, Start  # noqa: E402
 
 TEMP_MARKERS = (".tmp", ".partial")
 

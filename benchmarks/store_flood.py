@@ -6,7 +6,7 @@
 
 The victim is a lone ``DHTNode`` with the default ``DHTConfig`` in a process of its own (run from
 the tree named, so an older ``dht/`` can be measured against this one). The attacker
-(``sybil_store_flood`` of ``p2ptrain.testbed.hostile.records``) uses ``--identities`` fresh
+(``sybil_store_flood`` of ``p2ptrain.testing.hostile.records``) uses ``--identities`` fresh
 identities, from ``--source-ip`` (127.0.0.2: another address group than the honest peer's;
 127.0.0.1: the same one), each storing up to ``--records`` unique keys of ``--value-size`` bytes
 until refused. Meanwhile an honest peer (127.0.0.1) STOREs one record every 20 ms, during the flood
@@ -77,7 +77,7 @@ async def _honest(addr: str, stop: asyncio.Event, out: list[tuple[float, bool]])
 
 async def _attack(addr: str, args: argparse.Namespace) -> dict:
     from dht import Multiaddr
-    from p2ptrain.testbed.hostile.records import sybil_store_flood
+    from p2ptrain.testing.hostile.records import sybil_store_flood
 
     stop, honest = asyncio.Event(), []
     prober = asyncio.ensure_future(_honest(addr, stop, honest))

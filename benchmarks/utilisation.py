@@ -17,7 +17,7 @@ entered epoch ``--skip`` (default 1: the first epoch, start-up included, is over
 entered the last epoch: the sum over peers of (samples processed in the window / its length).
 
 ``--netem RATE[,DELAY[,LOSS]]`` (root only; e.g. ``--netem 100mbit,50ms``) runs each swarm peer in a
-network namespace of its own (:class:`p2ptrain.testbed.Testbed`), behind a link shaped to RATE both
+network namespace of its own (:class:`p2ptrain.testing.Testbed`), behind a link shaped to RATE both
 ways with DELAY one way (so DELAY x 2 of RTT between two peers): what a swarm across the internet
 pays per round (matchmaking and all-reduce round trips) shows in the per-round figures. The lone
 baseline has no network to shape and runs as it does without the option.
@@ -321,7 +321,7 @@ def main() -> None:
     sigterm_as_exit()
     tb = None
     if a.netem:
-        from p2ptrain.testbed import Testbed, TestbedError
+        from p2ptrain.testing import Testbed, TestbedError
 
         try:
             tb = Testbed.from_netem(a.peers, a.netem)

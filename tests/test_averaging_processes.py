@@ -1,7 +1,7 @@
 """Averaging between real OS processes on 127.0.0.1: exact means, crashes mid-round, schemas,
 client mode, a lone peer.
 
-Each peer is a ``python -m p2ptrain.averaging.worker`` child (see its docstring): it joins the
+Each peer is a ``python -m p2ptrain.testing.averaging_worker`` child (see its docstring): it joins the
 bootstrap DHT node this test runs in its own event loop, averages deterministic tensors (seeded by
 its rank, so the test recomputes every input), and reports each round as a JSON line. Workers wait
 for a ``go`` line before each round, so that slow process start-ups do not eat into matchmaking.
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dht import DHTNode
-from p2ptrain.averaging.worker import flat_input
+from p2ptrain.testing.averaging_worker import flat_input
 
 ROOT = Path(__file__).resolve().parent.parent
 DHT_CONFIG_FLAGS = ["--rpc-timeout", "2.0", "-v"]
@@ -108,7 +108,8 @@ async def spawn(bootstrap: str, tmp_path: Path, child_pids) -> AsyncIterator[Spa
         for r in ranks:
             err = tmp_path / f"worker{r}.stderr"
             out = tmp_path / f"worker{r}.round{{round}}.f32"
-            argv = [sys.executable, "-m", "p2ptrain.averaging.worker", "--bootstrap", bootstrap, "--rank", str(r),
+            argv = [sys.executable, "-m", "p2ptrain.testing.averaging_worker", "--bootstrap", bootstrap,
+                    "--rank", str(r),
                     "--numel", str(numel), "--weight", str(r + 1), "--out", str(out), "--wait-go",
                     *DHT_CONFIG_FLAGS, *common, *(extra or {}).get(r, [])]
             with open(err, "wb") as ferr:

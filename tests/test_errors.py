@@ -14,11 +14,12 @@ from p2ptrain.errors import P2PTrainError
 
 
 def _modules() -> list[types.ModuleType]:
-    """p2ptrain's modules, less the testbed and ``__main__`` (which runs the CLI on import)."""
+    """p2ptrain's modules, less the test harnesses (p2ptrain.testing) and ``__main__`` (which runs
+    the CLI on import)."""
     names = [
         info.name
         for info in pkgutil.walk_packages(p2ptrain.__path__, "p2ptrain.")
-        if ".testbed" not in info.name and not info.name.endswith("__main__")
+        if ".testing" not in info.name and not info.name.endswith("__main__")
     ]
     return [importlib.import_module(name) for name in names]
 

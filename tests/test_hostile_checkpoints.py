@@ -1,7 +1,7 @@
 """Hostile checkpoint peers (issue 27, items 2 and 9): a "latest" claim signed by one or two
 colluding identities, and a manifest far larger than the fetcher expects.
 
-Each attack comes from ``p2ptrain.testbed.hostile.checkpoints`` and is met where a user meets it:
+Each attack comes from ``p2ptrain.testing.hostile.checkpoints`` and is met where a user meets it:
 ``find_latest``/``fetch_checkpoint``, a ``DecentralizedOptimizer`` resuming from the swarm's
 checkpoint, ``p2ptrain ckpt get latest`` / ``ckpt ls``, and ``fetch_state``/``download_checkpoint``.
 Every node listens on loopback; every wait is bounded by a timeout; nothing sleeps.
@@ -36,8 +36,8 @@ from p2ptrain.checkpoint.swarm import (
     find_providers,
     latest_verdict,
 )
-from p2ptrain.testbed.hostile import MODES
-from p2ptrain.testbed.hostile.checkpoints import MAX_EPOCH, huge_manifest, latest_claim
+from p2ptrain.testing.hostile import MODES
+from p2ptrain.testing.hostile.checkpoints import MAX_EPOCH, huge_manifest, latest_claim
 
 pytestmark = pytest.mark.timeout(90)
 

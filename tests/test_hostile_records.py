@@ -1,4 +1,4 @@
-"""Issue 27, DHT layer: each attack of ``p2ptrain.testbed.hostile.records`` against honest nodes.
+"""Issue 27, DHT layer: each attack of ``p2ptrain.testing.hostile.records`` against honest nodes.
 
 Every test here failed before its defence (see the commit messages): a plain value erased owned
 sub-keys (item 5), Sybils from one address filled a store (item 7), lookup replies rewrote and
@@ -16,8 +16,8 @@ from dht import DHTConfig, DHTNode, Host, Identity, RelayRefused, RelayService
 from dht.quota import address_group
 from dht.routing import node_id_of
 from dht.storage import Record, RecordStore, owned_name, sign_record
-from p2ptrain.testbed.hostile import MODES
-from p2ptrain.testbed.hostile.records import (
+from p2ptrain.testing.hostile import MODES
+from p2ptrain.testing.hostile.records import (
     blackhole,
     plain_value_poison,
     relay_slot_sybil,

@@ -1,5 +1,5 @@
 """Hostile members of an averaging group (issue 27, item 3 and item 9's weights), each attack a mode
-of ``p2ptrain.testbed.hostile.shards``:
+of ``p2ptrain.testing.hostile.shards``:
 
 * ``owner_tamper``: an owner's reply is not the rule over the parts. Under a robust rule every
   member audits the other owners (averaging/audit.py): the cheat is named in ``failed`` and its
@@ -24,7 +24,7 @@ from p2ptrain.averaging import Averager, Matchmaker, tensor_schema
 from p2ptrain.averaging.round_types import AllReduceConfig
 from p2ptrain.averaging.group import MAX_BANDWIDTH_RATIO, MAX_WEIGHT_RATIO, Member, partition
 from p2ptrain.averaging.robust import aggregate
-from p2ptrain.testbed.hostile import MODES
+from p2ptrain.testing.hostile import MODES
 
 pytestmark = pytest.mark.usefixtures("loop_errors")
 

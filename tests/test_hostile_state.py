@@ -18,7 +18,7 @@ from p2ptrain.optim.adopt import Schedule, optimizer_state
 from p2ptrain.optim.claims import EpochJudge
 from p2ptrain.optim.progress import PeerReport
 from p2ptrain.optim.state_sync import StateSync, vet
-from p2ptrain.testbed.hostile import MODES
+from p2ptrain.testing.hostile import MODES
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Issue 27, stream layer (items 6 and 9): each attack of ``p2ptrain.testbed.hostile.streams`` against a host.
+"""Issue 27, stream layer (items 6 and 9): each attack of ``p2ptrain.testing.hostile.streams`` against a host.
 
 What a peer makes the victim hold is counted through the victim's own stream accounting
 (``Connection.streams``), not RSS: deterministic. Each test failed before its defence: tiny frames
@@ -21,8 +21,8 @@ from dht.pacing import RequestPacer
 from dht.stream import COALESCE_BELOW, Stream, held_bound
 from dht.swarmkey import SwarmKey
 from dht.wire import Kind, unpack
-from p2ptrain.testbed.hostile import MODES
-from p2ptrain.testbed.hostile.streams import (
+from p2ptrain.testing.hostile import MODES
+from p2ptrain.testing.hostile.streams import (
     STREAM_DATA,
     bomb_body,
     fake_swarmkey_refusal,

@@ -26,9 +26,7 @@ DHT_OWN = {
     )),
 }
 #: submodules anyone may import for now, and why
-ALLOWED_SUBMODULES = {
-    "dht.swarmproc": "a test harness that ships in dht; issue 28 item 9 moves it out of the package",
-}
+ALLOWED_SUBMODULES: dict[str, str] = {}
 #: (file, submodule) pairs allowed, and why
 ALLOWED_USES = {
     ("benchmarks/allreduce_bench.py", "dht.connection"):

@@ -1,4 +1,4 @@
-"""p2ptrain.testbed: namespaces that talk over TCP, links that enforce their rate (and delay/loss
+"""p2ptrain.testing: namespaces that talk over TCP, links that enforce their rate (and delay/loss
 where the kernel can), and a cleanup that leaves nothing behind, also after an interrupted build.
 
 Skipped with the reason where network namespaces cannot be made (not root, no iproute2).
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from p2ptrain.testbed import Testbed, TestbedError, available, features
-from p2ptrain.testbed.netns import parse_loss, parse_rate, parse_time
+from p2ptrain.testing import Testbed, TestbedError, available, features
+from p2ptrain.testing.netns import parse_loss, parse_rate, parse_time
 
 _OK, _WHY = available()
 needs_netns = pytest.mark.skipif(not _OK, reason=f"no network namespaces here: {_WHY}")

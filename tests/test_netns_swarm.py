@@ -1,4 +1,4 @@
-"""The DHT, averaging and the optimizer across the multi-host test bed (p2ptrain.testbed).
+"""The DHT, averaging and the optimizer across the multi-host test bed (p2ptrain.testing).
 
 Every peer runs in a network namespace of its own, behind a 100 Mbit/s link with 1% loss into it
 (and a variant with 20 ms one-way delay): nothing goes over loopback, each
@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 import torch
 
-from p2ptrain.averaging.worker import flat_input
+from p2ptrain.testing.averaging_worker import flat_input
 from dht import Multiaddr
-from p2ptrain.testbed import Testbed, available
+from p2ptrain.testing import Testbed, available
 
 _OK, _WHY = available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=f"no network namespaces here: {_WHY}"), pytest.mark.slow]
@@ -90,11 +90,11 @@ class Proc:
 
 
 class Node(Proc):
-    """``python -m p2ptrain.testbed.agent node`` in one host: send commands, read their replies."""
+    """``python -m p2ptrain.testing.agent node`` in one host: send commands, read their replies."""
 
     def __init__(self, tb: Testbed, host: int, client: bool = False):
         where = ["--client"] if client else ["--listen", tb.hosts[host].ip]
-        super().__init__(tb, host, [sys.executable, "-m", "p2ptrain.testbed.agent", "node", *where])
+        super().__init__(tb, host, [sys.executable, "-m", "p2ptrain.testing.agent", "node", *where])
         self.wait_for(lambda m: m.get("ready"), 60)
         self._next = 0
 
@@ -182,7 +182,7 @@ def test_three_peers_and_a_client_behind_nat_train_to_the_target(no_leftovers: N
         addr = first.wait_for(lambda e: e.get("event") == "started", 90)["multiaddrs"][0]
         swarm = [first] + [Proc(tb, i, [*peer, "--listen", f"/ip4/{tb.hosts[i].ip}/tcp/0", "--bootstrap", addr,
                                         "--data-seed", str(i)]) for i in range(1, nat)]
-        client = Proc(tb, nat, [sys.executable, "-m", "p2ptrain.testbed.agent", "train", "--client",
+        client = Proc(tb, nat, [sys.executable, "-m", "p2ptrain.testing.agent", "train", "--client",
                                 "--bootstrap", addr, "--data-seed", str(nat), *train[1:]])
         swarm.append(client)
         assert client.wait_for(lambda e: e.get("event") == "started", 90)["multiaddrs"] == []

@@ -481,7 +481,7 @@ def test_dht_command_refuses_relay_options_that_cannot_work(argv: list[str], wor
 # ------------------------------------------------------------------------------ network namespaces
 
 try:
-    from p2ptrain.testbed import Testbed, available
+    from p2ptrain.testing import Testbed, available
     _OK, _WHY = available()
 except Exception as e:  # noqa: BLE001 - no test bed module or no Linux: skip with the reason
     _OK, _WHY = False, str(e)

@@ -1,6 +1,6 @@
 """Churn soak, short: ``benchmarks/soak.py`` for under a minute, with a kill every few seconds.
 
-The sans-IO core (:mod:`p2ptrain.testbed.churn`) is tested first, without processes: who is killed
+The sans-IO core (:mod:`p2ptrain.testing.churn`) is tested first, without processes: who is killed
 when, who a newcomer joins through, when a silent peer counts as hung. Then the real thing: the
 soak script runs 4 ``p2ptrain peer`` processes and a DHT-only bootstrap on 127.0.0.1, SIGKILLs one
 every ~4 s (every third kill the bootstrap) and starts replacements through live peers' addresses.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from p2ptrain.testbed.churn import ChurnSchedule, Kill, ProgressWatch, Start
+from p2ptrain.testing.churn import ChurnSchedule, Kill, ProgressWatch, Start
 
 REPO = Path(__file__).resolve().parent.parent
 ACCURACY = 0.95  # digits reaches ~97%; a swarm that lost its state under churn would not

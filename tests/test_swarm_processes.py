@@ -1,6 +1,6 @@
 """A DHT swarm spread over real OS processes on 127.0.0.1: store, get, crash (SIGKILL), survive.
 
-Each ``SwarmProcess`` is a child running several DHTNodes (see dht/swarmproc.py). The fixture kills
+Each ``SwarmProcess`` is a child running several DHTNodes (see p2ptrain/testing/dht_swarm.py). The fixture kills
 every child it spawned, even when a test fails or times out, and the last check in each test is that
 no child process of ours is left behind.
 """
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dht.swarmproc import SwarmProcess
+from p2ptrain.testing.dht_swarm import SwarmProcess
 
 # Fast background work, so that a republish period passes within a test.
 CONFIG = {"republish_interval": 2.0, "maintenance_period": 0.5, "rpc_timeout": 1.0, "bootstrap_timeout": 5.0}

@@ -185,7 +185,7 @@ class AllReduceService:
 
     def _reply(self, index: int, data: Any) -> Any:
         """Hook on the reply bytes of each chunk of our shard an owner writes (tests replace it to
-        simulate an owner that tampers with its result: ``p2ptrain.testbed.hostile.shards``)."""
+        simulate an owner that tampers with its result: ``p2ptrain.testing.hostile.shards``)."""
         return data
 
     _audit_answer: Callable[[str, int, int, torch.Tensor], torch.Tensor] | None = None

@@ -141,7 +141,7 @@ def _same(index: int, data: Any) -> Any:
 class RoundResources:
     """What the service lends each of its rounds: built once by the service, handed to every round.
     ``before_chunk``, ``outgoing`` and ``reply`` are test hooks (a slow or dying sender, hostile wire
-    bytes, a tampering owner: ``p2ptrain.testbed.hostile.shards``); the defaults do nothing."""
+    bytes, a tampering owner: ``p2ptrain.testing.hostile.shards``); the defaults do nothing."""
 
     host: Host
     accept_wait: float  # how long a stream may wait for its round to start here

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dht.swarmproc import SwarmProcess
+from ..testing.dht_swarm import SwarmProcess
 
 from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, make_console, run, until
 

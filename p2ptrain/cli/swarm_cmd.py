@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dht import ConfigError
-from dht.swarmproc import die_with_parent
+from ..children import die_with_parent
 
 from .common import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, add_swarm_key_arg, child_python, fail, interrupts,
                      make_console)

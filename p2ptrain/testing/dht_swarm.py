@@ -5,7 +5,7 @@ handshakes and real crashes (SIGKILL), which one event loop hosting every node c
 lines over stdin/stdout: no extra port to find, no pickle, and the child sees EOF on stdin the
 moment its parent dies, so it exits instead of lingering as an orphan.
 
-Child (``python -m dht.swarmproc``): prints ``{"id": null, "ready": true, "pid": ...}`` once
+Child (``python -m p2ptrain.testing.dht_swarm``): prints ``{"id": null, "ready": true, "pid": ...}`` once
 imported, then answers one JSON line per command line; logs go to stderr. Commands (each carries an
 ``id`` echoed back; a failure answers ``{"id": .., "error": "one line"}`` and the child lives on):
 
@@ -31,10 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import DHTConfig
-from .multiaddr import Multiaddr
-from .node import DHTNode
-from .tasks import TaskGroup
+from dht import DHTConfig, DHTNode, Multiaddr, TaskGroup
+
+from ..children import die_with_parent
 
 _LINE_LIMIT = 64 << 20  # get_many replies can be large; the stdio default (64 KiB) is not enough
 
@@ -176,18 +175,6 @@ async def serve_commands(target: Any) -> None:
         await target.close()
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG): belt and braces
-    with the stdin-EOF watch, so no test or benchmark child outlives the run that started it."""
-    if sys.platform == "linux":
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-        except Exception:
-            pass
-
-
 def main() -> None:
     import logging
 
@@ -224,11 +211,12 @@ class SwarmProcess:
     @classmethod
     async def spawn(cls, timeout: float = 30.0, stderr: Any = None, env: dict | None = None) -> SwarmProcess:
         env = dict(os.environ if env is None else env)
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding dht/ and p2ptrain/
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(  # -P: a dht/ folder in the working directory shadows nothing
-            sys.executable, "-P", "-m", "dht.swarmproc", stdin=asyncio.subprocess.PIPE,
+        # -P: a dht/ or p2ptrain/ folder in the working directory shadows nothing
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-P", "-m", "p2ptrain.testing.dht_swarm", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env, limit=_LINE_LIMIT)
         try:
             async with asyncio.timeout(timeout):

@@ -14,7 +14,7 @@ arrived (to within the poll granularity, ~0.1 ms). No jitter, no reordering. It 
 through Python, a few tens of thousands of frames per second: fine at the 100 Mbit/s links the
 delay tests use, CPU-bound well below 1 Gbit/s.
 
-    ip netns exec <switch ns> python -m p2ptrain.testbed.delayline TAP DELAY_SECONDS
+    ip netns exec <switch ns> python -m p2ptrain.testing.delayline TAP DELAY_SECONDS
 
 It attaches to the existing tap ``TAP`` (``ip tuntap add dev TAP mode tap``), prints ``ready``
 once frames flow, and runs until SIGTERM/SIGINT or its stdin closes.
@@ -78,7 +78,7 @@ def run(fd: int, delay: float, stop_fd: int | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m p2ptrain.testbed.delayline TAP DELAY_SECONDS", file=sys.stderr)
+        print("usage: python -m p2ptrain.testing.delayline TAP DELAY_SECONDS", file=sys.stderr)
         return 2
     name, delay = args[0], float(args[1])
     if not 0 <= delay <= 10:

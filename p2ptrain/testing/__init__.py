@@ -1,4 +1,7 @@
-"""Test beds: several "hosts" on one Linux machine, joined by links with real bandwidth limits.
+"""Harnesses for tests, benchmarks and the demo (not used by a training peer): child processes of
+DHT nodes (``dht_swarm``) and averaging peers (``averaging_worker``), hostile peers (``hostile``),
+churn schedules, a delay line, and test beds: several "hosts" on one Linux machine, joined by links
+with real bandwidth limits.
 
 Why: on loopback everything is CPU-bound, so anything built for slow links (compression, pipelining,
 timeouts) cannot show. :class:`Testbed` puts each peer in a network namespace of its own, behind a

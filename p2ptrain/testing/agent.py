@@ -1,11 +1,11 @@
 """What runs inside a test bed host: a DHT/averaging node driven by JSON lines, or a client-mode trainer.
 
-Why a module of its own: the loopback helpers (``dht.swarmproc``, ``p2ptrain.averaging.worker``)
-listen on 127.0.0.1, which no other namespace can reach, and ``p2ptrain peer`` has no client mode.
+Why a module of its own: the loopback helpers (``dht_swarm``, ``averaging_worker`` beside it) listen
+on 127.0.0.1, which no other namespace can reach, and ``p2ptrain peer`` has no client mode.
 Here every node listens on the host's own address (``--listen IP``) or on nothing (``--client``).
 
-``python -m p2ptrain.testbed.agent node --listen IP|--client`` speaks ``dht.swarmproc``'s JSON-lines
-protocol (:func:`dht.swarmproc.serve_commands`): it prints ``{"id": null, "ready": true, "pid"}``,
+``python -m p2ptrain.testing.agent node --listen IP|--client`` speaks ``dht_swarm``'s JSON-lines
+protocol (:func:`.dht_swarm.serve_commands`): it prints ``{"id": null, "ready": true, "pid"}``,
 then answers one JSON line per command line on stdin (each carries an ``id`` echoed back; a failure
 answers ``{"id", "error": "one line"}`` and the node lives on). Commands:
 
@@ -17,7 +17,7 @@ answers ``{"id", "error": "one line"}`` and the node lives on). Commands:
            "values": the averaged flat tensor (``worker.flat_input(rank, numel)`` before the round)}
   exit     {} -> {}   (then the node closes and the process exits)
 
-``python -m p2ptrain.testbed.agent train --client --bootstrap ADDR [...]`` trains the digits example
+``python -m p2ptrain.testing.agent train --client --bootstrap ADDR [...]`` trains the digits example
 like ``p2ptrain peer --json`` (the same :func:`p2ptrain.run.run_peer`, the same JSON events), with
 a DHT node that accepts no connections.
 
@@ -35,7 +35,8 @@ import threading
 import time
 from typing import Any
 
-from dht.swarmproc import die_with_parent, reply, serve_commands
+from ..children import die_with_parent
+from .dht_swarm import reply, serve_commands
 
 __all__ = ["main"]
 
@@ -89,7 +90,7 @@ class _Node:
 
         from p2ptrain.averaging import Averager
         from p2ptrain.averaging.round_types import AllReduceConfig
-        from p2ptrain.averaging.worker import flat_input
+        from p2ptrain.testing.averaging_worker import flat_input
 
         torch.set_num_threads(1)  # imported here: a DHT-only node never pays for torch
         tensor = flat_input(rank, numel)
@@ -124,7 +125,7 @@ def _train(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    p = argparse.ArgumentParser(prog="python -m p2ptrain.testbed.agent", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m p2ptrain.testing.agent", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     n = sub.add_parser("node", help="a DHT/averaging node driven by JSON lines on stdin")
     where = n.add_mutually_exclusive_group(required=True)

@@ -1,6 +1,6 @@
 """One averaging peer in a process of its own: a test and benchmark tool, not part of the trainer.
 
-``python -m p2ptrain.averaging.worker --bootstrap MULTIADDR --rank R --numel N ...`` starts a
+``python -m p2ptrain.testing.averaging_worker --bootstrap MULTIADDR --rank R --numel N ...`` starts a
 DHTNode (client mode with ``--client``), builds a deterministic tensor list from ``--rank`` and runs
 ``--rounds`` averaging rounds with an :class:`~p2ptrain.averaging.Averager`. Multi-process tests
 (tests/test_averaging_processes.py) start several of these on 127.0.0.1, so that averaging runs over
@@ -48,13 +48,13 @@ from typing import Any
 import torch
 
 from dht import DHTConfig, DHTNode, Multiaddr, Stream
-from dht.swarmproc import die_with_parent
+from ..children import die_with_parent
 
-from .protocol import PROTOCOL
-from .round_types import AllReduceConfig
-from .averager import Averager, StepResult
+from ..averaging.protocol import PROTOCOL
+from ..averaging.round_types import AllReduceConfig
+from ..averaging.averager import Averager, StepResult
 
-log = logging.getLogger("p2ptrain.averaging.worker")
+log = logging.getLogger("p2ptrain.testing.averaging_worker")
 
 
 def flat_input(rank: int, numel: int) -> torch.Tensor:
@@ -249,7 +249,7 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m p2ptrain.averaging.worker",
+    p = argparse.ArgumentParser(prog="python -m p2ptrain.testing.averaging_worker",
                                 description="One averaging peer (test/benchmark tool): JSON lines on stdout.")
     p.add_argument("--bootstrap", default="", help="multiaddr of a DHT peer to join through")
     p.add_argument("--rank", type=int, required=True, help="seeds the tensors; echoed in every report")

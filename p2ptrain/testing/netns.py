@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from typing import Self
 
-log = logging.getLogger("p2ptrain.testbed")
+log = logging.getLogger("p2ptrain.testing")
 
 __all__ = ["Host", "Testbed", "TestbedError", "available", "cleanup_stale", "features", "parse_loss",
            "parse_rate", "parse_time"]
@@ -434,7 +434,7 @@ class Testbed:
         _run(["ip", "-n", sw, "link", "set", tap, "up"])
         batch = "".join(f"fdb replace {h.mac} dev p{h.index} master static\n" for h in self.hosts)
         _run(["bridge", "-n", sw, "-batch", "-"], stdin=batch)
-        p = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, "-P", "-m", "p2ptrain.testbed.delayline", tap,
+        p = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, "-P", "-m", "p2ptrain.testing.delayline", tap,
                               repr(self.delay_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._procs.append(p)
         self.delay_line = p
