@@ -12,7 +12,7 @@ the gradients they are about to average (``p2ptrain.testing.hostile``'s ``gradie
 * ``scaled``: their real gradient x100;
 * ``sign_flip``: x-100;
 * ``random``: gaussian noise, 100x the norm of their real gradient (per tensor);
-* ``nan``: NaN on the wire (the service's ``resources.outgoing`` hook: a peer's own ``run`` refuses NaN input);
+* ``nan``: NaN on the wire (the service's ``_outgoing`` extension point: a peer's own ``run`` refuses NaN input);
 * ``owner_tamper``: as the owner of a shard, they send everyone its result x-100
   (``p2ptrain.testing.hostile.shards``; honest members audit owners under a robust rule);
 * ``epoch_claim``: they report epoch 1e9 and serve, under it, a state with lr 1000 and parameters
@@ -193,7 +193,7 @@ def run_swarm(*, peers: int, hostile: int, attack: str | None, aggregation: str,
             opt = make(i)
             if i < hostile and attack is not None:
                 if attack == "nan":
-                    opt.averager.service.resources.outgoing = _nan_wire
+                    opt.averager.service._outgoing = _nan_wire
                 elif attack in ("owner_tamper", "bandwidth_inflate"):
                     _shard_attack(attack, opt)
                 elif attack == "plain_value_poison":

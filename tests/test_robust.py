@@ -220,7 +220,7 @@ async def test_nan_payload_sender_is_excluded_and_reported(swarm):
         cfg = AllReduceConfig(chunk_numel=1024, timeout=8.0, join_timeout=2.0, stall_timeout=1.0)
         group, _, services = await swarm.group(4, config=cfg)
         nan = torch.full((1024,), float("nan")).numpy()
-        services[3].resources.outgoing = lambda owner, ci, views: [memoryview(nan).cast("B")[: len(v)] for v in views]
+        services[3]._outgoing = lambda owner, ci, views: [memoryview(nan).cast("B")[: len(v)] for v in views]
         xs, ws = data(4, 8000)
         flats = [x.clone() for x in xs]
         results = await run_all(group, services, flats, ws, "none", aggregation="median")

@@ -20,7 +20,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,9 +81,13 @@ class AllReduceService:
         # fault per 4 KiB on first touch (~40k faults, a measurable share of a round's CPU time).
         self._scratch: list[torch.Tensor] = []  # (at most one)
         self._wires: list[torch.Tensor] = []  # encoded-chunk buffers kept the same way
-        # lent to every round (the hooks: subclasses override the methods, tests may replace them here)
-        self.resources = RoundResources(self.host, accept_wait, usable_cpus(), self._take_wire, self._take_scratch,
-                                        before_chunk=self._before_chunk, outgoing=self._outgoing, reply=self._reply)
+        # lent to every round; the extension points call through, so a subclass or an instance
+        # that replaces one of the methods (p2ptrain.testing.hostile) reaches every round
+        self.resources = RoundResources(
+            self.host, accept_wait, usable_cpus(), self._take_wire, self._take_scratch,
+            before_chunk=lambda owner, index: self._before_chunk(owner, index),
+            outgoing=lambda owner, index, views: self._outgoing(owner, index, views),
+            reply=lambda index, data: self._reply(index, data))
 
     @property
     def accept_wait(self) -> float:
@@ -176,20 +179,21 @@ class AllReduceService:
         self._ledger_bufs = []
 
     async def _before_chunk(self, owner: int, index: int) -> None:
-        """Hook before each chunk a sender writes (tests override it to simulate slow/dying peers)."""
+        """Extension point, awaited before each chunk a sender writes (a slow or dying sender)."""
 
     def _outgoing(self, owner: int, index: int, views: list[memoryview]) -> list[memoryview]:
-        """Hook on the wire bytes of each chunk a sender writes (tests replace it to simulate a
-        hostile sender, e.g. NaN payloads, which ``run`` would refuse to take from ``flat``)."""
+        """Extension point on the wire bytes of each chunk a sender writes (a hostile sender, e.g.
+        NaN payloads, which ``run`` would refuse to take from ``flat``)."""
         return views
 
     def _reply(self, index: int, data: Any) -> Any:
-        """Hook on the reply bytes of each chunk of our shard an owner writes (tests replace it to
-        simulate an owner that tampers with its result: ``p2ptrain.testing.hostile.shards``)."""
+        """Extension point on the reply bytes of each chunk of our shard an owner writes (an owner
+        that tampers with its result: ``p2ptrain.testing.hostile.shards``)."""
         return data
 
-    _audit_answer: Callable[[str, int, int, torch.Tensor], torch.Tensor] | None = None
-    """Hook on the values of each audit answer (tests: a member that lies to auditors)."""
+    def _audit_values(self, kind: str, x: int, y: int, values: torch.Tensor) -> torch.Tensor:
+        """Extension point on the values of each audit answer (a member that lies to auditors)."""
+        return values
 
     # ------------------------------------------------------------------ audits (audit.py)
     def _new_ledger(self, rnd: Round, weight: float, codec: Codec) -> Ledger:
@@ -224,7 +228,7 @@ class AllReduceService:
             cfg = self.config
             wait = ROUND.ceiling if cfg.timeout is None else cfg.timeout  # (its round's end cuts it short)
             await serve_audit(ledger, stream, wait, max(cfg.stall_timeout, cfg.read_timeout(1 << 22)),
-                              self._audit_answer)
+                              lambda kind, x, y, values: self._audit_values(kind, x, y, values))
 
     # ------------------------------------------------------------------ incoming streams
     async def _on_stream(self, stream: Stream) -> None:

@@ -125,8 +125,8 @@ def _lookup(ledger: Ledger, item: Item) -> tuple[float, torch.Tensor] | None:
 async def serve(ledger: Ledger, stream: Stream, wait: float, write_timeout: float,
                 answer: Callable[[str, int, int, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Answer one audit stream from what ``ledger`` holds; what we do not hold yet is waited for
-    until our round is over (at most ``wait`` seconds). ``answer`` (tests: a member that lies to
-    auditors) may replace the values of each answer."""
+    until our round is over (at most ``wait`` seconds). ``answer`` (the service's extension
+    point: a member that lies to auditors) may replace the values of each answer."""
     hdr = stream.header
     items = _parse_items(hdr.get("q") if isinstance(hdr, dict) else None)
     if items is None:

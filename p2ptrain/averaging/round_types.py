@@ -140,8 +140,8 @@ def _same(index: int, data: Any) -> Any:
 @dataclass
 class RoundResources:
     """What the service lends each of its rounds: built once by the service, handed to every round.
-    ``before_chunk``, ``outgoing`` and ``reply`` are test hooks (a slow or dying sender, hostile wire
-    bytes, a tampering owner: ``p2ptrain.testing.hostile.shards``); the defaults do nothing."""
+    ``before_chunk``, ``outgoing`` and ``reply`` call the service's extension points (its
+    ``_before_chunk``, ``_outgoing``, ``_reply``); the defaults do nothing."""
 
     host: Host
     accept_wait: float  # how long a stream may wait for its round to start here

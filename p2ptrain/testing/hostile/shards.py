@@ -3,8 +3,9 @@ can do to the others' results through the all-reduce and matchmaking it takes pa
 
 Each mode installs itself on an honest object of the peer it turns hostile (its
 :class:`~p2ptrain.averaging.AllReduceService`, :class:`~p2ptrain.averaging.Matchmaker` or
-:class:`~p2ptrain.averaging.Averager`) through the test hooks those keep (``resources.reply``,
-``_audit_answer``) or by replacing one method on that instance; it returns nothing.
+:class:`~p2ptrain.averaging.Averager`) by replacing one of its methods on that instance (the
+service's extension points ``_reply`` and ``_audit_values``, or a matchmaker's method); it returns
+nothing.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def _scaled_f32(data: Any, scale: float, first: int | None = None) -> memoryview
 def owner_tamper(service: Any, scale: float = -100.0, first: int | None = None) -> None:
     """``service``: the hostile peer's AllReduceService; its own values stay honest. ``first``:
     tamper with only the first ``first`` values of each chunk of the reply."""
-    service.resources.reply = lambda index, data: _scaled_f32(data, scale, first)
+    service._reply = lambda index, data: _scaled_f32(data, scale, first)
 
 
 @mode("audit_lie", "a member shows auditors its parts times -100, not what it sent the owners")
 def audit_lie(service: Any, scale: float = -100.0) -> None:
     """``service``: the hostile peer's AllReduceService. It would frame honest owners, whose replies
     then differ from a recomputation with its lie."""
-    service._audit_answer = lambda kind, x, y, values: values * scale if kind == "s" else values
+    service._audit_values = lambda kind, x, y, values: values * scale if kind == "s" else values
 
 
 @mode("bandwidth_inflate", "a member declares a bandwidth of 1e14, to own (nearly) the whole vector")
