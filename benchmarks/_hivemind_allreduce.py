@@ -38,7 +38,8 @@ def main() -> None:
     job = json.loads(sys.stdin.readline())
     rank, n, numel, codec_name = job["rank"], job["n"], job["numel"], job["codec"]
     compression = {"none": NoCompression, "fp16": Float16Compression, "int8": Uniform8BitQuantization}[codec_name]()
-    dht = hivemind.DHT(initial_peers=job.get("peers") or None, start=True, nat_port_map=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dht = hivemind.DHT(initial_peers=job.get("peers") or None, start=True, nat_port_map=False,
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     print(json.dumps({"maddrs": [str(a) for a in dht.get_visible_maddrs()]}), flush=True)
     orig = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     idx = torch.randint(0, numel, (4096,), generator=torch.Generator().manual_seed(12345))

@@ -318,7 +318,8 @@ def _raw_tcp_netns(total: int) -> float:
     sink = _NET.popen(1, [sys.executable, __file__, "--tcp-sink", _NET.ip(1)], stdout=subprocess.PIPE, text=True)
     try:
         port = json.loads(sink.stdout.readline())["port"]
-        out = subprocess.run(_NET.tb.exec_argv(0, [sys.executable, __file__, "--tcp-send", _NET.ip(1), str(port), str(total)]),
+        out = subprocess.run(_NET.tb.exec_argv(0, [sys.executable, __file__, "--tcp-send", _NET.ip(1), str(port),
+                                                   str(total)]),
                              check=True, capture_output=True, text=True, timeout=600).stdout
         sink.wait(timeout=60)
         return total / json.loads(out)["dt"]
@@ -391,7 +392,8 @@ def _gloo_netns(n: int, numel: int, rounds: int) -> tuple[float, float]:
     # TORCH_CPP_LOG_LEVEL: c10d warns that it cannot reverse-resolve the namespace IPs (harmless)
     env = dict(os.environ, GLOO_SOCKET_IFNAME=_NET.tb.hosts[0].ifname, TORCH_CPP_LOG_LEVEL="ERROR")
     ps = [_NET.popen(r, [sys.executable, __file__, "--gloo-worker",
-                         json.dumps([r, n, 29500, numel, rounds, _NET.ip(0)])], stdout=subprocess.PIPE, text=True, env=env)
+                         json.dumps([r, n, 29500, numel, rounds, _NET.ip(0)])],
+                     stdout=subprocess.PIPE, text=True, env=env)
           for r in range(n)]
     try:
         per_rank = [json.loads(p.stdout.readline()) for p in ps]
@@ -613,7 +615,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=WARMUP,
                     help="rounds run first and not counted, for every contender (ours allocates its "
                          "reusable buffers over the first rounds; a training run does thousands)")
-    ap.add_argument("--profile", metavar="FILE", help="cProfile rank 0 (first codec, first N) into FILE and print the top")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="cProfile rank 0 (first codec, first N) into FILE and print the top")
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--no-tcp", action="store_true")
     ap.add_argument("--no-check", action="store_true", help="skip checking the averages against the expected values")
@@ -704,7 +707,8 @@ def _run(args: argparse.Namespace) -> None:
     link = "" if _NET.tb is None else f"; link: {_NET.tb.describe()}"
     from p2ptrain.compression import kernels
 
-    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member{link}; torch threads per process: {args.threads}; "
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {nbytes / MiB:.0f} MiB per member{link}; "
+          f"torch threads per process: {args.threads}; "
           f"int8 kernels: {'on' if kernels.AVAILABLE else 'off (not built, or P2PT_KERNELS=0)'}", flush=True)
     rows = []
     kills = {}
@@ -740,9 +744,11 @@ def _run(args: argparse.Namespace) -> None:
             errs = [r["err"] for r in rounds if r["err"] is not None]
             err = max(errs) if errs else None
             bound = _ERR_BOUND.get(c)
-            row = {"n": n, "codec": c, "t": t, "bus": busf / t, "tcp": tcp, "gloo": g, "ok": all(r["ok"] for r in rounds),
+            row = {"n": n, "codec": c, "t": t, "bus": busf / t, "tcp": tcp, "gloo": g,
+                   "ok": all(r["ok"] for r in rounds),
                    "err": err, "err_ok": err is None or bound is None or err <= bound,
-                   "cpu": statistics.median(r["cpu"] for r in rounds), "sys": statistics.median(r["sys"] for r in rounds),
+                   "cpu": statistics.median(r["cpu"] for r in rounds),
+                   "sys": statistics.median(r["sys"] for r in rounds),
                    "flt": statistics.median(r["flt"] for r in rounds), "failed": rounds[-1]["failed"], "hm": None,
                    "rss": max(r["rss"] for r in rounds), "gloo_rss": g_rss}
             rows.append(row)
@@ -775,7 +781,8 @@ def _run(args: argparse.Namespace) -> None:
                           flush=True)
         if args.kill_trials:
             kn = args.kill_numel or args.numel
-            after = args.kill_after if args.kill_after is not None else max(0.05, 0.4 * (t_none or 1.0) * kn / args.numel)
+            after = (args.kill_after if args.kill_after is not None
+                     else max(0.05, 0.4 * (t_none or 1.0) * kn / args.numel))
             ks = kill_trials(n, kn, args.kill_trials, after, args.chunk, args.offload)
             kills[n] = ks
             ks_sorted = sorted(ks)
@@ -809,8 +816,8 @@ def _table(rows: list[dict], kills: dict[int, list[float]]) -> None:
             ok += f" (err {r['err']:.1g})"
         gr = f"({r['gloo_rss']:.0f})" if r["gloo_rss"] is not None else ""
         rss = f"{r['rss']:.0f} {gr}"
-        print(f"{r['n']:3d}  {r['codec']:{cw}s}  {r['t']:7.3f}  {r['bus'] / 1e9:8.2f}  {tcp}  {gl}  {vn}  {r['cpu']:8.3f}  "
-              f"{rss:>14}  {hms}  {ok}")
+        print(f"{r['n']:3d}  {r['codec']:{cw}s}  {r['t']:7.3f}  {r['bus'] / 1e9:8.2f}  {tcp}  {gl}  {vn}  "
+              f"{r['cpu']:8.3f}  {rss:>14}  {hms}  {ok}")
     for n, ks in kills.items():
         print(f"  N={n}: SIGKILL mid-round -> survivors finished in max {max(ks):.2f} s (trials: {len(ks)})")
 

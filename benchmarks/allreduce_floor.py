@@ -259,15 +259,16 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--numel", type=int, default=1 << 26, help="float32 values per member (default 64M = 256 MiB)")
     ap.add_argument("--rounds", type=int, default=7, help="measured rounds (median), after one warmup")
-    ap.add_argument("--frame", type=int, default=4 << 20, help="bytes of plaintext per frame (default 4 MiB, as p2ptrain)")
+    ap.add_argument("--frame", type=int, default=4 << 20,
+                    help="bytes of plaintext per frame (default 4 MiB, as p2ptrain)")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--no-ours", action="store_true", help="skip p2ptrain's own round")
     args = ap.parse_args()
     if args.numel % 2 or args.frame % 4 or args.frame <= 0:
         ap.error("--numel must be even and --frame a positive multiple of 4")
     rounds = args.rounds + WARMUP
-    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; N=2, {args.numel * 4 / (1 << 20):.0f} MiB "
-          f"per member, {args.frame >> 10} KiB frames", flush=True)
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; N=2, "
+          f"{args.numel * 4 / (1 << 20):.0f} MiB per member, {args.frame >> 10} KiB frames", flush=True)
     g, _ = gloo(2, args.numel, rounds)
     print(f"gloo all_reduce          {g:.3f} s/round", flush=True)
     results = {}

@@ -120,7 +120,8 @@ def save_load(size_mb: float, repeats: int, root: str) -> tuple[dict[str, list[f
 
     state = make_state(size_mb)
     identity = Identity()
-    times: dict[str, list[float]] = {k: [] for k in ("store_save", "snapshot", "torch_save", "store_load", "torch_load")}
+    times: dict[str, list[float]] = {k: [] for k in ("store_save", "snapshot", "torch_save", "store_load",
+                                                     "torch_load")}
     store_dir, mid = "", b""
     for r in range(repeats):
         store_dir = os.path.join(root, f"store{r}")  # a fresh store each time: nothing dedupes
@@ -210,10 +211,12 @@ def main() -> None:
             s, t = (sorted(args.size_mb / x for x in times[f"{k}_{op}"]) for k in ("store", "torch"))
             paired = statistics.median(b / a for a, b in zip(times[f"store_{op}"], times[f"torch_{op}"]))
             print(f"  {op:4}  store {s[-1]:6.0f} {statistics.median(s):6.0f}   "
-                  f"torch.{op} {t[-1]:6.0f} {statistics.median(t):6.0f}   ratio {paired:5.2f} (bests {s[-1] / t[-1]:4.2f})")
+                  f"torch.{op} {t[-1]:6.0f} {statistics.median(t):6.0f}   ratio {paired:5.2f} "
+                  f"(bests {s[-1] / t[-1]:4.2f})")
         files = min(a - b for a, b in zip(times["store_save"], times["snapshot"]))
         print(f"  store save, best seconds: {min(times['store_save']):.3f} in all = build_snapshot (copy + blake3) "
-              f"{min(times['snapshot']):.3f} + CheckpointStore.save (files) {files:.3f}; torch.save {min(times['torch_save']):.3f}")
+              f"{min(times['snapshot']):.3f} + CheckpointStore.save (files) {files:.3f}; "
+              f"torch.save {min(times['torch_save']):.3f}")
         if args.no_fetch:
             print(f"\n{loadavg()}")
             return
@@ -224,12 +227,14 @@ def main() -> None:
             agg = ev["bytes"] / MB / ev["seconds"]
             kr = k * args.rate_mb
             chunks = " ".join(str(n) for n in sorted(ev["contributors"].values(), reverse=True))
-            flag = "" if ev["verified"] and not ev["dropped"] else f"  (verified={ev['verified']}, dropped={ev['dropped']})"
-            print(f"  {k:>2}  {ev['seconds']:8.2f}  {agg:14.1f}  {kr:6.0f}  {agg / kr:5.2f}  {chunks}{flag}", flush=True)
+            flag = ("" if ev["verified"] and not ev["dropped"]
+                    else f"  (verified={ev['verified']}, dropped={ev['dropped']})")
+            print(f"  {k:>2}  {ev['seconds']:8.2f}  {agg:14.1f}  {kr:6.0f}  {agg / kr:5.2f}  {chunks}{flag}",
+                  flush=True)
         k = max(args.providers)
         ev = fetch_round(k, None, store_dir, mid, root)
-        print(f"  context: the fetcher's own ceiling here, K = {k} without caps: {ev['bytes'] / MB / ev['seconds']:.0f} MB/s "
-              "(K*R above it cannot be reached)")
+        print(f"  context: the fetcher's own ceiling here, K = {k} without caps: "
+              f"{ev['bytes'] / MB / ev['seconds']:.0f} MB/s (K*R above it cannot be reached)")
         print(f"\n{loadavg()}")
     finally:
         if not args.dir:

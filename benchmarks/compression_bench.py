@@ -63,7 +63,8 @@ def _task_updates() -> list[tuple[str, torch.Tensor]]:
                 out.append((f"{name} gradient", torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
             opt.step()
         if name == "char_lm":
-            out.append((f"{name} pseudo-gradient", start - torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+            out.append((f"{name} pseudo-gradient",
+                        start - torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
     return out
 
 
@@ -120,7 +121,8 @@ def main(argv=None) -> None:
     gb = args.numel * 4 / 1e9
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={threads}, "
           f"numel={args.numel} ({gb * 1e3:.0f} MB fp32), chunk={args.chunk} ({args.chunk * 4 / 1e6:.1f} MB), "
-          f"best of {args.repeat}, device={device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+          f"best of {args.repeat}, device={device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
           + f"; int8 kernels: {'on' if kernels.AVAILABLE else 'off'} (P2PT_KERNELS=0 for the torch path)")
 
     g = torch.Generator().manual_seed(0)
@@ -192,8 +194,8 @@ def main(argv=None) -> None:
           "GB/s of fp32 input)")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(dict(threads=threads, device=str(device), numel=args.numel, chunk=args.chunk, torch=torch.__version__,
-                           rows=rows), f, indent=2)
+            json.dump(dict(threads=threads, device=str(device), numel=args.numel, chunk=args.chunk,
+                           torch=torch.__version__, rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -459,8 +459,8 @@ def table(task_name: str, rows: list[tuple[Result, dict[str, float] | None]], nu
     key, larger = metric_of(task_name)
     cols = ["accuracy", "loss"] if task_name == "digits" else ["loss", "perplexity"]
     print(f"\n== {task_name}: {numel} parameters, {peers} peers; {load()}")
-    head = (f"{'run':<20} {cols[0]:>9} {cols[1]:>10}  {'vs base':>8}  {'samples':>8}  {'samples/s':>9}  {'train s':>7}  "
-            f"{'wall s':>6}  {'sent/peer':>9}  {'fp32 AR/peer':>12}  {'ratio':>7}  check")
+    head = (f"{'run':<20} {cols[0]:>9} {cols[1]:>10}  {'vs base':>8}  {'samples':>8}  {'samples/s':>9}  "
+            f"{'train s':>7}  {'wall s':>6}  {'sent/peer':>9}  {'fp32 AR/peer':>12}  {'ratio':>7}  check")
     print(head)
     print("-" * len(head))
     for res, ref in rows:
@@ -623,14 +623,16 @@ def main() -> None:
     ap.add_argument("--lr", type=float, help="inner learning rate, baseline included (default: the task's)")
     ap.add_argument("--target-batch-size", type=int, help="sync and hivemind (default: digits 512, char_lm 64)")
     ap.add_argument("--local-steps", type=int, default=50, help="DiLoCo H (default 50)")
-    ap.add_argument("--diloco-batch-size", type=int, help="samples per DiLoCo local step (default: digits 32, char_lm 2)")
+    ap.add_argument("--diloco-batch-size", type=int,
+                    help="samples per DiLoCo local step (default: digits 32, char_lm 2)")
     ap.add_argument("--warmup-steps", type=int,
                     help="linear lr warmup steps, baseline and DiLoCo inner (default: digits 0, char_lm 200)")
     ap.add_argument("--outer-momentum", type=float, help="DiLoCo outer momentum (default: digits 0.9, char_lm 0.8)")
     ap.add_argument("--compression", default="int8", help="DiLoCo pseudo-gradient codec (default int8)")
     ap.add_argument("--runs", nargs="*", default=["sync", "diloco", "hivemind"],
                     choices=["sync", "diloco", "hivemind"],
-                    help="swarm runs (default: all three; hivemind only with --hivemind-python); the baseline always runs")
+                    help="swarm runs (default: all three; hivemind only with --hivemind-python); "
+                         "the baseline always runs")
     ap.add_argument("--simulate", action="store_true", help="also DiLoCo simulated in-process (int8 and fp32)")
     ap.add_argument("--no-large-batch", action="store_true", help="skip the batch=target-batch-size baseline")
     ap.add_argument("--hivemind-python", metavar="PY", help="interpreter with hivemind 1.1.12 (numpy<2.4)")

@@ -353,7 +353,8 @@ def report(runs: list[dict], tput: dict, hm: dict[int, Any]) -> None:
         raw, enc = tput.get("raw"), tput.get("enc")
         if raw and enc:
             n = len(raw["trials"])
-            rows += [("transport", f"raw asyncio TCP, 1 stream, 2 processes (GB/s, median of {n})", f"{raw['gbps']:.2f}", ""),
+            rows += [("transport", f"raw asyncio TCP, 1 stream, 2 processes (GB/s, median of {n})",
+                      f"{raw['gbps']:.2f}", ""),
                      ("", f"encrypted p2ptrain stream (GB/s, median of {n})", f"{enc['gbps']:.2f}", ""),
                      ("", "ratio encrypted / raw", f"{enc['gbps'] / raw['gbps']:.0%}", ">= 50%")]
     try:

@@ -396,7 +396,8 @@ def run_row(mode: str, args: argparse.Namespace) -> dict:
         done: dict[str, dict] = dict(early)
         deadline = time.monotonic() + args.timeout
         while len(done) < 3:
-            name, t, ev = kids.wait_for(lambda n, e: e.get("event") in ("done", "_eof"), max(1.0, deadline - time.monotonic()))
+            name, t, ev = kids.wait_for(lambda n, e: e.get("event") in ("done", "_eof"),
+                                        max(1.0, deadline - time.monotonic()))
             if ev.get("event") == "done":
                 done[name] = ev
             elif name != "attacker" and name not in done:  # (a peer done before the victim exits)
@@ -418,7 +419,8 @@ def run_row(mode: str, args: argparse.Namespace) -> dict:
             "streams": last.get("streams", 0), "junk_mb": last.get("junk_mb", 0), "frames": last.get("frames", 0),
             "rpc_errors": last.get("rpc_errors", 0),
             "joins_ok": sum(ok for ok, _ in joins), "joins": len(joins),
-            "join_ms": 1e3 * statistics.median([t for ok, t in joins if ok]) if any(ok for ok, _ in joins) else float("nan")}
+            "join_ms": (1e3 * statistics.median([t for ok, t in joins if ok]) if any(ok for ok, _ in joins)
+                        else float("nan"))}
 
 
 def main() -> None:

@@ -270,12 +270,13 @@ def main() -> None:
     if served:
         sv = [s["seconds"] for s in served]
         bv = [s["build"] for s in served if s.get("build") is not None]
-        print(f"  provider snapshots on request: {len(sv)}, request -> snapshot ready median {statistics.median(sv):.3f} s "
-              f"(max {max(sv):.3f}); of which build_snapshot (copy + hash of {nbytes / MiB:.0f} MiB) "
-              f"median {statistics.median(bv) if bv else float('nan'):.3f} s")
+        print(f"  provider snapshots on request: {len(sv)}, request -> snapshot ready median "
+              f"{statistics.median(sv):.3f} s (max {max(sv):.3f}); of which build_snapshot "
+              f"(copy + hash of {nbytes / MiB:.0f} MiB) median {statistics.median(bv) if bv else float('nan'):.3f} s")
         for s in served:
             parts = s.get("build_parts") or {}
-            print(f"    {s['peer']} epoch {s['epoch']}: request -> ready {s['seconds']:.3f} s, build {s.get('build') or 0:.3f} s"
+            print(f"    {s['peer']} epoch {s['epoch']}: request -> ready {s['seconds']:.3f} s, "
+                  f"build {s.get('build') or 0:.3f} s"
                   f" (buffers so far: {s.get('reused')} reused, {s.get('fresh')} fresh)"
                   + "".join(f", {k} {v:.3f} s" if isinstance(v, float) else f", {k} {v}" for k, v in parts.items()))
     if joins:
@@ -294,8 +295,9 @@ def main() -> None:
     if digests:
         vals = {d["digest"] for d in digests.values()}
         eps = {d["epoch"] for d in digests.values()}
+        verdict = "ALL EQUAL" if len(vals) == 1 else "DIFFERENT: " + str({n: d["digest"] for n, d in digests.items()})
         print(f"  final parameters at epoch {sorted(eps)}: {len(vals)} distinct digest(s) over {len(digests)} peers "
-              f"({'ALL EQUAL' if len(vals) == 1 else 'DIFFERENT: ' + str({n: d['digest'] for n, d in digests.items()})})")
+              f"({verdict})")
         if len(vals) > 1:  # who averaged with whom, and who loaded state, in the last epochs
             for n in digests:
                 hist = histories.get(n, [])

@@ -560,7 +560,8 @@ def table(results: list[Result], target: float | None) -> str:
     row("temp files after kills / after gc", lambda r: f"{len(r.temp_before_gc)} / {len(r.temp_after_gc)}")
     row("processes left", lambda r: str(len(r.leftover)))
     if len(results) == 2 and results[1].epochs_per_min > 0:
-        rows.append(("churn / no churn epochs/minute", f"{results[0].epochs_per_min / results[1].epochs_per_min:.2f}x", ""))
+        rows.append(("churn / no churn epochs/minute",
+                     f"{results[0].epochs_per_min / results[1].epochs_per_min:.2f}x", ""))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]

@@ -19,10 +19,10 @@ class BufferPool:
     """Frame-sized bytearrays handed out again once nothing references them any more.
 
     Allocating a fresh multi-MiB buffer per frame churns malloc: freed memory goes back to the
-    kernel and every reuse page-faults (~1000 faults per 4 MiB frame). A buffer here is reused only when the pool holds the one
-    reference left: a consumer still holding a view of a decrypted frame (a memoryview or a tensor
-    over it), or the socket transport still queueing an encrypted frame, keeps it out of reuse, so
-    no one ever sees its bytes change underneath.
+    kernel and every reuse page-faults (~1000 faults per 4 MiB frame). A buffer here is reused only
+    when the pool holds the one reference left: a consumer still holding a view of a decrypted frame
+    (a memoryview or a tensor over it), or the socket transport still queueing an encrypted frame,
+    keeps it out of reuse, so no one ever sees its bytes change underneath.
 
     Buffers are sized to what is asked (rounded up to ``granule``), not all to the largest frame:
     an int8 all-reduce sends ~1 MiB frames, which would each pin a 4 MiB buffer. A request takes an idle buffer

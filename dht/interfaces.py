@@ -1,8 +1,9 @@
 """Which addresses a listening host announces: for a wildcard (0.0.0.0, ::), every routable
 interface address of this machine, the way libp2p lists them.
 
-Why: 127.0.0.1 handed to another machine makes it dial itself. Loopback is announced only when the host listens on it, or when no
-other interface exists (a machine with no network: then the peers can only be local anyway).
+Why: 127.0.0.1 handed to another machine makes it dial itself. Loopback is announced only when the
+host listens on it, or when no other interface exists (a machine with no network: then the peers can
+only be local anyway).
 IPv6 link-local addresses (fe80::/10) are skipped: they need a scope (``%eth0``) that means
 nothing on another machine.
 

@@ -223,7 +223,8 @@ class Lookups:
         limit = self.storage.max_value_size if max_size is None else max_size
         return OwnedRead(owned_values(result.records, name, self._verified, limit), result.closest)
 
-    async def get(self, key: str | bytes, latest: bool = False) -> ValueWithExpiration | dict[str, ValueWithExpiration] | None:
+    async def get(self, key: str | bytes,
+                  latest: bool = False) -> ValueWithExpiration | dict[str, ValueWithExpiration] | None:
         """The value under ``key``: a ValueWithExpiration, a dict sub-key -> ValueWithExpiration,
         or None when nothing unexpired is found. Values that fail to decode are skipped."""
         result = await self.lookup_value(key, latest)

@@ -180,7 +180,8 @@ class Reservations:
         if largest == group or most <= held[group] + 1:
             raise RelayRefused(f"relay is full: {self.max_reservations} reservations held, try another relay")
         victim = min((p for p, (_c, _e, g) in self._by_peer.items() if g == largest), key=lambda p: self._by_peer[p][1])
-        log.info("relay full: dropped %s's reservation (%d held from %s) for a peer from %s", victim, most, largest, group)
+        log.info("relay full: dropped %s's reservation (%d held from %s) for a peer from %s",
+                 victim, most, largest, group)
         del self._by_peer[victim]
 
     def lookup(self, peer: PeerID, now: float) -> Any | None:

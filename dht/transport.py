@@ -129,7 +129,8 @@ class Host:
         self._watchdog: asyncio.Task | None = None
         self._closed = False
         self.on_connect: list[Callable[[Connection], None]] = []
-        self.pool = BufferPool(MAX_FRAME, self.limits.buffer_pool, max_bytes=self.limits.buffer_pool_bytes)  # (a whole frame: connections receive into them too)
+        # (a whole frame: connections receive into them too)
+        self.pool = BufferPool(MAX_FRAME, self.limits.buffer_pool, max_bytes=self.limits.buffer_pool_bytes)
         self._discard: memoryview | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         #: encrypts big outgoing frames off the loop on many-core machines (``dht.sealer``); None: inline

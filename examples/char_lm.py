@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-steps", type=int, default=50, help="inner steps per outer round (diloco, default 50)")
     p.add_argument("--target-batch-size", type=int, default=256, help="swarm samples per global step (sync)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per local step")
-    p.add_argument("--compression", default=None, help="none, fp16, bf16, int8, int8-outlier or topk (default: int8 for diloco)")
+    p.add_argument("--compression", default=None,
+                   help="none, fp16, bf16, int8, int8-outlier or topk (default: int8 for diloco)")
     p.add_argument("--lr", type=float, default=None, help="inner learning rate (default: the task's)")
     p.add_argument("--seed", type=int, default=0, help="model init seed: the same on every peer")
     p.add_argument("--data-seed", type=int, default=None, help="data order (default: different on every peer)")

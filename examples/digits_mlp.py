@@ -32,8 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-batch-size", type=int, default=512, help="swarm samples per global step (sync)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per local step")
     p.add_argument("--local-steps", type=int, default=20, help="local steps between averaging rounds (diloco)")
-    p.add_argument("--compression", default=None, help="none, fp16, bf16, int8, int8-outlier or topk (default: none for sync, "
-                   "int8 for diloco)")
+    p.add_argument("--compression", default=None,
+                   help="none, fp16, bf16, int8, int8-outlier or topk (default: none for sync, int8 for diloco)")
     p.add_argument("--lr", type=float, default=None, help="inner learning rate (default: the task's)")
     p.add_argument("--seed", type=int, default=0, help="model init seed: the same on every peer")
     p.add_argument("--data-seed", type=int, default=None, help="data order (default: different on every peer)")
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - last >= 1.0:
                 last = time.perf_counter()
                 say({"event": "progress", "epoch": opt.epoch, "loss": round(loss.item(), 4), "peers": opt.stats.peers,
-                     "swarm_samples_per_s": round(opt.stats.swarm_sps), "sent_MB": round(opt.stats.bytes_sent / 1e6, 2)})
+                     "swarm_samples_per_s": round(opt.stats.swarm_sps),
+                     "sent_MB": round(opt.stats.bytes_sent / 1e6, 2)})
     except KeyboardInterrupt:
         print("interrupted: leaving the swarm", file=sys.stderr)
     finally:
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         dht.close()
     metrics = task.evaluate(model)
     say({"event": "done", "epoch": opt.epoch, "steps": steps, "seconds": round(time.perf_counter() - t0, 2),
-         "rounds": opt.stats.rounds, "bytes_sent": opt.stats.bytes_sent, **{k: round(v, 4) for k, v in metrics.items()}})
+         "rounds": opt.stats.rounds, "bytes_sent": opt.stats.bytes_sent,
+         **{k: round(v, 4) for k, v in metrics.items()}})
     return 0
 
 

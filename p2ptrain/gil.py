@@ -4,10 +4,10 @@ Every torch op called from Python drops the GIL and must take it back when it re
 another thread of the peer runs Python (the event loop moving an all-reduce, the training loop),
 taking it back waits until that thread is asked to let go, after ``sys.getswitchinterval()``
 (5 ms by default). A state snapshot makes several torch calls per tensor, so beside one busy
-Python thread it waits far longer than it computes. ``short_gil_waits`` lowers the interval for the duration of such a burst and
-puts it back after (nesting and concurrent use from several threads are counted). The cost while
-it is on: threads that share the GIL are switched more often, which is negligible next to the
-waits it removes.
+Python thread it waits far longer than it computes. ``short_gil_waits`` lowers the interval for the
+duration of such a burst and puts it back after (nesting and concurrent use from several threads are
+counted). The cost while it is on: threads that share the GIL are switched more often, which is
+negligible next to the waits it removes.
 """
 
 from __future__ import annotations

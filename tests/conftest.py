@@ -13,9 +13,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
+
+if TYPE_CHECKING:
+    from dht import Host, Limits
 
 
 def _child_pids() -> set[int]:
@@ -77,6 +80,31 @@ async def loop_errors():
     finally:
         loop.set_exception_handler(previous)
     assert [(c.get("message"), repr(c.get("exception"))) for c in reports] == []
+
+
+@pytest.fixture
+async def make_host():
+    """``await make_host(limits=None, listen=("127.0.0.1", 0), **kw)``: a started ``dht.Host`` that
+    answers an "echo" method with its arguments; all closed at the end of the test."""
+    from dht import Host, Identity
+
+    hosts: list[Host] = []
+
+    async def make(limits: Limits | None = None, listen=("127.0.0.1", 0), **kw) -> Host:
+        host = Host(Identity(), listen, limits=limits, **kw)
+        await host.start()
+        hosts.append(host)
+        echo = lambda _conn, args: _echo(args)  # noqa: E731
+        host.on_request("echo", echo)
+        return host
+
+    yield make
+    for host in hosts:
+        await host.close()
+
+
+async def _echo(args):
+    return args
 
 
 @pytest.fixture(autouse=True)
@@ -142,8 +170,10 @@ class PeerProcess:
             if matches(event):
                 return event
         rc = self.proc.poll()
-        why = f"exited with code {rc} before a matching event" if rc is not None else f"no matching event within {timeout} s"
-        raise AssertionError(f"{self.name} (pid {self.proc.pid}): {why}; last events {self.seen[-3:]}; stderr {self.errors()}")
+        why = (f"exited with code {rc} before a matching event" if rc is not None
+               else f"no matching event within {timeout} s")
+        raise AssertionError(f"{self.name} (pid {self.proc.pid}): {why}; last events {self.seen[-3:]}; "
+                             f"stderr {self.errors()}")
 
     def done(self, timeout: float) -> dict[str, Any]:
         """The ``done`` event, and a clean exit after it."""

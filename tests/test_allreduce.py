@@ -348,7 +348,8 @@ async def test_member_lost_after_its_exchange_failed_is_not_waited_for(swarm):
         try:
             xs, ws = data(3, 20_000)
             flats = [x.clone() for x in xs]
-            runs = asyncio.gather(services[0].run(group, 0, flats[0], ws[0]), services[1].run(group, 1, flats[1], ws[1]))
+            runs = asyncio.gather(services[0].run(group, 0, flats[0], ws[0]),
+                                  services[1].run(group, 1, flats[1], ws[1]))
             await counter.event.wait()  # both owners saw their exchange with 2 fail; 2 is still connected
             assert hosts[2].connection(hosts[0].peer_id) is not None
             await hosts[2].close()
@@ -699,7 +700,8 @@ async def test_codec_work_stays_on_the_loop_without_a_spare_cpu(swarm, monkeypat
             for svc in services:
                 svc.cpus = cpus
                 submit = svc.resources.executor.submit
-                monkeypatch.setattr(svc.resources.executor, "submit", lambda *a, _s=submit, **k: calls.append(1) or _s(*a, **k))
+                monkeypatch.setattr(svc.resources.executor, "submit",
+                                    lambda *a, _s=submit, **k: calls.append(1) or _s(*a, **k))
             flats = [x.clone() for x in xs]
             results = await run_all(Group(os.urandom(16), group.members), services, flats, ws, "int8")
             assert all(r.ok for r in results)

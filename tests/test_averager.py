@@ -100,7 +100,8 @@ async def test_robust_rule_refuses_pairs_unless_the_swarm_is_two(nodes):
     outvote a hostile member, so each keeps its own tensors. Told the swarm has 2 peers, they pair."""
     peers = await nodes(2)
     tensors = [torch.full((64,), float(i)) for i in range(2)]
-    avgs = [Averager(nd, "robust", [t], aggregation="trimmed_mean", matchmaking_timeout=1.0) for nd, t in zip(peers, tensors)]
+    avgs = [Averager(nd, "robust", [t], aggregation="trimmed_mean", matchmaking_timeout=1.0)
+            for nd, t in zip(peers, tensors)]
     try:
         async with asyncio.timeout(20):
             split = await asyncio.gather(*(a.step(round_id="split", expected=4) for a in avgs))

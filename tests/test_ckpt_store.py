@@ -137,7 +137,8 @@ def test_newer_than_orders_by_epoch_then_created_then_lower_id():
     assert a.newer_than(None)
     assert signed(epoch=3, created=1.0).newer_than(a) and not a.newer_than(signed(epoch=3, created=1.0))
     assert signed(epoch=2, created=11.0).newer_than(a)
-    lo, hi = signed(epoch=2, created=10.0, manifest_id=bytes(32)), signed(epoch=2, created=10.0, manifest_id=b"\xff" * 32)
+    lo, hi = (signed(epoch=2, created=10.0, manifest_id=bytes(32)),
+              signed(epoch=2, created=10.0, manifest_id=b"\xff" * 32))
     assert lo.newer_than(hi) and not hi.newer_than(lo) and not lo.newer_than(lo)
 
 
@@ -173,7 +174,8 @@ def test_any_flipped_byte_is_rejected_or_unsigned(pos, xor):
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats() | st.text(max_size=20) | st.binary(max_size=80),
+    (st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats() | st.text(max_size=20)
+     | st.binary(max_size=80)),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )
@@ -610,7 +612,8 @@ def assert_durable_before_visible(log: list[tuple], blobs: list[Path], ref_dir: 
         synced = first(lambda e: e == ("fsync<", os.path.dirname(blob)), after=renamed)
         done = first(lambda e: e == ("fsync>", os.path.dirname(blob)), after=synced)
         assert done < record, f"the directory of {blob} was not fsynced between its rename and the record's"
-    assert first(lambda e: e == ("fsync<", ref_dir), after=first(lambda e: e[0] == "rename>" and e[1].startswith(ref_dir))) < len(log)
+    assert first(lambda e: e == ("fsync<", ref_dir),
+                 after=first(lambda e: e[0] == "rename>" and e[1].startswith(ref_dir))) < len(log)
 
 
 def blob_paths(store: CheckpointStore, m: Manifest) -> list[Path]:

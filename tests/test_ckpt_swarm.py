@@ -59,7 +59,8 @@ def assert_state_equal(got, want) -> None:
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
         # bytes, not values: bit-exact (NaN payloads and -0.0 included)
-        assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
+        assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8),
+                           want.contiguous().reshape(-1).view(torch.uint8))
     elif isinstance(want, dict):
         assert isinstance(got, dict) and set(got) == set(want)
         for k in want:
@@ -158,7 +159,8 @@ async def test_forged_latest_records_are_ignored_and_logged_once(peers, caplog):
         other_run = CheckpointRecord.sign(mallory.node.identity, run_id="other-run", epoch=70,
                                           manifest_id=b"\x02" * 32, size=1)
         caplog.set_level(logging.WARNING, logger="p2ptrain.checkpoint")
-        for value in (latest_value(tampered), latest_value(stolen), latest_value(other_run), {"v": 1, "r": b"junk"}, "x"):
+        for value in (latest_value(tampered), latest_value(stolen), latest_value(other_run), {"v": 1, "r": b"junk"},
+                      "x"):
             await mallory.node.store(key, value, expiration, subkey=mallory.node.owned("ckpt"))
             expiration += 1  # each write must be newer than the last to replace it
             assert await find_latest(reader.node, RUN, trusted={writer.node.peer_id}) == real

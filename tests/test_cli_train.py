@@ -73,7 +73,8 @@ def test_swarm_trains_and_writes_the_model(tmp_path, child_pids):
     assert sorted(e["peer"] for e in done) == [0, 1]
     assert all(e["epoch"] == 12 and e["rounds"] > 0 for e in done)
     for i in (0, 1):  # each peer's log, at the -vv the launcher was given
-        assert "DEBUG p2ptrain.optim: epoch 12: averaged with 2 peers" in (tmp_path / "logs" / f"peer-{i}.log").read_text()
+        assert "DEBUG p2ptrain.optim: epoch 12: averaged with 2 peers" in \
+            (tmp_path / "logs" / f"peer-{i}.log").read_text()
     model = tmp_path / "digits-model.safetensors"
     assert model.exists() and model.stat().st_size > 10_000
     umask = os.umask(0)
@@ -129,7 +130,8 @@ def test_swarm_saves_one_model_and_keeps_checkpoints_where_ckpt_looks(tmp_path, 
 def test_swarm_stops_cleanly_on_sigint(tmp_path, child_pids):
     before = child_pids()
     proc = subprocess.Popen([*CLI, "swarm", "--peers", "2", "--epochs", "100000", "--compute-delay", "0.01",
-                             "--json", "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--json", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
             if '"progress"' in line:
@@ -191,8 +193,8 @@ def test_client_mode_peer_trains_with_a_listening_one():
         events = [json.loads(line) for line in client.stdout.splitlines()]
         assert events[0]["event"] == "started" and events[0]["multiaddrs"] == []  # listens nowhere
         done = events[-1]
-        assert done["event"] == "done" and done["epoch"] == 6 and done["group_size"] == 2 and done["failed_rounds"] == 0, \
-            events[-8:]
+        assert (done["event"] == "done" and done["epoch"] == 6 and done["group_size"] == 2
+                and done["failed_rounds"] == 0), events[-8:]
         assert server.wait(timeout=60) == 0
     finally:
         server.kill()
@@ -210,7 +212,8 @@ def test_started_line_without_a_listening_address(capsys):
         out = capsys.readouterr().out
         assert "client mode" in out and "--bootstrap" not in out
         assert (f"reachable through a relay at {circuit}" in out) == bool(addrs)
-    show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": [circuit, "/ip4/1.2.3.4/tcp/1/p2p/P"]})
+    show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0,
+          "multiaddrs": [circuit, "/ip4/1.2.3.4/tcp/1/p2p/P"]})
     assert "--bootstrap /ip4/1.2.3.4/tcp/1/p2p/P\n" in capsys.readouterr().out
 
 

@@ -90,7 +90,8 @@ def test_config_reaches_the_peer_config_and_swarm_forwards_it(tmp_path, monkeypa
     write(tmp_path / "run.toml", 'target_batch_size = 128\nthreads = 1\nlr = 0.01\nrun_id = "my-run"\n')
     args, _ = resolve(["peer", "--config", "run.toml", "--bootstrap", A])
     cfg = _config(args)
-    assert (cfg.target_batch_size, cfg.threads, cfg.lr, cfg.run_id, list(cfg.bootstrap)) == (128, 1, 0.01, "my-run", [MA])
+    assert (cfg.target_batch_size, cfg.threads, cfg.lr, cfg.run_id,
+            list(cfg.bootstrap)) == (128, 1, 0.01, "my-run", [MA])
 
     monkeypatch.setenv("P2PTRAIN_EPOCHS", "7")
     args, _ = resolve(["swarm", "--config", "run.toml", "--epochs", "40"], {"P2PTRAIN_EPOCHS": "7"})
@@ -102,7 +103,8 @@ def test_config_reaches_the_peer_config_and_swarm_forwards_it(tmp_path, monkeypa
 
 ERRORS = [
     # (run.toml, env, extra argv, what the one line must say)
-    ("target_batchsize = 512\n", {}, [], "run.toml: unknown key 'target_batchsize' (did you mean 'target_batch_size'?)"),
+    ("target_batchsize = 512\n", {}, [], "run.toml: unknown key 'target_batchsize' "
+     "(did you mean 'target_batch_size'?)"),
     ('epochs = "50"\n', {}, [], "run.toml: epochs: expected an integer, got a string ('50')"),
     ("epochs = true\n", {}, [], "run.toml: epochs: expected an integer, got a boolean (True)"),
     ("lr = \"fast\"\n", {}, [], "run.toml: lr: expected a number"),
@@ -122,7 +124,8 @@ ERRORS = [
     ('compression = "topk"\naggregation = "median"\n', {}, [], "run.toml: aggregation: aggregation 'median' cannot "
      "combine 'topk' parts"),
     ("", {}, ["--listen", "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA/p2p-circuit"
-              "/p2p/12D3KooWQXRfbfuE3BJJNkgCQ3VMFVtT7n4kGfJrc5oFKqFvgQ9T"], "--listen: a /p2p-circuit address is reached"),
+              "/p2p/12D3KooWQXRfbfuE3BJJNkgCQ3VMFVtT7n4kGfJrc5oFKqFvgQ9T"],
+     "--listen: a /p2p-circuit address is reached"),
 ]
 
 

@@ -86,7 +86,8 @@ async def test_silent_sockets_from_one_address_hold_at_most_the_per_ip_cap(hosts
 
 async def test_global_handshake_cap_spans_addresses_and_slots_are_released(hosts) -> None:
     victim = await hosts(Limits(max_handshakes=3, max_handshakes_per_ip=2, handshake_timeout=0.5))
-    flood = await open_silent(victim.listen_port, 3, "127.0.0.2") + await open_silent(victim.listen_port, 3, "127.0.0.3")
+    flood = (await open_silent(victim.listen_port, 3, "127.0.0.2")
+             + await open_silent(victim.listen_port, 3, "127.0.0.3"))
     try:
         async with asyncio.timeout(5):  # 2 + 1 held (per-IP cap, then the global one); the rest closed
             await closed(flood, 3)

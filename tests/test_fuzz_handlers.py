@@ -228,7 +228,8 @@ def _stream_strategies(target: Target) -> dict[str, st.SearchStrategy]:
         "p2ptrain.state.manifest/1": ANY | mutated(state, idents),
         "p2ptrain.state.chunks/1": ANY | mutated(chunks, counts) | mutated(chunks, idents),
         "p2ptrain/allreduce/1": ANY | mutated(allreduce),
-        "p2ptrain/allreduce-audit/1": ANY | mutated({"g": os.urandom(16), "q": [["s", 0, 0, 0, 1], ["r", 0, 1, 3, 16]]}),
+        "p2ptrain/allreduce-audit/1": ANY | mutated({"g": os.urandom(16),
+                                                     "q": [["s", 0, 0, 0, 1], ["r", 0, 1, 3, 16]]}),
     }
 
 
@@ -447,7 +448,8 @@ def test_fuzz_bytes_before_the_handshake(target, data):
 
 KINDS = st.sampled_from([int(k) for k in Kind]) | st.integers(0, 255)
 BODIES = (st.binary(max_size=200) | JUNK.map(pack)
-          | st.builds(lambda m, a: pack([m, None])[:-1] + a, st.sampled_from(sorted(RPC_METHODS)), st.binary(max_size=50))
+          | st.builds(lambda m, a: pack([m, None])[:-1] + a, st.sampled_from(sorted(RPC_METHODS)),
+                      st.binary(max_size=50))
           | st.just(b"\x91" * 5000 + b"\xc0")  # 5000 nested arrays
           | st.just(b"\xdd\xff\xff\xff\xff")  # an array claiming 4 billion items
           | st.just(b"\xc6\x7f\xff\xff\xff"))  # a bin claiming 2 GiB
@@ -543,7 +545,8 @@ async def test_many_large_subkeys_do_not_break_reads_of_the_key(spam_target):
     async with asyncio.timeout(30):
         value = msgpack.packb("x" * 60_000)
         for i in range(0, 60, 10):
-            replies = await _store(spammer, node, [_rec(b"round/7", value, b"s%d" % j).to_wire() for j in range(i, i + 10)])
+            replies = await _store(spammer, node,
+                                   [_rec(b"round/7", value, b"s%d" % j).to_wire() for j in range(i, i + 10)])
             assert all(r is True for r in replies)
         reader = DHTNode(config=SPAM_CONFIG, listen=None)
         try:

@@ -32,7 +32,8 @@ ATTACKER_IP = "127.0.0.2"  # another loopback address: another address group tha
 
 
 def test_every_attack_here_is_a_registered_mode():
-    for name in ("plain_value_poison", "subkey_squat", "sybil_store_flood", "routing_poison", "reply_confusion", "relay_slot_sybil"):
+    for name in ("plain_value_poison", "subkey_squat", "sybil_store_flood", "routing_poison", "reply_confusion",
+                 "relay_slot_sybil"):
         assert MODES[name].what
 
 

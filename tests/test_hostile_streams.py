@@ -31,8 +31,6 @@ from p2ptrain.testing.hostile.streams import (
     zombie_streams,
 )
 
-from test_transport import make_host  # noqa: F401 - a fixture (hosts with an "echo" method, closed after)
-
 KiB = 1 << 10
 KEY = SwarmKey(bytes(range(32)))
 

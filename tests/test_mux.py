@@ -9,7 +9,7 @@ import pytest
 from dht.bufpool import BufferPool
 from dht.errors import ProtocolError
 from dht.identity import Identity
-from dht.mux import Frame, HandshakeMessage, Mux, Refused
+from dht.mux import HandshakeMessage, Mux, Refused
 from dht.noise import XXHandshake
 from dht.wire import MAX_FRAME, MAX_FRAME_BODY, Kind, pack
 

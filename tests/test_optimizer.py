@@ -554,7 +554,8 @@ def test_client_mode_peers_ahead_are_left_out_instead_of_stopping_training(caplo
 
     ignored, loads = [], []
     fake = types.SimpleNamespace(epoch=4, _load_warnings=LogThrottle(30.0), _load_state_from_peers=loads.append,
-                                 tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend))
+                                 tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me),
+                                                               ignore=ignored.extend))
     clients_ahead = SwarmView(epoch=6, samples=0, target=64, peers=[report(client, 6, None)],
                               behind=[report(me, 4), report(server, 4)])
     with caplog.at_level(logging.WARNING, logger="p2ptrain.optim"):

@@ -169,7 +169,8 @@ def test_a_round_that_fails_for_every_peer_is_skipped_by_all_alike(nodes):
             t.join(40)
         assert all(o.epoch >= 4 for _, o in peers), [o.epoch for _, o in peers]
         assert all(o.stats.failed_rounds >= 1 for _, o in peers)
-        assert all(torch.equal(a, b) for a, b in zip(peers[0][1].params, peers[1][1].params)), [(o.epoch, o._applied, o.stats.state_loads, o.stats.failed_rounds, o.stats.rounds) for _, o in peers]
+        assert all(torch.equal(a, b) for a, b in zip(peers[0][1].params, peers[1][1].params)), \
+            [(o.epoch, o._applied, o.stats.state_loads, o.stats.failed_rounds, o.stats.rounds) for _, o in peers]
     finally:
         for _, o in peers:
             o.close()

@@ -381,7 +381,8 @@ def test_cli_refuses_strangers_and_admits_the_key_holder(keyed_bootstrap, tmp_pa
     no_key = _cli("dht", "get", "x", "--bootstrap", addr, "--timeout", "5")
     assert no_key.returncode == 2, no_key.stderr
     assert no_key.stderr.strip().splitlines()[-1] == ("p2ptrain: error: could not join: the bootstrap peer refused "
-                                                     "the handshake — this swarm needs --swarm-key-file (it is private)")
+                                                     "the handshake — this swarm needs --swarm-key-file "
+                                                     "(it is private)")
     wrong = _cli("status", "--bootstrap", addr, "--swarm-key-file", str(other), "--timeout", "5")
     assert wrong.returncode == 2 and "another key than the swarm's" in wrong.stderr
     member = _cli("dht", "put", "k", "42", "--bootstrap", addr, env={"P2PTRAIN_SWARM_KEY_FILE": str(key_path)})
@@ -435,7 +436,8 @@ def test_python_dht_takes_the_key_or_the_environment(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args, env, needle", [
     (["status", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWBtg3aaGc3bB8PxW4hbMHHzqDtdqdyiAMtoWDjuhzZAXv",
       "--swarm-key-file", "/nonexistent/swarm.key"], {}, "--swarm-key-file: cannot read swarm key file"),
-    (["dht", "get", "x", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWBtg3aaGc3bB8PxW4hbMHHzqDtdqdyiAMtoWDjuhzZAXv"],
+    (["dht", "get", "x", "--bootstrap",
+      "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWBtg3aaGc3bB8PxW4hbMHHzqDtdqdyiAMtoWDjuhzZAXv"],
      {"P2PTRAIN_SWARM_KEY_FILE": "/nonexistent/swarm.key"}, "$P2PTRAIN_SWARM_KEY_FILE: cannot read"),
     (["peer", "--epochs", "1"], {"P2PTRAIN_SWARM_KEY_FILE": "/nonexistent/swarm.key"},
      "$P2PTRAIN_SWARM_KEY_FILE: cannot read swarm key file"),

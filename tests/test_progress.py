@@ -37,7 +37,8 @@ def test_malformed_reports_are_rejected(mutate):
 
 
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=6)))
+                    lambda children: (st.lists(children, max_size=4)
+                                      | st.dictionaries(st.text(max_size=4), children, max_size=6))))
 def test_parse_report_never_raises(value):
     result = parse_report(value, PEERS[0])
     assert result is None or isinstance(result, PeerReport)
@@ -81,7 +82,8 @@ def test_peers_just_past_the_previous_round_count_toward_the_new_epoch():
     """After a round, the others' reports still say the old epoch for a moment; they are computing
     for the new one already, and short epochs would overshoot their target if they did not count."""
     me = report(0, epoch=4, samples=32, sps=100)
-    others = [report(1, epoch=3, samples=500, sps=100, age=2.0), report(2, epoch=3, samples=500, sps=10, age=0.1, ready=True)]
+    others = [report(1, epoch=3, samples=500, sps=100, age=2.0),
+              report(2, epoch=3, samples=500, sps=10, age=0.1, ready=True)]
     view = summarize(others, me, NOW, 1000, 10, epoch_started=NOW - 0.5)
     # peer 1: 0.5 s at 100/s since our epoch began; peer 2 (seen entering the round that ended
     # our previous epoch): 0.1 s at 10/s since its report

@@ -452,7 +452,8 @@ async def test_closing_the_relay_service_ends_its_circuits(world_factory) -> Non
 
 async def test_a_peer_that_does_not_relay_says_so(world_factory) -> None:
     async with asyncio.timeout(20):
-        plain, nat, dialer = await world_factory.host(), await world_factory.host(listen=None), await world_factory.host()
+        plain, nat, dialer = (await world_factory.host(), await world_factory.host(listen=None),
+                              await world_factory.host())
         with pytest.raises(RelayRefused, match="refused the reservation \\(is it running with --relay\\?\\)"):
             await nat.reserve_relay(plain.listen_addrs[0])
         assert nat.listen_addrs == []

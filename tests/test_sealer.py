@@ -24,7 +24,6 @@ from dht.transport import Host
 from p2ptrain.averaging.allreduce import AllReduceService
 from p2ptrain.averaging.round_types import AllReduceConfig
 from p2ptrain.averaging.group import Group, Member
-from test_transport import make_host  # noqa: F401 - a fixture
 
 MiB = 1 << 20
 SEAL = Limits(seal_threads=2)
@@ -33,10 +32,11 @@ pytestmark = [pytest.mark.usefixtures("loop_errors"), pytest.mark.timeout(60)]
 
 
 def pattern(nbytes: int, seed: int) -> bytes:
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
 
 
-async def test_pool_and_wide_windows_only_where_asked_or_many_cores(make_host, monkeypatch):  # noqa: F811
+async def test_pool_and_wide_windows_only_where_asked_or_many_cores(make_host, monkeypatch):
     assert (await make_host(SEAL)).sealer is not None
     assert (await make_host(Limits(seal_threads=0))).sealer is None
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(2)))
@@ -56,7 +56,7 @@ async def test_pool_and_wide_windows_only_where_asked_or_many_cores(make_host, m
     assert conn.remote_window == WIDE_STREAM_WINDOW
 
 
-async def test_streams_and_rpcs_share_a_sealing_connection(make_host):  # noqa: F811
+async def test_streams_and_rpcs_share_a_sealing_connection(make_host):
     """Two streams of 4 MiB frames both ways plus a stream of RPCs on the same connection: every
     byte arrives, in order, and every RPC answers (a nonce out of order would fail the frame's
     authentication and close the connection)."""
@@ -103,7 +103,7 @@ async def test_streams_and_rpcs_share_a_sealing_connection(make_host):  # noqa: 
     assert n_calls > 0 and not conn.is_closed
 
 
-async def test_a_writer_cancelled_mid_frame_leaves_the_connection_usable(make_host):  # noqa: F811
+async def test_a_writer_cancelled_mid_frame_leaves_the_connection_usable(make_host):
     a, b = await make_host(SEAL), await make_host(SEAL)
     received = []
 

@@ -65,7 +65,8 @@ def test_status_metrics_round_log_and_key_file_with_a_running_swarm(tmp_path, ch
         (tmp_path / "a.toml").write_text(
             f'run_id = "{RUN}"\nepochs = 100000\nthreads = 1\ndata_seed = 1\nmetrics_port = 0\n'
             f'metrics_host = "127.0.0.1"\nround_log = "rounds.jsonl"\ncompute_delay = 5.0\nbootstrap = ["{addr}"]\n')
-        a = peer_process("--config", "a.toml", name="a", cwd=tmp_path, env={"P2PTRAIN_COMPUTE_DELAY": "0.02"})  # env > file
+        a = peer_process("--config", "a.toml", name="a", cwd=tmp_path,
+                         env={"P2PTRAIN_COMPUTE_DELAY": "0.02"})  # env > file
         common = ["--bootstrap", addr, "--run-id", RUN, "--epochs", "100000", "--threads", "1",
                   "--compute-delay", "0.02", "--key-file", "b.key"]
         b = peer_process(*common, "--data-seed", "2", name="b", cwd=tmp_path)
@@ -93,7 +94,8 @@ def test_status_metrics_round_log_and_key_file_with_a_running_swarm(tmp_path, ch
         assert m["p2ptrain_epoch"] >= 1 and m["p2ptrain_samples_total"] >= 512
         assert m["p2ptrain_bytes_sent_total"] > 10_000 and m["p2ptrain_bytes_received_total"] > 10_000
         assert m["p2ptrain_swarm_peers"] == 2 and m["p2ptrain_dht_peers"] >= 1  # (also right after a round)
-        assert m["p2ptrain_round_seconds_count"] >= 1 and 0 < m["p2ptrain_round_seconds_sum"] < 60 * m["p2ptrain_round_seconds_count"]
+        assert (m["p2ptrain_round_seconds_count"] >= 1
+                and 0 < m["p2ptrain_round_seconds_sum"] < 60 * m["p2ptrain_round_seconds_count"])
         assert m["p2ptrain_failed_rounds_total"] <= m["p2ptrain_rounds_total"] and m["p2ptrain_training"] == 1
         assert any(f'peer_id="{started_a["peer_id"]}"' in k and f'run_id="{RUN}"' in k for k in m), m
 
@@ -102,7 +104,8 @@ def test_status_metrics_round_log_and_key_file_with_a_running_swarm(tmp_path, ch
         procs = [status("--bootstrap", addr, "--run-id", RUN, "--json"), status("--bootstrap", addr, "--run-id", RUN),
                  status("--bootstrap", addr, "--example", "digits"),
                  status("--bootstrap", dead, "--run-id", RUN, "--timeout", "2")]
-        (rc_json, out_json, _), (rc_table, table, _), (rc_none, _, err_none), (rc_dead, _, err_dead) = map(finish, procs)
+        ((rc_json, out_json, _), (rc_table, table, _),
+         (rc_none, _, err_none), (rc_dead, _, err_dead)) = map(finish, procs)
         assert rc_json == 0 and rc_table == 0
         doc = json.loads(out_json)
         assert doc["run_id"] == RUN and doc["key"] == f"{RUN}/progress"
@@ -112,9 +115,11 @@ def test_status_metrics_round_log_and_key_file_with_a_running_swarm(tmp_path, ch
                            for p in (a, b)}
         announced = {e["peer_id"]: e["multiaddrs"] for e in (started_a, started_b)}
         for peer_id, row in rows.items():
-            assert isinstance(row["epoch"], int) and 1 <= row["epoch"] <= progress_epochs[peer_id] + 5, (row, progress_epochs)
+            assert isinstance(row["epoch"], int) and 1 <= row["epoch"] <= progress_epochs[peer_id] + 5, \
+                (row, progress_epochs)
             first = Multiaddr.parse(announced[peer_id][0])  # the address its progress reports carry
-            assert row["left"] is False and row["address"] == f"{first.host}:{first.port}" and 0 <= row["last_seen_s"] < 15
+            assert (row["left"] is False and row["address"] == f"{first.host}:{first.port}"
+                    and 0 <= row["last_seen_s"] < 15)
             assert row["samples_per_second"] > 0
         assert doc["swarm"]["epoch"] == max(r["epoch"] for r in rows.values()) and doc["swarm"]["active"] == 2
         table_rows = {line.split()[1]: line for line in table.splitlines() if "…" in line}

@@ -33,23 +33,6 @@ MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("loop_errors")
 
 
-@pytest.fixture
-async def make_host():
-    hosts: list[Host] = []
-
-    async def make(limits: Limits | None = None, listen=("127.0.0.1", 0), **kw) -> Host:
-        host = Host(Identity(), listen, limits=limits, **kw)
-        await host.start()
-        hosts.append(host)
-        echo = lambda _conn, args: _echo(args)  # noqa: E731
-        host.on_request("echo", echo)
-        return host
-
-    yield make
-    for host in hosts:
-        await host.close()
-
-
 async def _echo(args):
     return args
 
@@ -681,7 +664,8 @@ async def test_peer_cannot_hold_more_than_its_share_of_stream_memory(make_host):
     the budget comes back as streams end (including with their connection)."""
     async with asyncio.timeout(20):
         window = 1 * MiB
-        victim = await make_host(Limits(stream_window=window, max_inbound_streams=3, max_inbound_stream_memory=5 * window))
+        victim = await make_host(Limits(stream_window=window, max_inbound_streams=3,
+                                        max_inbound_stream_memory=5 * window))
         release = asyncio.Event()
 
         async def hold(stream: Stream):  # a handler that reads nothing until told

@@ -2,9 +2,9 @@
 ``p2ptrain/allreduce/1``, the registry of rounds in progress (streams may arrive before the local
 round starts), the worker thread for codec work, and the buffers kept between rounds (a fresh
 state-sized buffer costs a page fault per 4 KiB), lent to each round as one ``RoundResources``.
-One round's lifecycle is in :mod:`.round`. Under a robust rule it also keeps each round's :class:`.ledger.Ledger`, serves
-the others' audits from it (``p2ptrain/allreduce-audit/1``) and audits the other owners after
-each round (:mod:`.audit`) before ``run`` returns.
+One round's lifecycle is in :mod:`.round`. Under a robust rule it also keeps each round's
+:class:`.ledger.Ledger`, serves the others' audits from it (``p2ptrain/allreduce-audit/1``) and
+audits the other owners after each round (:mod:`.audit`) before ``run`` returns.
 
 >>> service = AllReduceService(host)              # registers the stream handler once
 >>> await service.start()

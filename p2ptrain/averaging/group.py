@@ -14,13 +14,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from dht import PeerID
+
 #: the largest share of the vector a member owns, in multiples of the median member's (see above)
 MAX_BANDWIDTH_RATIO = 2.0
 #: the most samples one member counts for, in multiples of the group's median declared weight
 #: (what matters under ``mean``: a robust rule caps at the median): a GPU beside CPUs fits, 1e12 not
 MAX_WEIGHT_RATIO = 8.0
-
-from dht import PeerID
 
 
 @dataclass(frozen=True)

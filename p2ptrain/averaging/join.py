@@ -144,7 +144,8 @@ class JoinProtocol:
             group = join_reply_group(reply, me.peer_id, leader.peer_id)
             if group is not None:  # taken only as every member registered itself (claims.py)
                 why = await verify_group(group, me, leader.peer_id, rnd.registered,
-                                         lambda: self.board.registered(rnd, deadline), rnd.min_size, self.target_group_size)
+                                         lambda: self.board.registered(rnd, deadline), rnd.min_size,
+                                         self.target_group_size)
                 if why is None:
                     return group
                 log.warning("round %s: refusing the group leader %s formed: %s", rnd.round_id, leader.peer_id, why)

@@ -157,7 +157,8 @@ class ShardReducer:
         measure = self.count[ci] == 1 and not self.input_checked  # our own values, read in this pass
         if last:  # the chunk's last contribution: the sum and the reply's encoding in one pass
             wire, own = self.adder.decode_add_encode(meta, buf, acc, ratio, self.weight / (self.wsum[ci] + weight),
-                                                     self.reply_wire[ci * self.reply_stride : (ci + 1) * self.reply_stride])
+                                                     self.reply_wire[ci * self.reply_stride :
+                                                                     (ci + 1) * self.reply_stride])
         elif measure:
             own = self.adder.decode_add_base(meta, buf, acc, ratio, self.flat[a:b])
         else:
@@ -237,7 +238,8 @@ class ShardReducer:
         enc = self.gcodec.encode(x, out=out_wire, scale=scale, decoded=out if roundtrip else None)
         bufs = enc.buffers
         data = bufs[0] if len(bufs) == 1 else torch.cat([t if isinstance(t, torch.Tensor) else
-                                                         torch.frombuffer(bytearray(t), dtype=torch.uint8) for t in bufs])
+                                                         torch.frombuffer(bytearray(t), dtype=torch.uint8)
+                                                         for t in bufs])
         mv = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data)
         if self.gcodec.lossless and x.data_ptr() != out.data_ptr():  # (an in-place accumulator is ``out`` already)
             out.copy_(x)

@@ -38,7 +38,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["AGGREGATIONS", "MIN_ROBUST_GROUP", "check_codec", "aggregate", "centered_clip", "check_aggregation", "mean", "median", "trimmed_mean"]
+__all__ = ["AGGREGATIONS", "MIN_ROBUST_GROUP", "check_codec", "aggregate", "centered_clip", "check_aggregation", "mean",
+           "median", "trimmed_mean"]
 
 AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip")
 DEFAULT_TRIM = 0.25  # the threat model: up to a quarter of the peers hostile

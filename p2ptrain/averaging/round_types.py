@@ -19,8 +19,8 @@ from ..errors import P2PTrainError
 if TYPE_CHECKING:
     from dht import Host
 
-__all__ = ["AllReduceConfig", "AllReduceResult", "Drop", "InputRefused", "PartialResult", "RoundResources", "ShardResult",
-           "base_codec", "codec_id"]
+__all__ = ["AllReduceConfig", "AllReduceResult", "Drop", "InputRefused", "PartialResult", "RoundResources",
+           "ShardResult", "base_codec", "codec_id"]
 
 
 @dataclass

@@ -2,11 +2,11 @@
 
 Why: a joiner downloads the swarm's state into a buffer of the state's size, then copies the
 parameters out of it into its model. That buffer is fresh memory, whose page faults can cost more
-than the transfer itself (``benchmarks/late_join.py`` prints both). The model's parameters are memory the process touched
-already, and they are about to be overwritten anyway. A ``Placement`` writes the bytes of chosen
-tensors (``targets``: manifest tensor index -> a tensor of the same dtype and shape) into those
-tensors, and every other byte into one buffer of the state's size, of which only the pages
-written are ever touched: the parameters' ranges of it never are.
+than the transfer itself (``benchmarks/late_join.py`` prints both). The model's parameters are
+memory the process touched already, and they are about to be overwritten anyway. A ``Placement``
+writes the bytes of chosen tensors (``targets``: manifest tensor index -> a tensor of the same dtype
+and shape) into those tensors, and every other byte into one buffer of the state's size, of which
+only the pages written are ever touched: the parameters' ranges of it never are.
 
 The caller gives up what ``targets`` held as soon as the first chunk lands: a download that fails
 halfway leaves them part old, part new (every new byte verified). Use it where that is acceptable,

@@ -111,7 +111,8 @@ class ManifestProbe:
         try:
             if not isinstance(reply, dict):
                 raise TypeError("reply is not a map")
-            mid, size, blob, held = check_id(reply.get("id")), reply.get("size"), reply.get("manifest"), reply.get("held")
+            mid, size, blob, held = (check_id(reply.get("id")), reply.get("size"), reply.get("manifest"),
+                                     reply.get("held"))
             if type(size) is not int or not 0 < size <= MAX_MANIFEST_BYTES:
                 raise ValueError(f"bad manifest size {size!r:.20}")
             if not isinstance(held, list) or len(held) > MAX_HELD:
@@ -206,7 +207,8 @@ class ManifestProbe:
 
     def _no_provider(self, what: str) -> str:
         reasons = "; ".join(f"{short_peer(p)}: {r}" for p, r in list(self.dropped.items())[:6])
-        return f"none of {len(self.addrs)} providers of state {self.key!r} {what}" + (f" ({reasons})" if reasons else "")
+        return (f"none of {len(self.addrs)} providers of state {self.key!r} {what}"
+                + (f" ({reasons})" if reasons else ""))
 
     async def _connect(self, peer: PeerID) -> Connection:
         conn = self.host.connection(peer)

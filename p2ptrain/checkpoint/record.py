@@ -128,7 +128,8 @@ class CheckpointRecord:
             writer = PeerID(body["writer"])
         except ValueError as e:
             raise RecordError(f"writer: {e}") from None
-        record = cls(body["run_id"], body["epoch"], body["manifest"], body["size"], body["created"], writer, body["sig"])
+        record = cls(body["run_id"], body["epoch"], body["manifest"], body["size"], body["created"], writer,
+                     body["sig"])
         if record.to_bytes() != data:
             raise RecordError("record encoding is not canonical")
         return record

@@ -46,7 +46,13 @@ from dht import Identity
 from ..paths import default_data_dir
 from .blobs import BlobStore, CorruptBlobError, MissingBlobError, Progress, StoreError, fsync_dir
 from .cid import CID_COMMON_PREFIX, cid as make_cid, parse_cid
-from .info import AmbiguousCheckpointError, CheckpointInfo, CheckpointNotFound, IncompleteCheckpointError, sort_newest_first
+from .info import (
+    AmbiguousCheckpointError,
+    CheckpointInfo,
+    CheckpointNotFound,
+    IncompleteCheckpointError,
+    sort_newest_first,
+)
 from .manifest import DIGEST_SIZE, Manifest, ManifestError
 from .record import CheckpointRecord, RecordError
 from .tree import torch_dtype
@@ -115,7 +121,8 @@ class CheckpointStore(StoreUpkeep):
             raise IndexError(f"chunk index {index!r} out of range for {manifest.num_chunks} chunks")
         a, b = manifest.chunk_span(index)
         if len(memoryview(data).cast("B")) != b - a:
-            raise CorruptBlobError(f"chunk {index} has {len(memoryview(data).cast('B'))} bytes, the manifest says {b - a}")
+            raise CorruptBlobError(f"chunk {index} has {len(memoryview(data).cast('B'))} bytes, "
+                                   f"the manifest says {b - a}")
         with self.blobs.shared():
             self._mark_pending(manifest)
             self.blobs.put(data, manifest.chunk_digest(index))
@@ -257,7 +264,8 @@ class CheckpointStore(StoreUpkeep):
                 tensors.append(None)
                 continue
             raw = torch.empty(e.nbytes, dtype=torch.uint8)
-            tensors.append(raw.view(torch_dtype(e.dtype)).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=torch_dtype(e.dtype)))
+            tensors.append(raw.view(torch_dtype(e.dtype)).view(e.shape) if e.nbytes
+                           else torch.empty(e.shape, dtype=torch_dtype(e.dtype)))
             spans.append((e.offset, e.offset + e.nbytes, raw))
         scratch = torch.empty(min(manifest.chunk_size, manifest.total_size), dtype=torch.uint8)
         first = 0  # tensors before this one end before the current chunk
@@ -374,12 +382,14 @@ class CheckpointStore(StoreUpkeep):
             raise ValueError(parse_error)
         if is_hex and len(s) < MIN_PREFIX and not is_cid:
             raise ValueError(f"checkpoint prefix {text!r} is too short: give at least {MIN_PREFIX} characters")
-        matches = sorted(m for m in known if (is_hex and m.hex().startswith(s)) or (is_cid and make_cid(m).startswith(s)))
+        matches = sorted(m for m in known
+                         if (is_hex and m.hex().startswith(s)) or (is_cid and make_cid(m).startswith(s)))
         if not matches:
             raise CheckpointNotFound(f"no checkpoint matches {text!r} in {self.root} ('p2ptrain ckpt ls' lists them)")
         if len(matches) > 1:
             shown = ", ".join(make_cid(m)[:20] + "…" for m in matches[:3])
-            raise AmbiguousCheckpointError(f"{text!r} matches {len(matches)} checkpoints ({shown}); give more characters")
+            raise AmbiguousCheckpointError(f"{text!r} matches {len(matches)} checkpoints ({shown}); "
+                                           "give more characters")
         return matches[0]
 
     def infos(self, manifest_id: bytes) -> list[CheckpointInfo]:

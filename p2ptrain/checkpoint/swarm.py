@@ -215,7 +215,8 @@ async def download_checkpoint(
     try:
         info = await asyncio.to_thread(_commit, store, result.manifest, record, agreeing)
     except RecordError as e:  # a validly signed record that does not describe this manifest (its size)
-        raise CheckpointUnavailable(f"checkpoint {record.manifest_id.hex()[:12]} of run {record.run_id!r}: {e}") from None
+        raise CheckpointUnavailable(f"checkpoint {record.manifest_id.hex()[:12]} "
+                                    f"of run {record.run_id!r}: {e}") from None
     log.info("fetched checkpoint %s (epoch %d, %.1f MB) of run %r: %d chunks from %d providers, %d already held, "
              "%.2f s", info.cid, record.epoch, result.manifest.total_size / 1e6, record.run_id,
              sum(result.contributors.values()), len(result.contributors), result.reused, result.seconds)

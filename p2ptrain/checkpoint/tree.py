@@ -265,7 +265,8 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         t = tensors[index]
         if t.dtype != spec.torch_dtype or tuple(t.shape) != spec.shape:
             raise ValueError(
-                f"tensor {index} is {dtype_name(t.dtype)}{list(t.shape)}, the skeleton says {spec.dtype}{list(spec.shape)}"
+                f"tensor {index} is {dtype_name(t.dtype)}{list(t.shape)}, "
+                f"the skeleton says {spec.dtype}{list(spec.shape)}"
             )
         return t
 

@@ -56,8 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a = actions.add_parser("ls", parents=[common], help="list stored checkpoints, newest first",
                            description="List stored checkpoints, newest first, with their writers. A checkpoint "
                            "is confirmed when three distinct writers signed it, or one of --trusted-writers did; "
-                           "an unconfirmed one is a single writer's claim, which peers take as a run's latest only from a writer "
-                           "they trust.")
+                           "an unconfirmed one is a single writer's claim, which peers take as a run's latest only "
+                           "from a writer they trust.")
     a.add_argument("--run-id", help="only this run's checkpoints")
     a.add_argument("--json", action="store_true", help="print a JSON list")
     add_trusted_writers(a, "count a checkpoint these PeerIDs signed as confirmed (repeatable, or comma-separated)")

@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client", action="store_true", help="client mode: accept no inbound connections")
     add_relay_args(p)
     p.add_argument("--subkey", help="get/put: a sub-key of KEY (dictionary entry)")
-    p.add_argument("--ttl", type=float, default=3600.0, help="put: seconds until the record expires (default: %(default)s)")
+    p.add_argument("--ttl", type=float, default=3600.0,
+                   help="put: seconds until the record expires (default: %(default)s)")
     p.add_argument("--latest", action="store_true", help="get: ask all k closest peers and merge")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for bootstrap (default: %(default)s)")
     add_swarm_key_arg(p)
@@ -129,7 +130,8 @@ async def _get(node: DHTNode, args: argparse.Namespace) -> int:
         print(f"not found: {args.args[0]}" + (f"[{args.subkey}]" if args.subkey else ""), file=sys.stderr)
         return 1
     if isinstance(value, dict):
-        out = {k: {"value": _jsonable(v.value), "expires_in": round(v.expiration - time.time(), 1)} for k, v in value.items()}
+        out = {k: {"value": _jsonable(v.value), "expires_in": round(v.expiration - time.time(), 1)}
+               for k, v in value.items()}
     else:
         out = {"value": _jsonable(value.value), "expires_in": round(value.expiration - time.time(), 1)}
     print(json.dumps(out, indent=2))

@@ -57,7 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--script", metavar="PATH",
                    help="run your own training script as this peer instead of --example: it runs as "
                    "__main__ with the bootstrap peers in $P2PTRAIN_BOOTSTRAP, which p2ptrain.DHT() joins")
-    p.add_argument("--script-args", default="", metavar="ARGS", help="arguments for --script as one string: --script-args='--lr 0.1 --epochs 5'")
+    p.add_argument("--script-args", default="", metavar="ARGS",
+                   help="arguments for --script as one string: --script-args='--lr 0.1 --epochs 5'")
     p.add_argument("--json", action="store_true", help="print events as JSON lines on stdout")
     p.set_defaults(func=main)
 
@@ -184,7 +185,8 @@ def _config(args: argparse.Namespace) -> Any:
         aggregation=args.aggregation,
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
         lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        inner_warmup_steps=args.inner_warmup_steps, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed, compute_delay=args.compute_delay,
+        inner_warmup_steps=args.inner_warmup_steps, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed,
+        compute_delay=args.compute_delay,
         delay_updates=args.delay_updates, wait_peers=wait_peers, wait_timeout=wait_timeout, device=args.device,
         threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,

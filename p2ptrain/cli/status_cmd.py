@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="derive the run id as 'p2ptrain peer --example ...' does with default options "
                    "(default when no --run-id: digits)")
     p.add_argument("--json", action="store_true", help="print the swarm as one JSON object")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds for joining and for reading (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds for joining and for reading (default: %(default)s)")
     add_swarm_key_arg(p)
     p.set_defaults(func=main)
 
@@ -106,7 +107,8 @@ def _show(args: argparse.Namespace, run_id: str, key: str, reports: list[PeerRep
     epoch = max((r.epoch for r in active), default=max(r.epoch for r in reports))
     at_epoch = [r for r in active if r.epoch == epoch]
     schemas = {r.schema for r in reports}
-    swarm = {"epoch": epoch, "samples": sum(r.samples for r in at_epoch), "samples_per_second": sum(r.sps for r in at_epoch),
+    swarm = {"epoch": epoch, "samples": sum(r.samples for r in at_epoch),
+             "samples_per_second": sum(r.sps for r in at_epoch),
              "peers": len(reports), "active": len(active), "at_epoch": len(at_epoch)}
     rows = [{"peer_id": str(r.peer), "peer": r.peer.short(), "epoch": r.epoch, "samples": r.samples,
              "samples_per_second": round(r.sps, 1), "ready": r.ready, "client": r.client, "left": r.left,

@@ -398,7 +398,8 @@ class Codec:
             raise CompressionError(f"{self.name}: numel={numel} outside [0, max_numel={self.max_numel}]")
         dtype = DTYPES.get(meta["dtype"])
         if dtype is None:
-            raise CompressionError(f"{self.name}: unknown dtype {meta['dtype']!r:.40}; expected one of {sorted(DTYPES)}")
+            raise CompressionError(f"{self.name}: unknown dtype {meta['dtype']!r:.40}; "
+                                   f"expected one of {sorted(DTYPES)}")
         for k in self._extra_meta_keys():
             mine = getattr(self, k)
             if meta[k] != mine:

@@ -68,7 +68,8 @@ class _CastCodec(Codec):
             try:
                 check_finite(x, f"{self.name}: received payload")
             except CompressionError as e:
-                raise CompressionError(str(e).replace("refusing to encode/average it", "rejecting the message")) from None
+                raise CompressionError(str(e).replace("refusing to encode/average it",
+                                                      "rejecting the message")) from None
         if device.type != "cpu":
             x = x.to(device, non_blocking=False)
         return x

@@ -123,14 +123,16 @@ class Int8OutlierCodec(Int8Codec):
         k = self.outliers
         for _start, _stop, rows, cols, b0 in self._parts(numel):
             if cols < 256 and int(pos[b0 * k : (b0 + rows) * k].max()) >= cols:
-                raise CompressionError("int8-outlier: an outlier position lies outside its block; rejecting the message")
+                raise CompressionError("int8-outlier: an outlier position lies outside its block; "
+                                       "rejecting the message")
         hi = vmax = 0.0
         if check and numel:
             hi = self._scales_max(scales)
             lo, top = torch.aminmax(vals)
             vmax = max(-float(lo), float(top))
             if not vmax < _INF:  # NaN compares false
-                raise CompressionError("int8-outlier: received outlier values contain NaN or inf; rejecting the message")
+                raise CompressionError("int8-outlier: received outlier values contain NaN or inf; "
+                                       "rejecting the message")
         return scales, vals, pos, q, hi, vmax
 
     def _add_bound(self, meta, buf, numel):

@@ -116,14 +116,16 @@ def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: fl
     not overlap it."""
     n = q.numel()
     args = (_need(scales, torch.float32, -(-n // block), "decode_add scales"), _need(q, torch.int8, n, "decode_add q"),
-            n, block, weight, _need(src, torch.float32, n, "decode_add src"), _need(out, torch.float32, n, "decode_add out"))
+            n, block, weight, _need(src, torch.float32, n, "decode_add src"),
+            _need(out, torch.float32, n, "decode_add out"))
     if args[5] != args[6] and _overlap(args[5], args[6], 4 * n):
         raise ValueError("decode_add_max: src must be out itself or not overlap it")
     return _K.decode_add(*args)  # (one kernel: ``decode_add`` drops the max it returns)
 
 
 def decode_add_encode(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float, src: torch.Tensor,
-                      out: torch.Tensor, scale: float, scales_out: torch.Tensor, q_out: torch.Tensor) -> tuple[float, bool]:
+                      out: torch.Tensor, scale: float, scales_out: torch.Tensor,
+                      q_out: torch.Tensor) -> tuple[float, bool]:
     """``decode_add_max(scales, q, block, weight, src, out)`` and then ``encode(out, block, scale,
     scales_out, q_out, dec=out)`` in one pass over memory, bit for bit what the two write. Returns
     (max |src| as ``decode_add_max`` does, whether the sum is finite: False leaves ``scales_out``
@@ -131,7 +133,8 @@ def decode_add_encode(scales: torch.Tensor, q: torch.Tensor, block: int, weight:
     overlap neither."""
     n = q.numel()
     nb = -(-n // block)
-    args = (_need(scales, torch.float32, nb, "decode_add_encode scales"), _need(q, torch.int8, n, "decode_add_encode q"),
+    args = (_need(scales, torch.float32, nb, "decode_add_encode scales"),
+            _need(q, torch.int8, n, "decode_add_encode q"),
             n, block, weight, _need(src, torch.float32, n, "decode_add_encode src"),
             _need(out, torch.float32, n, "decode_add_encode out"), scale,
             _need(scales_out, torch.float32, nb, "decode_add_encode scales_out"),

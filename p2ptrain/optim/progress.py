@@ -293,7 +293,8 @@ class ProgressTracker:
 
     def estimate(self) -> SwarmView:
         """The view extrapolated to now, from the last reports read (no DHT traffic)."""
-        return summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(), self._epoch_started)
+        return summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(),
+                         self._epoch_started)
 
     # ---------------------------------------------------------------- loop side
 

@@ -269,9 +269,9 @@ def train_single(
     ``inner_warmup_steps`` does (the same function), for a like-for-like comparison.
 
     Every ``log_every`` steps (0: never), and after every step in ``eval_at``, it evaluates, logs
-    and records the metrics in ``history``, and stops early when ``stop_when(metrics)`` is true (e.g. to count the samples
-    needed to reach an accuracy). ``seconds`` counts training only, not the evaluations, so it
-    compares with a swarm's training time.
+    and records the metrics in ``history``, and stops early when ``stop_when(metrics)`` is true
+    (e.g. to count the samples needed to reach an accuracy). ``seconds`` counts training only, not
+    the evaluations, so it compares with a swarm's training time.
 
     Returns the final :meth:`Task.evaluate` metrics plus ``steps``, ``samples`` (examples
     consumed; sequences for char_lm), ``seconds``, ``train_loss`` (last batch) and ``history``.

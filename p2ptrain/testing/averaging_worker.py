@@ -12,7 +12,8 @@ schema, with the same values). A parent can recompute every worker's input with 
 
 stdout: one JSON object per line. First ``{"event": "ready", "rank", "peer_id", "addr", "pid"}``
 once the DHT node has joined, then one ``{"event": "round", ...}`` per round (see ``_report``) and
-``{"event": "exit"}`` after the last round (not when stdin closes first). Logs (warnings, e.g. schema mismatches) go to stderr.
+``{"event": "exit"}`` after the last round (not when stdin closes first). Logs (warnings, e.g.
+schema mismatches) go to stderr.
 
 Flags worth knowing:
 
@@ -269,7 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allreduce-timeout", type=float, default=AllReduceConfig().timeout)
     p.add_argument("--chunk-numel", type=int, default=AllReduceConfig().chunk_numel)
     p.add_argument("--rpc-timeout", type=float, default=DHTConfig().rpc_timeout)
-    p.add_argument("--out", default=None, help="write the flat float32 result here after each round ('{round}' in it: the round)")
+    p.add_argument("--out", default=None,
+                   help="write the flat float32 result here after each round ('{round}' in it: the round)")
     p.add_argument("--prefix", default="p2ptrain-worker")
     p.add_argument("--shape-variant", type=int, default=0, help="another variant: another schema")
     p.add_argument("--wait-go", action="store_true", help="wait for a 'go' line on stdin before each round")

@@ -83,7 +83,8 @@ class ChurnSchedule:
         self._serial += 1
         return f"{'boot' if bootstrap else 'peer'}{self._serial}"
 
-    def step(self, now: float, trainers: Mapping[str, str | None], bootstraps: Mapping[str, str | None]) -> list[Action]:
+    def step(self, now: float, trainers: Mapping[str, str | None],
+             bootstraps: Mapping[str, str | None]) -> list[Action]:
         """The actions due at ``now``. ``trainers``/``bootstraps``: every live process of each kind,
         with its announced multiaddr (None while it is still starting)."""
         actions: list[Action] = []
@@ -91,7 +92,8 @@ class ChurnSchedule:
         if self._next_kill is None:
             self._next_kill = now + self._gap()
         if now >= self._next_kill:
-            self._boot_due = self._boot_due or (self.bootstrap_every > 0 and (self.kills + 1) % self.bootstrap_every == 0)
+            self._boot_due = self._boot_due or (self.bootstrap_every > 0
+                                                and (self.kills + 1) % self.bootstrap_every == 0)
             victim = self._victim(trainers, bootstraps)
             if victim is not None:
                 actions.append(victim)

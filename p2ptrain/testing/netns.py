@@ -537,7 +537,8 @@ class Testbed:
         self._procs.append(p)
         return p
 
-    def run(self, i: int, argv: Sequence[str], *, check: bool = False, **run_kwargs: Any) -> subprocess.CompletedProcess:
+    def run(self, i: int, argv: Sequence[str], *, check: bool = False,
+            **run_kwargs: Any) -> subprocess.CompletedProcess:
         """``subprocess.run`` inside host ``i`` (short commands: ``ip addr``, ``ss``...)."""
         return subprocess.run(self.exec_argv(i, argv), check=check, **run_kwargs)
 
