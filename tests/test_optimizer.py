@@ -370,16 +370,29 @@ def test_a_snapshot_taken_mid_round_is_labelled_with_the_updates_it_holds(swarm)
         opt.close()
 
 
+def _fetching_optimizer(fetch, me, applied: int, **tracker):
+    """The parts of an optimizer ``fetch_state`` uses: ``fetch`` downloads, the tracker is ``me``
+    plus ``tracker`` (e.g. ``ignore``, ``refresh_now``), the loop runs coroutines at once."""
+    import asyncio
+    import types
+
+    from p2ptrain.optim.state_sync import StateSync
+
+    return types.SimpleNamespace(
+        _applied=applied, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30,
+        _newest=None, state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
+        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), **tracker),
+        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
+    )
+
+
 def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
     """Under churn the most advanced peers a joiner read about may have died: it leaves them out
     and downloads from the next ones (a fresh read of the progress), instead of giving up."""
-    import asyncio
-    import types
 
     from dht import Identity
     from p2ptrain.checkpoint import StateTransferError
     from p2ptrain.optim.progress import PeerReport, SwarmView
-    from p2ptrain.optim.state_sync import StateSync
 
     me, dead, alive = (Identity().peer_id for _ in range(3))
 
@@ -399,13 +412,7 @@ def test_state_load_asks_other_peers_when_the_most_advanced_are_gone():
     async def refresh_now():
         return fresh
 
-    fake = types.SimpleNamespace(
-        _applied=0, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, _newest=None,
-        state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
-        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend,
-                                      refresh_now=refresh_now),
-        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
-    )
+    fake = _fetching_optimizer(fetch, me, applied=0, ignore=ignored.extend, refresh_now=refresh_now)
     assert DecentralizedOptimizer._fetch_state(fake, first) == "state of epoch 8"  # type: ignore[arg-type]
     assert asked == [[dead], [alive]] and ignored == [dead]
     fake.state_sync.fetch = lambda providers, timeout, into=None, **_: fetch([report(dead, 9)], timeout)
@@ -574,13 +581,10 @@ def test_client_mode_peers_ahead_are_left_out_instead_of_stopping_training(caplo
 def test_state_is_never_loaded_from_peers_behind_us():
     """A peer that reports fewer updates than our state holds is no provider, even when no
     better one serves: its state would take us back."""
-    import asyncio
-    import types
 
     from dht import Identity
     from p2ptrain.checkpoint import StateTransferError
     from p2ptrain.optim.progress import PeerReport, SwarmView
-    from p2ptrain.optim.state_sync import StateSync
 
     me, client, old, level = (Identity().peer_id for _ in range(4))
 
@@ -593,12 +597,7 @@ def test_state_is_never_loaded_from_peers_behind_us():
         asked.append([p.peer for p in providers])
         return "state"
 
-    fake = types.SimpleNamespace(
-        _applied=5, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, _newest=None,
-        state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
-        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me)),
-        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
-    )
+    fake = _fetching_optimizer(fetch, me, applied=5)
     view = SwarmView(epoch=7, samples=0, target=64, peers=[report(client, 7, None)],
                      behind=[report(old, 3), report(me, 5)])
     with pytest.raises(StateTransferError, match="no peer at or past our epoch 5"):
@@ -614,13 +613,11 @@ def test_a_holder_that_fails_us_is_not_taken_for_nobody_holding_the_update():
     the one peer that holds it fails to serve it (slow under load) and is left out, the next try
     finds nobody: that must not read as "nobody holds it", or we skip an update the swarm applied
     and stay a step apart for good (the same epoch number on another state)."""
-    import asyncio
-    import types
 
     from p2ptrain.checkpoint import StateTransferError
     from p2ptrain.optim.progress import PeerReport, SwarmView
     from dht import Identity
-    from p2ptrain.optim.state_sync import NoProviders, StateSync
+    from p2ptrain.optim.state_sync import NoProviders
 
     me, holder = (Identity().peer_id for _ in range(2))
     first = SwarmView(epoch=2, samples=0, target=64,
@@ -633,13 +630,7 @@ def test_a_holder_that_fails_us_is_not_taken_for_nobody_holding_the_update():
     async def refresh_now():
         return SwarmView(epoch=1, samples=0, target=64)  # the holder is left out now
 
-    fake = types.SimpleNamespace(
-        _applied=1, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, _newest=None,
-        state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
-        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend,
-                                      refresh_now=refresh_now),
-        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
-    )
+    fake = _fetching_optimizer(fetch, me, applied=1, ignore=ignored.extend, refresh_now=refresh_now)
     with pytest.raises(StateTransferError, match="timed out") as caught:
         DecentralizedOptimizer._fetch_state(fake, first, at_least=2)  # type: ignore[arg-type]
     assert not isinstance(caught.value, NoProviders) and ignored == [holder]
@@ -650,12 +641,10 @@ def test_a_peer_that_skipped_the_update_is_no_provider_of_it():
     one update fewer in its state (``held``). A peer that missed the same round must read that
     as "nobody holds it" and skip it too, without downloading a state that cannot do (and
     leaving that peer out of its view: it would then train alone, a state apart)."""
-    import asyncio
-    import types
 
     from dht import Identity
     from p2ptrain.optim.progress import PeerReport, SwarmView, parse_report
-    from p2ptrain.optim.state_sync import NoProviders, StateSync
+    from p2ptrain.optim.state_sync import NoProviders
 
     me, skipped = (Identity().peer_id for _ in range(2))
     report = PeerReport(skipped, 2, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1), held=1)
@@ -667,12 +656,7 @@ def test_a_peer_that_skipped_the_update_is_no_provider_of_it():
         asked.append(providers)
         return "its state"
 
-    fake = types.SimpleNamespace(
-        _applied=1, load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, _newest=None,
-        state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
-        tracker=types.SimpleNamespace(me=types.SimpleNamespace(peer=me), ignore=ignored.extend),
-        _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
-    )
+    fake = _fetching_optimizer(fetch, me, applied=1, ignore=ignored.extend)
     with pytest.raises(NoProviders):
         DecentralizedOptimizer._fetch_state(fake, SwarmView(epoch=2, samples=0, target=64, peers=[report]),
                                             at_least=2)  # type: ignore[arg-type]
