@@ -133,3 +133,45 @@ def test_refresh_now_is_bounded_when_the_dht_does_not_answer():
 
     view, before, took = asyncio.run(main())
     assert view is before and took < 2.0
+
+
+def test_a_peer_blocked_in_a_round_or_a_load_keeps_its_report_alive(monkeypatch):
+    """The training thread reports nothing while it waits for a round or downloads the state (up
+    to two matchmaking timeouts back to back). The tracker republishes the same report as of now
+    before others take it for a dead peer's (older than ``ttl``): two peers blocked together once
+    left each other out of their views and trained on alone, a state apart."""
+    import asyncio
+    import time as clock
+    import types
+
+    from dht import OwnedRead
+    from p2ptrain.optim import progress
+
+    stored: list[dict] = []
+
+    async def store_owned(key, name, value, expiration, closest=None):
+        stored.append(value)
+
+    async def get_owned(key, name, **kw):
+        return OwnedRead({}, [])
+
+    node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
+                                 store_owned=store_owned, get_owned=get_owned)
+    now = [clock.time()]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+
+    async def main():
+        tracker = progress.ProgressTracker(node, "run", "schema", target=64, ttl=10.0)
+        tracker.report(3, 32, 100.0, ready=True)
+        await tracker.refresh_now()
+        await tracker.refresh_now()  # nothing changed, nothing is due: no store
+        assert len(stored) == 1
+        now[0] += 1.0
+        await tracker.refresh_now()
+        assert len(stored) == 1
+        now[0] += 2.0  # 3 s without a report: republished, same report, fresh time
+        await tracker.refresh_now()
+        assert len(stored) == 2 and stored[1]["t"] == now[0] and stored[1]["e"] == 3 and stored[1]["r"] is True
+        assert {k: v for k, v in stored[1].items() if k != "t"} == {k: v for k, v in stored[0].items() if k != "t"}
+
+    asyncio.run(main())

@@ -210,6 +210,7 @@ class ProgressTracker:
         addr = None if node.client_mode else (node.multiaddrs[0].host, node.multiaddrs[0].port)
         self._me = PeerReport(node.peer_id, 0, 0, 0.0, time.time(), schema, addr, False, node.client_mode)
         self._published: PeerReport | None = None
+        self._published_at = 0.0  # the time in the report we last published
         self._hidden = False  # reading only (see start)
         self._reports: list[PeerReport] = []
         self.view = summarize([], self._me, time.time(), target, self.ttl)
@@ -341,19 +342,23 @@ class ProgressTracker:
             await self._refresh()
 
     async def _refresh(self) -> None:
-        me = self._me
+        me, now = self._me, time.time()
+        # A training thread blocked in a round or a state load reports nothing: republish what we
+        # published, as of now, before others take a report older than ``ttl`` for a dead peer's.
+        beat = me == self._published and now - self._published_at > self.ttl / 5
         try:
             read = read_reports(self.node, self.key)
-            if me != self._published and not self._hidden:
+            if (me != self._published or beat) and not self._hidden:
                 # publish while reading, straight to the peers the last read found closest to the
                 # key (no lookup of its own): a refresh takes one lookup, not three
-                store = self.node.store_owned(self.key, _SUBKEY, me.to_wire(), time.time() + self.ttl,
+                wire = replace(me, time=now) if beat else me
+                store = self.node.store_owned(self.key, _SUBKEY, wire.to_wire(), now + self.ttl,
                                               closest=self._closest or None)
                 stored, result = await asyncio.gather(store, read, return_exceptions=True)
                 for outcome in (stored, result):
                     if isinstance(outcome, BaseException):
                         raise outcome
-                self._published = me
+                self._published, self._published_at = me, wire.time
             else:
                 result = await read
         except (DHTError, InvalidRecord, OSError) as e:
