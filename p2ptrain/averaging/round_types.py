@@ -125,33 +125,21 @@ class PartialResult(CompressionError):
         self.done = done
 
 
-async def _no_wait(owner: int, index: int) -> None:
-    pass
-
-
-def _same_views(owner: int, index: int, views: list[memoryview]) -> list[memoryview]:
-    return views
-
-
-def _same(index: int, data: Any) -> Any:
-    return data
-
-
 @dataclass
 class RoundResources:
     """What the service lends each of its rounds: built once by the service, handed to every round.
     ``before_chunk``, ``outgoing`` and ``reply`` call the service's extension points (its
-    ``_before_chunk``, ``_outgoing``, ``_reply``); the defaults do nothing."""
+    ``_before_chunk``, ``_outgoing``, ``_reply``), which do nothing unless replaced."""
 
     host: Host
     accept_wait: float  # how long a stream may wait for its round to start here
     cpus: int  # usable CPUs: codec work is offloaded to ``executor`` only with enough of them
     take_wire: Callable[[int], torch.Tensor]  # a uint8 buffer of at least n bytes, kept between rounds
     take_scratch: Callable[[int], torch.Tensor]  # a float32 buffer of exactly n values, kept the same way
-    executor: concurrent.futures.ThreadPoolExecutor | None = None  # ONE worker thread (FIFO: ordered work)
     #: awaited before each chunk a sender writes (owner rank, chunk index)
-    before_chunk: Callable[[int, int], Awaitable[None]] = _no_wait
+    before_chunk: Callable[[int, int], Awaitable[None]]
     #: the wire bytes of each chunk a sender writes (owner rank, chunk index, views) -> views
-    outgoing: Callable[[int, int, list[memoryview]], list[memoryview]] = _same_views
+    outgoing: Callable[[int, int, list[memoryview]], list[memoryview]]
     #: the reply bytes of each chunk of our shard an owner writes (chunk index, data) -> data
-    reply: Callable[[int, Any], Any] = _same
+    reply: Callable[[int, Any], Any]
+    executor: concurrent.futures.ThreadPoolExecutor | None = None  # ONE worker thread (FIFO: ordered work)
