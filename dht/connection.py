@@ -3,7 +3,8 @@
 An asyncio ``BufferedProtocol`` around the sans-IO ``mux.Mux``: bytes land in the mux's buffers (a
 big frame straight into a buffer of the host's ``BufferPool``), the mux checks and decrypts each
 frame once (big stream frames in place, in that buffer; others into fresh bytes) and the connection
-dispatches the events it yields. RPC requests run as tasks owned by the connection (see
+dispatches the events it yields (where the host has a crypto pool, big stream frames are decrypted
+there and dispatched in arrival order: ``dht.sealer``). RPC requests run as tasks owned by the connection (see
 ``rpc.RPCEndpoint``); bulk streams are ``stream.Stream`` objects. ``transport.Host`` creates
 connections and owns what they share (the limits, the buffer pool, the handlers); see its module
 for the rules on untrusted input.
@@ -20,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 from .aio import wait_event
 from .errors import HandshakeError, PeerUnreachable, ProtocolError, RPCTimeout
 from .identity import PeerID
-from .mux import _HS_LEN, Frame, HandshakeMessage, Mux
+from .mux import _HS_LEN, Frame, HandshakeMessage, Mux, Opening
 from .noise import SwarmKeyMismatch, XXHandshake
 from .pacing import SMALL_FRAME_COST, RequestPacer
 from .rpc import RPCEndpoint
-from .sealer import OrderedSender
+from .sealer import OrderedReceiver, OrderedSender
 from .stream import COALESCE_BELOW, Stream
 from .streamtable import StreamTable
 from .tasks import TaskGroup
@@ -77,6 +78,10 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         self._write_ok.set()
         # frames waiting for an earlier frame's encryption on the host's sealing pool (dht.sealer)
         self._outq = OrderedSender(host.loop, self._write_frame, self._seal_failed)
+        # received frames waiting for an earlier big frame's decryption on that pool (dht.sealer)
+        self._inq = OrderedReceiver(host.loop, self._deliver, self._input_failed, self._pause_for_pool)
+        self._mux.defer_open = host.sealer is not None and host.limits.decrypt_on_pool
+        self._pool_paused = False  # reading stopped: too many frames wait for their decryption
         self._closed = False
         self.close_reason: str | None = None
         now = time.monotonic()
@@ -127,8 +132,8 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
             for event in self._mux.receive(nbytes):
                 if self._closed:
                     return
-                if type(event) is Frame:
-                    self._on_frame(event)
+                if type(event) is Frame or type(event) is Opening:
+                    self._on_event(event)
                 elif type(event) is HandshakeMessage:
                     self._hs_inbox.put_nowait(event.data)
                 else:  # Refused: handled here, not by the handshake task: the listener closes right
@@ -136,11 +141,16 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
                     self._refuse(SwarmKeyMismatch(event.code, refused_by_peer=True,
                                                   have_key=self.host.swarm_key is not None))
             self.partial_since = (self.partial_since or now) if self._mux.partial else None
-        except ProtocolError as e:
-            self.close(str(e), abort=True)
-        except Exception as e:  # a bug must not take the event loop down with it
-            log.exception("internal error on connection to %s", self.remote_peer)
-            self.close(f"internal error: {e!r}", abort=True)
+        except Exception as e:
+            self._input_failed(e)
+
+    def _input_failed(self, error: Exception) -> None:
+        """What the peer sent broke the protocol (or a bug handling it did): only this connection ends."""
+        if isinstance(error, ProtocolError):
+            self.close(str(error), abort=True)
+        else:  # a bug must not take the event loop down with it
+            log.error("internal error on connection to %s", self.remote_peer, exc_info=error)
+            self.close(f"internal error: {error!r}", abort=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._teardown(self.close_reason or (f"connection lost: {exc}" if exc else "connection closed by peer"))
@@ -191,7 +201,7 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         self._hs = None  # type: ignore[assignment]  # drop ephemeral keys
         try:
             for event in early:
-                self._on_frame(event)
+                self._on_event(event)
         except ProtocolError as e:
             self.close(str(e), abort=True)
             return
@@ -230,6 +240,38 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
                 self.close("connection lost during the handshake", abort=True)
 
     # ------------------------------------------------------------------ frames in
+
+    def _on_event(self, event: Frame | Opening) -> None:
+        """A frame, opened or to be opened on the host's pool: acted on in arrival order."""
+        if type(event) is Opening:
+            pool = self.host.sealer
+            if pool is not None:
+                self._inq.open(pool, event.frame, event.job)
+                return
+            event.job()  # (the host is closing: its pool is gone)
+            event = event.frame
+        if self._inq:
+            self._inq.push(event)
+        else:
+            self._on_frame(event)  # type: ignore[arg-type]
+
+    def _deliver(self, frame: Frame) -> None:
+        """A frame whose turn came after a decryption on the pool (``OrderedReceiver``)."""
+        if self._closed:
+            return
+        try:
+            self._on_frame(frame)
+        except Exception as e:
+            self._input_failed(e)
+
+    def _pause_for_pool(self, paused: bool) -> None:
+        self._pool_paused = paused
+        if self._closed or self._transport is None or self._transport.is_closing():
+            return
+        if paused:
+            self._transport.pause_reading()
+        elif self._throttled is None:  # (else _unthrottle resumes)
+            self._transport.resume_reading()
 
     def _on_frame(self, frame: Frame) -> None:
         kind, ident, view, size = frame
@@ -281,7 +323,7 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         if wait:  # the rest of the read that paused us went into debt: wait that out too
             self.throttled_s += wait
             self._throttled = self.host.loop.call_later(wait, self._unthrottle)
-        else:
+        elif not self._pool_paused:  # (else the queue of frames being opened resumes it)
             self._transport.resume_reading()
 
     # ------------------------------------------------------------------ frames out
@@ -408,6 +450,7 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         # sitting out its whole timeout (the survivors of a crash mid-round waited 35 s on this).
         self._write_ok.set()
         self._outq.clear()
+        self._inq.clear()
         err = PeerUnreachable(f"connection to {self.remote_peer or self.remote_host} closed: {self.close_reason}")
         if not self.ready.done():
             self.ready.set_exception(HandshakeError(self.close_reason) if self.remote_peer is None else err)

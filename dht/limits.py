@@ -86,6 +86,11 @@ class Limits:
     #: the loop). ``benchmarks/allreduce_bench.py
     #: --seal-threads T --stream-window B`` measures both knobs (see ``stream_window``).
     seal_threads: int | None = None
+    #: where there are such threads, big incoming stream frames are decrypted on them too, handed
+    #: on in arrival order; a connection then holds at most ``dht.sealer.MAX_OPENING`` received
+    #: frames beyond its streams' windows before it stops reading its socket (False: decrypted on
+    #: the loop, to compare: ``allreduce_bench.py --decrypt-on-pool off``)
+    decrypt_on_pool: bool = True
 
     def peer_stream_memory(self, window: int) -> int:
         """The most one peer's streams can make us hold (see ``max_inbound_streams``), with

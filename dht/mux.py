@@ -2,7 +2,8 @@
 
 ``Mux`` turns what the socket delivered into events: the peer's handshake messages (or its
 refusal), then authenticated, decrypted frames. It checks each frame against the wire limits and
-decrypts big stream frames in place (pooled buffers, ``dht.bufpool``). On the way out it seals
+decrypts big stream frames in place (pooled buffers, ``dht.bufpool``), or leaves that to the caller
+(``defer_open``: an ``Opening`` event, decrypted on a thread pool by ``connection``). On the way out it seals
 frames (header, encryption, length prefix) for the caller to write. It owns no socket, task or
 timer: ``connection.Connection`` is the asyncio shell that feeds it and acts on its events.
 """
@@ -57,7 +58,16 @@ class Frame(NamedTuple):
     size: int
 
 
-Event = HandshakeMessage | Refused | Frame
+class Opening(NamedTuple):
+    """A big stream frame whose decryption is left to the caller: ``job()`` (any thread) decrypts
+    it into ``frame.body``, or raises ProtocolError on a bad tag. Its nonce is already taken: the
+    frames after it must reach the connection's protocol only after it (``dht.sealer``)."""
+
+    frame: Frame
+    job: Callable[[], None]
+
+
+Event = HandshakeMessage | Refused | Frame | Opening
 
 
 class Mux:
@@ -67,6 +77,8 @@ class Mux:
                  has_stream: Callable[[int], bool], max_body: int = MAX_FRAME_BODY):
         self.initiator = initiator
         self.max_body = max_body  # largest stream data body we seal in a pooled buffer or accept to drop
+        #: big stream frames come out as ``Opening`` (decrypted by the caller, e.g. on a pool), not ``Frame``
+        self.defer_open = False
         self._pool = pool
         self._scratch = scratch  # where dropped frames are decrypted (one buffer, reused)
         self._has_stream = has_stream
@@ -108,13 +120,13 @@ class Mux:
         frames = self._reader.buffer_updated(nbytes)
         return self._opened(frames) if frames else ()  # (most reads only fill part of a big frame)
 
-    def _opened(self, frames: Iterable[memoryview]) -> Iterator[Frame]:
+    def _opened(self, frames: Iterable[memoryview]) -> Iterator[Frame | Opening]:
         for frame in frames:
             event = self._open(frame)
             if event is not None:
                 yield event
 
-    def start(self, send: CipherState, recv: CipherState) -> Iterator[Frame]:
+    def start(self, send: CipherState, recv: CipherState) -> Iterator[Frame | Opening]:
         """The handshake is done: use these ciphers; the frames that arrived before it follow."""
         self._send, self._recv = send, recv
         early, self._early_frames = self._early_frames, []
@@ -141,9 +153,10 @@ class Mux:
             rest, self._hs_buf = bytes(self._hs_buf), bytearray()
             self._early_frames.extend(self._reader.feed(rest))
 
-    def _open(self, frame: memoryview) -> Frame | None:
+    def _open(self, frame: memoryview) -> Frame | Opening | None:
         """Check and decrypt one frame (header + ciphertext); None while the handshake is running
-        (the frame waits for ``start``)."""
+        (the frame waits for ``start``). With ``defer_open``, a big frame of an open stream comes
+        back undecrypted, as an ``Opening``."""
         recv = self._recv
         if recv is None:
             if len(self._early_frames) >= _MAX_EARLY_FRAMES:
@@ -179,6 +192,9 @@ class Mux:
                 # ciphertext was just read (still cached), not into another, cold buffer.
                 n = size - HEADER_SIZE - TAG_SIZE
                 view = frame[HEADER_SIZE : HEADER_SIZE + n] if not frame.readonly else memoryview(self._pool.get(n))[:n]
+                if self.defer_open and len(view.obj) <= 2 * size:  # type: ignore[arg-type]
+                    return Opening(Frame(kind, ident, view.toreadonly(), size),
+                                   recv.decrypt_job(header, frame[HEADER_SIZE:], view))
                 recv.decrypt_into(header, frame[HEADER_SIZE:], view)
                 view = view.toreadonly()
                 if len(view.obj) > 2 * size:  # a queued frame holds at most twice its frame (Limits):

@@ -48,6 +48,8 @@ TAGLEN = 16
 MAX_HANDSHAKE_MESSAGE = 4096
 _NONCE = struct.Struct(">4xQ")  # AESGCM nonce in Noise: 32 zero bits, then the counter big-endian
 _NONCE_LIMIT = 2**64 - 1
+#: why a frame that fails its tag closes the connection (inline or on the pool: the same words)
+AUTH_FAILED = "frame failed authentication (corrupted or forged)"
 
 
 def _hkdf2(chaining_key: bytes, ikm: bytes) -> tuple[bytes, bytes]:
@@ -180,7 +182,7 @@ class CipherState:
         try:
             return self._aead.decrypt(self._next_nonce(), ciphertext, ad)
         except InvalidTag:
-            raise ProtocolError("frame failed authentication (corrupted or forged)") from None
+            raise ProtocolError(AUTH_FAILED) from None
 
     def encrypt_into(self, ad: bytes, plaintext, out) -> None:
         """Encrypt ``plaintext`` into ``out`` (len(plaintext) + 16 bytes) without a temporary copy."""
@@ -198,7 +200,20 @@ class CipherState:
         try:
             self._aead.decrypt_into(self._next_nonce(), ciphertext, ad, out)
         except InvalidTag:
-            raise ProtocolError("frame failed authentication (corrupted or forged)") from None
+            raise ProtocolError(AUTH_FAILED) from None
+
+    def decrypt_job(self, ad: bytes, ciphertext, out) -> Callable[[], None]:
+        """Reserve the next nonce now (frames arrive in nonce order) and return the decryption into
+        ``out`` as a call for another thread; it raises ProtocolError(AUTH_FAILED) on a bad tag."""
+        assert self._key is not None
+        key, nonce = self._key, self._next_nonce()
+
+        def job() -> None:  # (its own AESGCM, as ``seal_job``'s)
+            try:
+                AESGCM(key).decrypt_into(nonce, ciphertext, ad, out)
+            except InvalidTag:
+                raise ProtocolError(AUTH_FAILED) from None
+        return job
 
 
 class _SymmetricState:

@@ -1,14 +1,15 @@
-"""AES-GCM for big outgoing frames on a small thread pool, frames still leaving in nonce order.
+"""AES-GCM for big frames on a small thread pool, both ways, frames still in nonce order.
 
-Why: the event loop's one thread does every frame's work: socket copies, decryption and, inline,
-encryption. ``cryptography`` 50 and later release the GIL while AES-GCM runs, so another thread can
-seal frame k while the loop sends frame k - 1, receives and decrypts the peer's frames, and runs
+Why: the event loop's one thread does every frame's work: socket copies and, inline, encryption
+and decryption. ``cryptography`` 50 and later release the GIL while AES-GCM runs, so other threads
+can seal frame k and open (decrypt) a received frame while the loop moves other frames and runs
 the round's Python (figures: benchmarks/README.md, "Averaging").
 
-The wire does not change. A frame's nonce is its position in the connection's send order, so
-``OrderedSender`` reserves the nonce on the loop when the frame is queued and writes frames only
-in that order: a small control frame posted while a big one is being sealed queues behind it.
-Each job builds its own ``AESGCM`` for the key (see ``seal_job``).
+The wire does not change. A frame's nonce is its position in the connection's order, so the nonce
+is reserved on the loop when a frame is queued (sent or received), and frames move on only in
+that order: ``OrderedSender`` writes a small control frame posted while a big one is being sealed
+behind it, and ``OrderedReceiver`` hands a frame received after a big one still being opened to
+the connection after it. Each job builds its own ``AESGCM`` for the key (see ``seal_job``).
 
 Off below ``MIN_CPUS`` usable CPUs: with two cores the sealing thread only competes with the
 loop and the other processes of a local swarm, and each hand-off costs more than it overlaps.
@@ -24,10 +25,14 @@ from typing import Callable
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-__all__ = ["MIN_CPUS", "OrderedSender", "Sealed", "default_threads", "make_pool", "seal_job", "usable_cpus"]
+__all__ = ["MAX_OPENING", "MIN_CPUS", "OrderedReceiver", "OrderedSender", "Sealed", "default_threads", "make_pool",
+           "seal_job", "usable_cpus"]
 
 #: below this many usable CPUs the pool is off by default (see the module docstring)
 MIN_CPUS = 4
+#: received frames a connection queues behind a frame being opened on the pool before it stops
+#: reading its socket: what a peer can make us hold beyond its streams' windows (``Limits``)
+MAX_OPENING = 4
 
 
 def usable_cpus() -> int:
@@ -150,4 +155,85 @@ class OrderedSender:
         self._fail(reason)
 
     def clear(self) -> None:
+        self._q.clear()
+
+
+class OrderedReceiver:
+    """A connection's received frames waiting for their own or an earlier frame's decryption on the
+    pool (sans-IO about the socket): each goes to ``deliver`` in arrival (nonce) order once it and
+    every frame before it are open. A frame that fails (its job raised: a bad tag) goes to ``fail``
+    and nothing after it is delivered. Past ``MAX_OPENING`` queued frames ``pause(True)`` asks the
+    connection to stop reading its socket, ``pause(False)`` once there is room again."""
+
+    __slots__ = ("_q", "_deliver", "_fail", "_pause", "_loop", "_paused")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[object], None],
+                 fail: Callable[[Exception], None], pause: Callable[[bool], None]):
+        self._q: collections.deque[tuple[object, concurrent.futures.Future | None, Callable[[], None] | None]] = \
+            collections.deque()
+        self._deliver, self._fail, self._pause, self._loop = deliver, fail, pause, loop
+        self._paused = False
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def open(self, pool: concurrent.futures.Executor, frame: object, job: Callable[[], None]) -> None:
+        """Run ``job`` (the decryption of ``frame``, its nonce taken) on ``pool``; deliver in turn."""
+        fut = pool.submit(job)
+        self._q.append((frame, fut, job))
+        fut.add_done_callback(self._opened_elsewhere)
+        self._check_room()
+
+    def push(self, frame: object) -> None:
+        """A frame opened inline, received after frames still being opened: it waits for them."""
+        self._q.append((frame, None, None))
+        self._check_room()
+
+    def _check_room(self) -> None:
+        if not self._paused and len(self._q) >= MAX_OPENING:
+            self._paused = True
+            self._pause(True)
+
+    def _opened_elsewhere(self, _fut: concurrent.futures.Future) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.flush)
+        except RuntimeError:  # the loop is closed: nobody left to deliver to
+            pass
+
+    def flush(self) -> None:
+        """Deliver every frame at the head of the queue that is open."""
+        q = self._q
+        while q:
+            frame, fut, job = q[0]
+            if fut is not None:
+                if not fut.done():
+                    break
+                if fut.cancelled():  # the pool shut down under it (host closing): open it here
+                    fut = None
+                    try:
+                        job()  # type: ignore[misc]
+                    except Exception as e:
+                        self._failed(e)
+                        return
+                elif fut.exception() is not None:
+                    self._failed(fut.exception())  # type: ignore[arg-type]
+                    return
+            q.popleft()
+            self._deliver(frame)  # (may close the connection, which clears the queue)
+        if self._paused and len(q) < MAX_OPENING:
+            self._paused = False
+            self._pause(False)
+
+    def _failed(self, error: Exception) -> None:
+        self.clear()
+        self._fail(error)
+
+    def clear(self) -> None:
+        """Drop every queued frame; those whose decryption has not started never run."""
+        for _frame, fut, _job in self._q:
+            if fut is not None:
+                fut.cancel()
         self._q.clear()

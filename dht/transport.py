@@ -133,7 +133,8 @@ class Host:
         self.pool = BufferPool(MAX_FRAME, self.limits.buffer_pool, max_bytes=self.limits.buffer_pool_bytes)
         self._discard: memoryview | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
-        #: encrypts big outgoing frames off the loop on many-core machines (``dht.sealer``); None: inline
+        #: encrypts big outgoing frames (and decrypts big incoming ones, ``Limits.decrypt_on_pool``)
+        #: off the loop on many-core machines (``dht.sealer``); None: inline
         self.sealer: concurrent.futures.ThreadPoolExecutor | None = None
         seal = self.limits.seal_threads
         self._seal_threads = default_threads() if seal is None else max(0, seal)
