@@ -173,6 +173,8 @@ async def _worker_main(profile_path: str | None, listen_ip: str = "127.0.0.1") -
     lim = {}
     if os.environ.get("P2PT_BENCH_SEAL"):  # --seal-threads
         lim["seal_threads"] = int(os.environ["P2PT_BENCH_SEAL"])
+    if os.environ.get("P2PT_BENCH_DECRYPT"):  # --decrypt-on-pool
+        lim["decrypt_on_pool"] = os.environ["P2PT_BENCH_DECRYPT"] == "on"
     if os.environ.get("P2PT_BENCH_WINDOW"):  # --stream-window
         lim["stream_window"] = int(os.environ["P2PT_BENCH_WINDOW"])
     host = Host(Identity(), (listen_ip, 0), limits=Limits(**lim))
@@ -632,6 +634,12 @@ def main() -> None:
     ap.add_argument("--seal-threads", type=int, default=None, metavar="T",
                     help="threads that encrypt our big outgoing frames (Limits.seal_threads; default: the "
                          "library's, 2 from 4 usable CPUs up, else 0 = inline on the event loop)")
+    ap.add_argument("--decrypt-on-pool", choices=["on", "off"], default=None,
+                    help="where there are sealing threads, decrypt big incoming frames on them too "
+                         "(Limits.decrypt_on_pool; default on)")
+    ap.add_argument("--kernel-threads", type=int, default=None, metavar="K",
+                    help="split each big int8/copy kernel call over K threads (P2PT_KERNEL_THREADS; default: "
+                         "the library's, from 4 usable CPUs up; 1 = one thread)")
     ap.add_argument("--stream-window", type=int, default=None, metavar="BYTES",
                     help="experiment: each member's per-stream receive window (Limits.stream_window)")
     ap.add_argument("--beside-training", action="store_true",
@@ -665,6 +673,10 @@ def main() -> None:
         os.environ["P2PT_BENCH_WINDOW"] = str(args.stream_window)
     if args.seal_threads is not None:
         os.environ["P2PT_BENCH_SEAL"] = str(max(0, args.seal_threads))
+    if args.decrypt_on_pool is not None:
+        os.environ["P2PT_BENCH_DECRYPT"] = args.decrypt_on_pool
+    if args.kernel_threads is not None:
+        os.environ["P2PT_KERNEL_THREADS"] = str(max(1, args.kernel_threads))
     if args.worker:
         _loop_policy()
         asyncio.run(_worker_main(args.profile_out, args.listen_ip))
