@@ -188,3 +188,52 @@ class RoundLog:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+# name, type, help, Row attribute: the leaderboard's figures (p2ptrain.contrib.leaderboard.Row)
+_LEADERBOARD = [
+    ("p2ptrain_contribution_rounds", "counter", "Rounds a majority of the peer's group signed receipts for", "rounds"),
+    ("p2ptrain_contribution_samples", "counter", "Samples the peer's groups credited it with", "samples"),
+    ("p2ptrain_contribution_exclusions", "counter", "Of those rounds, those the peer was excluded from", "exclusions"),
+    ("p2ptrain_contribution_compute_seconds", "counter", "Compute time the peer claims for its rounds", "compute_s"),
+    ("p2ptrain_contribution_bytes_sent", "counter", "Bytes the peer claims it sent in its rounds", "bytes_sent"),
+    ("p2ptrain_contribution_first_seen", "gauge", "Unix time of the peer's first confirmed round", "first_seen"),
+    ("p2ptrain_contribution_last_seen", "gauge", "Unix time of the peer's last confirmed round", "last_seen"),
+]
+
+
+class LeaderboardCollector:
+    """A run's leaderboard (``p2ptrain status --leaderboard``) as Prometheus metrics, one series per
+    peer (labels ``run_id``, ``peer_id``, ``name``)."""
+
+    def __init__(self, run_id: str, rows: list[Any]):
+        self.run_id, self.rows = run_id, rows
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+        labels = ["run_id", "peer_id", "name"]
+        for name, kind, help_text, attr in _LEADERBOARD:
+            family = kinds[kind](name, help_text, labels=labels)
+            for row in self.rows:
+                value = getattr(row, attr)
+                if value is not None:
+                    family.add_metric([self.run_id, str(row.peer), row.name or ""], float(value))
+            yield family
+        why = CounterMetricFamily("p2ptrain_contribution_exclusion_reasons", "Exclusions of the peer by reason",
+                                  labels=[*labels, "reason"])
+        for row in self.rows:
+            for reason, count in sorted(row.reasons.items()):
+                why.add_metric([self.run_id, str(row.peer), row.name or "", reason], float(count))
+        yield why
+
+    def describe(self) -> Any:
+        return []
+
+    def render(self) -> bytes:
+        """The leaderboard in the Prometheus text format."""
+        prom = _need_prometheus()
+        registry = prom.CollectorRegistry(auto_describe=True)
+        registry.register(self)
+        return prom.generate_latest(registry)

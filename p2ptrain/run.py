@@ -27,6 +27,7 @@ import torch
 from dht import Multiaddr
 
 from .background import DHT
+from .contrib import ContributionBook
 from .optim import DecentralizedOptimizer
 
 log = logging.getLogger("p2ptrain.run")
@@ -72,6 +73,8 @@ class PeerConfig:
     announce_host: str | None = None
     key_file: str | None = None
     trusted_writers: Sequence[str] = ()  # PeerIDs whose one checkpoint record makes a run's latest
+    name: str | None = None  # announced beside our PeerID with our contribution receipts (p2ptrain.contrib)
+    receipts_file: str | None = None  # also append our signed receipts there
 
 
 def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None,
@@ -93,6 +96,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
     if dht is None:
         dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host)
     opt: DecentralizedOptimizer | None = None
+    book: ContributionBook | None = None
     try:
         model = task.make_model(seed=cfg.seed).to(device)  # the same init on every device: built on the host
         opt = DecentralizedOptimizer(
@@ -104,6 +108,9 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
             checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers,
         )
+        book = ContributionBook(dht.node, opt.run_id, name=cfg.name, path=cfg.receipts_file)
+        dht.run(book.start())
+        opt.stats.round_hooks.append(book.hook(opt))
         if stop.is_set():  # asked to stop while joining (e.g. Ctrl+C during the state download)
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
         on_event({"event": "started", "peer_id": str(dht.peer_id),
@@ -147,12 +154,17 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         metrics = task.evaluate(model)
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
                 "stopped": stop.is_set(), "epochs_trained": opt.epoch - start_epoch,
-                "params_digest": _digest(model)}
+                "params_digest": _digest(model), "receipts": book.signed, "receipt_samples": book.samples}
         if cfg.save:
             done["saved"] = save_model(model, cfg.save, {"run_id": opt.run_id, "epoch": str(opt.epoch)})
         on_event(done)
         return done
     finally:
+        if book is not None:
+            try:
+                dht.run(book.close(), timeout=5)  # publishes the receipts not yet in the DHT
+            except Exception as e:  # noqa: BLE001 - leaving must not fail on it
+                log.debug("closing the contribution book failed: %s", e)
         if opt is not None:
             opt.close()
         if own_dht:

@@ -135,3 +135,10 @@ def counted_weight(member: Member, weight: float, cap: float) -> float:
     """What a sender's header ``weight`` counts for at an owner: at most the weight ``member``
     declared in matchmaking (when it declared one) and at most ``cap`` (``weight_cap``)."""
     return min(weight, cap, weight if member.weight is None else member.weight)
+
+
+def declared_weights(group: Group, own: float) -> tuple[float, ...]:
+    """Each member's weight as the group counts it, from what it declared in matchmaking
+    (``counted_weight`` of its declared weight; 0.0 where it declared none): the same on every member."""
+    cap = weight_cap(group.members, own)
+    return tuple(0.0 if m.weight is None else counted_weight(m, m.weight, cap) for m in group.members)

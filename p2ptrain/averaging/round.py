@@ -38,7 +38,7 @@ from dht import PeerID, Stream
 
 from ..compression import Codec, CompressionError
 from .context import RoundContext
-from .group import Group
+from .group import Group, declared_weights
 from .owner import Owner
 from .round_types import AllReduceConfig, AllReduceResult, InputRefused, RoundResources, ShardResult
 from .sender import Sender
@@ -108,7 +108,7 @@ class Round:
             failed=dict(sorted(ctx.failed.items())), weight_total=min(ok) if ok else ctx.weight,
             bytes_sent=ctx.bytes_sent, bytes_received=ctx.bytes_received, time_total=total,
             time_reduce=min(ctx.t_reduce, total), time_gather=max(0.0, total - ctx.t_reduce),
-            buffer_bytes=ctx.buffer_bytes,
+            buffer_bytes=ctx.buffer_bytes, weights=declared_weights(ctx.group, ctx.weight), aggregation=ctx.agg,
         )
 
     def abort(self, reason: str) -> None:

@@ -77,6 +77,10 @@ class AllReduceResult:
     time_reduce: float = 0.0
     time_gather: float = 0.0
     buffer_bytes: int = 0  # bytes of the buffers this round allocated (accumulator + chunk buffers)
+    #: each member's weight as every member counts it, from the weights declared in matchmaking
+    #: (``group.counted_weight``; 0.0 where none was declared): what contribution receipts credit
+    weights: tuple[float, ...] = ()
+    aggregation: str = "mean"
 
     @property
     def ok(self) -> bool:

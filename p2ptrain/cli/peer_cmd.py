@@ -54,6 +54,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="address the metrics server binds (default: %(default)s; 0.0.0.0 lets a remote "
                    "Prometheus scrape it)")
     p.add_argument("--round-log", metavar="PATH", help="append one JSON line per averaging round to this file")
+    p.add_argument("--name", help="a name for this peer on the run's leaderboard (p2ptrain status --leaderboard); "
+                   "a claim shown beside its PeerID, at most 40 printable characters")
+    p.add_argument("--receipts-file", metavar="PATH",
+                   help="also append the signed receipt of each averaging round to this file (JSON lines)")
     p.add_argument("--script", metavar="PATH",
                    help="run your own training script as this peer instead of --example: it runs as "
                    "__main__ with the bootstrap peers in $P2PTRAIN_BOOTSTRAP, which p2ptrain.DHT() joins")
@@ -173,6 +177,12 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--bootstrap-timeout must be a positive number of seconds")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
+    from ..contrib.book import check_name
+
+    try:
+        check_name(args.name)
+    except ValueError as e:
+        raise ConfigError(f"--name: {e}") from None
     listen = None if args.client else parse_listen(args.listen)
     bootstrap = bootstrap_addrs(args.bootstrap, args.bootstrap_file)
     wait_peers, wait_timeout = args.wait_peers, 60.0
@@ -191,7 +201,7 @@ def _config(args: argparse.Namespace) -> Any:
         threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
-        trusted_writers=trusted,
+        trusted_writers=trusted, name=args.name, receipts_file=args.receipts_file,
     )
 
 

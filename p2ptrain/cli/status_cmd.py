@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 
 from dht import ConfigError, DHTConfig, DHTNode, Identity
 
+from .leaderboard import add_args as add_leaderboard_args
+from .leaderboard import check_args as check_leaderboard_args
+from .leaderboard import show_leaderboard
 from .common import (EXIT_FAILURE, EXIT_OK, add_swarm_key_arg, bootstrap_addrs, fail, joining, make_console, run,
                      swarm_key_of, until)
 
@@ -40,9 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--example", choices=["digits", "char_lm"],
                    help="derive the run id as 'p2ptrain peer --example ...' does with default options "
                    "(default when no --run-id: digits)")
-    p.add_argument("--json", action="store_true", help="print the swarm as one JSON object")
+    p.add_argument("--json", action="store_true", help="print the swarm (or the leaderboard) as one JSON object")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds for joining and for reading (default: %(default)s)")
+    add_leaderboard_args(p)
     add_swarm_key_arg(p)
     p.set_defaults(func=main)
 
@@ -59,6 +63,8 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("give --run-id or --example, not both (--example only derives the run id)")
     if args.timeout <= 0:
         raise ConfigError("--timeout must be positive")
+    if (why := check_leaderboard_args(args)) is not None:
+        raise ConfigError(why)
     swarm_key = swarm_key_of(args)
     boot = bootstrap_addrs(args.bootstrap, args.bootstrap_file)
     if not boot:
@@ -75,6 +81,14 @@ def main(args: argparse.Namespace) -> int:
         try:
             with joining(boot, args.timeout):
                 await node.start(boot)
+            if args.leaderboard:
+                try:
+                    async with asyncio.timeout(args.timeout):
+                        code = await until(stop, show_leaderboard(args, node, run_id))
+                except TimeoutError:
+                    return fail(f"reading the receipts of run {run_id!r} timed out after {args.timeout:g} s; try a "
+                                "larger --timeout")
+                return EXIT_FAILURE if code is None else code
             try:
                 async with asyncio.timeout(args.timeout):
                     result = await until(stop, read_reports(node, key))  # the peers' own validation

@@ -4,6 +4,7 @@ it; CycleRate: this peer's samples/s."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..averaging import StepResult
@@ -40,6 +41,9 @@ class OptimizerStats:
     #: peers dropped from our rounds (NaN/inf or wrong-sized parts, other codec or aggregation,
     #: died, stalled): peer id -> why, the latest reason per peer (at most 64 peers kept)
     excluded: dict[str, str] = field(default_factory=dict)
+    #: called with each gradient round's result as ``record`` accounts for it (e.g. a contribution
+    #: book's, :mod:`p2ptrain.contrib`), in the thread that steps
+    round_hooks: list[Callable[[StepResult], None]] = field(default_factory=list, repr=False, compare=False)
 
     def exclude(self, peer: str, why: str) -> bool:
         """Record why ``peer`` was left out in ``excluded`` (at most 64 peers kept); whether it
@@ -75,6 +79,8 @@ class OptimizerStats:
             peer = str(result.members[rank]) if rank < len(result.members) else f"rank {rank}"
             self.exclude(peer, why)
             log.warning("epoch %d: peer %s excluded from the round: %s", epoch, peer, why)
+        for hook in self.round_hooks:
+            hook(result)
         log.debug("epoch %d: averaged with %d peers in %.3f s (matchmaking %.3f s, %d peers seen)", epoch,
                   result.group_size, result.total_s, result.matchmaking_s, self.peers)
 
