@@ -112,3 +112,43 @@ async def test_robust_rule_refuses_pairs_unless_the_swarm_is_two(nodes):
             assert [float(t[0]) for t in tensors] == [0.5, 0.5]
     finally:
         await asyncio.gather(*(a.close() for a in avgs))
+
+
+async def test_views_of_one_buffer_are_averaged_in_it_and_others_a_slice_at_a_time(nodes):
+    """A round runs one all-reduce per slice of ``slice_numel`` values. Tensors back to back in
+    one fp32 CPU buffer are averaged in place (no copy of them is made); others go through a
+    staging buffer of a slice, each slice written back under the given lock with ``on_write``
+    called; the two kinds of peer average together."""
+    import threading
+
+    from p2ptrain.averaging.averager import shared_flat
+
+    peers = await nodes(2)
+    gen = torch.Generator().manual_seed(1)
+    flat = torch.randn(700, generator=gen)
+    views = [flat[:600].view(20, 30), flat[600:]]
+    assert shared_flat(views).data_ptr() == flat.data_ptr() and shared_flat(views[::-1]) is None
+    assert shared_flat([flat[:10], flat[11:20]]) is None  # a gap between them
+    spread = [torch.randn(30, 20, generator=gen).t(), torch.randn(100, generator=gen)]  # (one not contiguous)
+    expected = [(a + b) / 2 for a, b in zip(views, spread)]
+    lock, writes = threading.Lock(), []
+
+    def written() -> None:
+        assert lock.locked()
+        writes.append(1)
+
+    a0 = Averager(peers[0], "slices", views, codec="none", slice_numel=256)
+    a1 = Averager(peers[1], "slices", spread, codec="none", slice_numel=256)
+    assert a0._flat is not None and a1._flat is None
+    try:
+        async with asyncio.timeout(30):
+            r0, r1 = await asyncio.gather(a0.step(), a1.step(lock=lock, on_write=written))
+        assert r0.averaged and r1.averaged and len(writes) == 3  # 700 values in slices of 256
+        assert r1.bytes_sent > 0 and len(r0.allreduces) == len(r1.allreduces) == 3
+        for got, want in zip(views, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        for got, want in zip(spread, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert views[0].data_ptr() == flat.data_ptr()
+    finally:
+        await asyncio.gather(a0.close(), a1.close())

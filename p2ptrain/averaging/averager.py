@@ -8,8 +8,10 @@ tensors in place and says what happened. A peer that finds nobody keeps its tens
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -21,12 +23,16 @@ from ..background import parse_multiaddrs
 from ..compression import get_codec
 from ..loop import LoopThread
 from .allreduce import AllReduceService
+from .group import Group
 from .matchmaking import Matchmaker
 from .robust import MIN_ROBUST_GROUP, check_aggregation, check_codec
 from .round_types import AllReduceConfig, AllReduceResult
 from .schema import Schema, tensor_schema
 
 log = logging.getLogger("p2ptrain.averager")
+
+#: values per all-reduce of a round (64 MiB of fp32): the most a peer stages on the host at once
+SLICE_NUMEL = 16 << 20
 
 TensorsLike = Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -46,7 +52,8 @@ class StepResult:
     weight_total: float = 0.0
     failed: dict[int, str] = field(default_factory=dict)
     not_averaged: list[int] = field(default_factory=list)  # ranks whose shard kept local values
-    allreduce: AllReduceResult | None = None
+    allreduce: AllReduceResult | None = None  # the first slice's (see ``allreduces``)
+    allreduces: list[AllReduceResult] = field(default_factory=list)  # one per slice of the round
 
     @property
     def averaged(self) -> bool:
@@ -56,8 +63,12 @@ class StepResult:
 class Averager:
     """Averages ``tensors`` in place with peers of the same ``prefix`` (e.g. the run id).
 
-    Tensors may live on any device and have any float dtype: they are gathered into one fp32 CPU
-    buffer (the one copy the wire needs) and written back after the round.
+    A round averages the tensors, read as one flat vector, a slice of ``slice_numel`` values at
+    a time (one all-reduce per slice within the group matchmaking formed). Tensors that are
+    consecutive views of one contiguous fp32 CPU buffer (see :func:`shared_flat`) are averaged in
+    that buffer, with no copy. Others may live on any device and have any float dtype: each slice
+    is copied into a host fp32 staging buffer and written back, so the host holds one slice, never
+    a copy of everything. Peers meet only with the same ``slice_numel`` (it shapes the rounds).
     """
 
     def __init__(
@@ -74,6 +85,7 @@ class Averager:
         matchmaking_timeout: float = 5.0,
         allreduce_config: AllReduceConfig | None = None,
         service: AllReduceService | None = None,
+        slice_numel: int = SLICE_NUMEL,
     ):
         if isinstance(tensors, Mapping):
             named = list(tensors.items())
@@ -94,7 +106,8 @@ class Averager:
         check_codec(self.aggregation, codec)
         # The aggregation rule joins the codec in the schema (hence the matchmaking key): peers that
         # combine differently never meet, and a mismatch message names it with the codec.
-        self.schema: Schema = tensor_schema(named, codec if aggregation == "mean" else f"{codec}+{aggregation}")
+        rule = codec if aggregation == "mean" else f"{codec}+{aggregation}"
+        self.schema: Schema = tensor_schema(named, rule if slice_numel == SLICE_NUMEL else f"{rule}/{slice_numel}")
         self.matchmaking_timeout = matchmaking_timeout
         self.matchmaker = Matchmaker(dht, prefix, self.schema, target_group_size=target_group_size,
                                      min_group_size=min_group_size, bandwidth=bandwidth)
@@ -102,7 +115,10 @@ class Averager:
         # protocol); an averager given one shares it and leaves its lifetime to the owner.
         self._owns_service = service is None
         self.service = service if service is not None else AllReduceService(dht.host, allreduce_config)
-        self._flat = torch.empty(self.schema.numel, dtype=torch.float32)
+        if slice_numel < 1:
+            raise ValueError(f"slice_numel must be positive, got {slice_numel}")
+        self._flat = shared_flat(self.tensors)
+        self._slice_numel = slice_numel
         self._round = 0
         self._started = False
 
@@ -123,33 +139,20 @@ class Averager:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _gather(self) -> None:
-        offset = 0
-        for t in self.tensors:
-            n = t.numel()
-            self._flat[offset : offset + n].copy_(t.detach().reshape(-1))
-            offset += n
-
-    def scatter(self) -> None:
-        """Write the last round's result into the tensors (what ``step(scatter=False)`` skipped)."""
-        offset = 0
-        with torch.no_grad():
-            for t in self.tensors:
-                n = t.numel()
-                t.copy_(self._flat[offset : offset + n].view_as(t))
-                offset += n
-
     async def step(self, weight: float = 1.0, round_id: str | int | None = None,
-                   timeout: float | None = None, expected: int | None = None, scatter: bool = True,
-                   on_group: Callable[[], None] | None = None) -> StepResult:
+                   timeout: float | None = None, expected: int | None = None,
+                   on_group: Callable[[], None] | None = None, lock: AbstractContextManager | None = None,
+                   on_write: Callable[[], None] | None = None) -> StepResult:
         """Average once. Peers meet by ``round_id`` (default: this averager's step counter, so
         peers that step together meet); ``timeout`` bounds the matchmaking; ``expected`` (peers
         known to come, us included) lets matchmaking stop as soon as they are all there. Under a
         robust aggregation rule groups smaller than 3 are refused unless ``expected`` says the
         swarm has only 2 peers (see :mod:`.robust`): such a peer gets a group of itself.
-        ``scatter=False`` leaves the tensors as they were and the result in the averager until
-        :meth:`scatter`, so a caller can write it back under its own lock. ``on_group`` is called
-        (on the event loop) once a group of two or more formed, as its all-reduce starts."""
+        ``on_group`` is called (on the event loop) once a group of two or more formed, as its
+        all-reduce starts. ``lock``: the result is written into the tensors under it, a slice at
+        a time (the staged path, even for tensors that share a buffer), each write followed by
+        ``on_write()`` under the lock; a round that fails midway leaves every value either ours or
+        the group's average."""
         if not self._started:
             await self.start()
         if not (weight > 0 and weight < float("inf")):
@@ -171,19 +174,92 @@ class Averager:
             return StepResult(rid, 1, members, matchmaking_s=t1 - t0, total_s=t1 - t0, weight_total=weight)
         if on_group is not None:
             on_group()
-        self._gather()
-        result = await self.service.run(group, group.rank_of(self.dht.peer_id), self._flat, weight, self.codec_name,
-                                       aggregation=self.aggregation)
-        if scatter:
-            self.scatter()
+        results = await self._slices(group, group.rank_of(self.dht.peer_id), weight, lock, on_write)
         t2 = time.perf_counter()
+        first = results[0]
         return StepResult(
             rid, group.size, members,
-            bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+            bytes_sent=sum(r.bytes_sent for r in results), bytes_received=sum(r.bytes_received for r in results),
             matchmaking_s=t1 - t0, allreduce_s=t2 - t1, total_s=t2 - t0,
-            weight_total=result.weight_total, failed=dict(result.failed),
-            not_averaged=result.not_averaged, allreduce=result,
+            weight_total=min(r.weight_total for r in results),
+            failed={k: v for r in results for k, v in r.failed.items()},
+            not_averaged=sorted({o for r in results for o in r.not_averaged}), allreduce=first,
+            allreduces=results,
         )
+
+    async def _slices(self, group: Group, rank: int, weight: float, lock: AbstractContextManager | None,
+                      on_write: Callable[[], None] | None) -> list[AllReduceResult]:
+        """One all-reduce per slice of ``_slice_numel`` values, in place in our shared buffer when
+        there is one and no ``lock``, else through one host staging buffer; slice k runs as group
+        ``slice_group(group, k)`` (every member derives the same)."""
+        total, step = self.schema.numel, self._slice_numel
+        in_place = self._flat is not None and lock is None
+        staging = None if in_place else torch.empty(min(total, step), dtype=torch.float32)
+        results: list[AllReduceResult] = []
+        for k, start in enumerate(range(0, total, step)):
+            end = min(total, start + step)
+            if in_place:
+                assert self._flat is not None
+                results.append(await self.service.run(slice_group(group, k), rank, self._flat[start:end], weight,
+                                                      self.codec_name, aggregation=self.aggregation))
+                continue
+            assert staging is not None
+            buf = staging[: end - start]
+            copy_slice(self.tensors, start, end, buf, into_tensors=False)
+            results.append(await self.service.run(slice_group(group, k), rank, buf, weight, self.codec_name,
+                                                  aggregation=self.aggregation))
+            with lock if lock is not None else nullcontext():
+                copy_slice(self.tensors, start, end, buf, into_tensors=True)
+                if on_write is not None:
+                    on_write()
+        return results
+
+
+def shared_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one fp32 CPU buffer ``tensors`` are consecutive contiguous views of, from the first
+    tensor's start to the last one's end, as a 1-D tensor; None if they are laid out otherwise."""
+    first = tensors[0]
+    storage = first.untyped_storage()
+    ptr = first.data_ptr()
+    for t in tensors:
+        if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                and t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() == ptr):
+            return None
+        ptr += t.numel() * 4
+    numel = (ptr - first.data_ptr()) // 4
+    return torch.empty(0, dtype=torch.float32).set_(storage, first.storage_offset(), (numel,)).detach()
+
+
+def copy_slice(tensors: Sequence[torch.Tensor], start: int, end: int, buf: torch.Tensor, *,
+               into_tensors: bool) -> None:
+    """Copy values ``start:end`` of ``tensors`` (read as one flat vector) into ``buf``, or back."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            a, b = max(start, offset), min(end, offset + n)
+            if a < b:
+                src = t.detach()
+                whole = src.view(-1) if src.is_contiguous() else src.reshape(-1)  # (else a copy)
+                part = whole[a - offset : b - offset]
+                if not into_tensors:
+                    buf[a - start : b - start].copy_(part)
+                elif whole.data_ptr() == src.data_ptr():
+                    part.copy_(buf[a - start : b - start])
+                else:  # a non-contiguous tensor: written back whole
+                    part.copy_(buf[a - start : b - start])
+                    src.copy_(whole.view(src.shape))
+            offset += n
+            if offset >= end:
+                break
+
+
+def slice_group(group: Group, k: int) -> Group:
+    """Group ``group`` running the all-reduce of slice ``k`` of a staged round (a fresh id each)."""
+    if k == 0:
+        return group
+    gid = hashlib.blake2b(group.group_id + b"/slice/" + str(k).encode(), digest_size=32).digest()
+    return Group(gid, group.members)
 
 
 class BlockingAverager:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 
 from .catch_up import fall_behind
+from .outer_swap import swap_back, swap_out
 from .progress import SwarmView
 from .rounds import round_result, state_round_due
 from .shared_state import maybe_checkpoint
@@ -50,8 +50,9 @@ def outer_step(opt: DecentralizedOptimizer, view: SwarmView) -> None:
     """The pseudo-gradient into the buffers, then the round and the outer step."""
     assert opt.outer_optimizer is not None
     samples = opt.local_samples
-    for buf, outer, p in zip(opt._buffers, opt._outer, opt.params):
-        torch.sub(outer, p.detach().to("cpu", torch.float32), out=buf)
+    with opt._state_lock:
+        swap_out(opt)
+        opt._version += 1
     epoch = opt.epoch
     try:
         _outer_round(opt, epoch, samples, view)
@@ -64,15 +65,32 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
     opt.tracker.report(epoch, samples, opt._sps, ready=True)
     result = round_result(opt, opt._average(epoch, samples, view))
     with opt._state_lock:
-        for outer, buf in zip(opt._outer, opt._buffers):
-            outer.grad = buf
-        opt.outer_optimizer.step()
-        for p, outer in zip(opt.params, opt._outer):
-            p.copy_(outer)
-        if opt.scheduler is not None:
-            opt.scheduler.step()
-        opt._applied = epoch + 1
+        deltas = swap_back(opt)
         opt._version += 1
+        if result is None and opt._last_expected > 1:
+            # The round failed midway: the buffer may hold part sums. Our update is lost; take
+            # the swarm's state with it rather than step alone (see catch_up.load_state_from_peers).
+            for p, outer in zip(opt.params, opt._outer):
+                p.copy_(outer)
+            failed = True
+        else:
+            failed = False
+            for outer, delta in zip(opt._outer, deltas):
+                outer.grad = delta
+            opt.outer_optimizer.step()
+            for outer in opt._outer:
+                outer.grad = None
+            for p, outer in zip(opt.params, opt._outer):
+                p.copy_(outer)
+            if opt.scheduler is not None:
+                opt.scheduler.step()
+            opt._applied = epoch + 1
+            opt._version += 1
+    if failed:  # as a sync peer that missed its round: the next epoch, if a peer holds its update
+        opt.epoch = epoch + 1
+        opt.stats.record(result, opt.epoch, opt.local_samples)
+        opt._load_state_from_peers(opt.tracker.estimate(), missed=True)
+        return
     if not state_round_due(opt.average_state_every, epoch, opt._last_expected):
         opt._settled.set()  # the update is in (else once the state round is: maybe_average_state)
     opt.state_sync.warm()

@@ -44,6 +44,7 @@ from .adopt import Schedule
 from .catch_up import catch_up_at_start, fall_behind, fetch_state, load_state_from_peers
 from .claims import EpochJudge
 from .diloco_step import diloco_step, outer_step
+from .memory import flat_views
 from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
 from .rounds import average, expected_peers, maybe_average_state
@@ -187,9 +188,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._owns_dht = dht is None
         self.dht = dht if dht is not None else DHT(initial_peers)
         self._loop = self.dht.loop
-        # What we average: gradients (sync) or pseudo-gradients (diloco), fp32 on the CPU where the
-        # wire needs them anyway. Names carry shapes into the schema, so other models never meet us.
-        self._buffers = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]  # written before each use
+        # What we average: gradients (sync) or pseudo-gradients (diloco), fp32, back to back in one
+        # buffer on the parameters' device, which the averager averages in place when it is on the
+        # CPU (else a slice at a time through host staging). Sync without delayed updates
+        # accumulates in it; diloco keeps the outer parameters in it between rounds. Names carry
+        # shapes into the schema, so other models never meet us.
+        self._buffers = flat_views(self.params)  # (untouched until first written: no memory yet)
         named = [(f"p{i}", b) for i, b in enumerate(self._buffers)]
         self.averager = Averager(
             self.dht.node, f"{run_id}/{mode}", named, codec=self.codec, aggregation=self.aggregation,
@@ -204,12 +208,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                                        self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
                                        refresh=refresh_period, judge=self._judge_claims, on_refused=self._refused,
                                        held=lambda: self._applied)
-        self._grad_acc: list[torch.Tensor] = []  # sync: allocated at the first step (a joiner's
+        self._grad_acc: list[torch.Tensor] = []  # sync: zeroed at the first step (a joiner's
         # download should not wait for zero-filling a model-sized buffer it does not need yet)
         self._outer: list[torch.Tensor] = []
         self.outer_optimizer: torch.optim.Optimizer | None = None
+        #: diloco: the outer parameters are in the model's parameters during a round (see diloco_step)
+        self._outer_in_params = False
+        self._holders: list[torch.Tensor] = []
         if mode == "diloco":
-            self._outer = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+            self._outer = self._buffers
+            torch._foreach_copy_(self._outer, [p.detach() for p in self.params])
             self.outer_optimizer = torch.optim.SGD(self._outer, lr=outer_lr, momentum=outer_momentum,
                                                    nesterov=outer_momentum > 0)
 
@@ -423,6 +431,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         for peer, why in refused.items():
             if self.stats.exclude(str(peer), f"epoch claim refused: it {why}"):
                 log.warning("not believing peer %s: it %s; it is left out until it says otherwise", peer.short(), why)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this optimizer holds, by buffer kind (see :mod:`~p2ptrain.optim.memory`)."""
+        from .memory import memory_report
+
+        return memory_report(self)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -128,17 +128,17 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
         )
         opt._state_shapes = shapes
     # Only the training thread changes the state, and it waits here for the round: the state
-    # lock is needed for writing the average back, not across matchmaking and the network (a
-    # snapshot for a joiner would wait for all of it).
+    # lock is taken for writing each slice of the average back, not across matchmaking and the
+    # network (a snapshot for a joiner would wait for all of it).
+    def written() -> None:
+        opt._version += 1
+
     future = opt._loop.submit(opt._state_averager.step(weight=1.0, round_id=f"s{epoch}",
                                                        timeout=opt.matchmaking_timeout, expected=opt._last_expected,
-                                                       scatter=False, on_group=opt._settled.clear))
+                                                       on_group=opt._settled.clear, lock=opt._state_lock,
+                                                       on_write=written))
     try:
         result = round_result(opt, future)
-        if result is not None and result.group_size > 1:
-            with opt._state_lock:
-                opt._state_averager.scatter()
-                opt._version += 1
     finally:
         opt._settled.set()
     if result is not None:

@@ -11,6 +11,7 @@ import torch
 from ..checkpoint.autosave import Checkpointer
 from ..gil import short_gil_waits
 from .adopt import optimizer_state
+from .outer_swap import outer_holders
 from .options import TrainerOptions
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ def shared_state(opt: DecentralizedOptimizer) -> tuple[int, dict[str, Any]]:
         state["inner"] = opt.inner.state_dict()
     else:
         assert opt.outer_optimizer is not None
-        state["outer"] = list(opt._outer)
+        state["outer"] = outer_holders(opt) if opt._outer_in_params else list(opt._outer)
         state["outer_opt"] = opt.outer_optimizer.state_dict()
     if opt.scheduler is not None:
         state["scheduler"] = opt.scheduler.state_dict()

@@ -17,6 +17,7 @@ import torch
 
 from ..averaging import StepResult
 from .catch_up import fall_behind
+from .memory import flat_views
 from .progress import SwarmView
 from .rounds import FRESH_LOOK, round_result, state_round_due
 from .shared_state import maybe_checkpoint
@@ -29,7 +30,10 @@ def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
     """Add this batch's gradients (``bs`` samples) to the accumulator; end the epoch when due."""
     apply_pending(opt, wait=False)
     if not opt._grad_acc:
-        opt._grad_acc = [torch.zeros_like(p, dtype=torch.float32) for p in opt.params]
+        # without delayed updates we accumulate in the buffer that is averaged (zeroed once
+        # applied); with them the next epoch accumulates while the last one's round runs
+        opt._grad_acc = opt._buffers if not opt.delay_updates else flat_views(opt._buffers)
+        torch._foreach_zero_(opt._grad_acc)
     # One call for all tensors, not one per tensor: each torch call gives up the GIL and
     # waits up to 5 ms to get it back while the event loop runs Python (a delayed round).
     pairs = [(acc, p.grad) for acc, p in zip(opt._grad_acc, opt.params) if p.grad is not None]
@@ -59,9 +63,10 @@ def end_sync_epoch(opt: DecentralizedOptimizer, view: SwarmView) -> None:
     if opt._pending is not None:
         apply_pending(opt, wait=True)  # at most one round in flight
     samples = opt.local_samples
-    torch._foreach_copy_(opt._buffers, opt._grad_acc)
+    if opt._grad_acc is not opt._buffers:
+        torch._foreach_copy_(opt._buffers, opt._grad_acc)
+        torch._foreach_zero_(opt._grad_acc)
     torch._foreach_div_(opt._buffers, float(samples))
-    torch._foreach_zero_(opt._grad_acc)
     epoch = opt.epoch
     opt.tracker.report(epoch, samples, opt._sps, ready=True)
     future = opt._average(epoch, samples, view)
@@ -82,6 +87,8 @@ def apply_pending(opt: DecentralizedOptimizer, wait: bool) -> None:
     try:
         _apply_round(opt, future)
     finally:
+        if opt._grad_acc is opt._buffers:  # the next epoch accumulates in it
+            torch._foreach_zero_(opt._buffers)
         opt._settled.set()
 
 
