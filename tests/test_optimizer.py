@@ -664,3 +664,72 @@ def test_a_peer_that_skipped_the_update_is_no_provider_of_it():
     held = PeerReport(skipped, 2, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1), held=2)
     assert DecentralizedOptimizer._fetch_state(fake, SwarmView(epoch=2, samples=0, target=64, peers=[held]),
                                                at_least=2) == "its state"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_diloco_alone_is_plain_diloco_and_holds_two_model_sized_buffers(swarm, dtype):
+    """A lone diloco peer's outer steps are DiLoCo's (Nesterov SGD on outer minus inner params),
+    with the pseudo-gradient swapped into the buffer the outer parameters live in: fp32 models
+    need no third buffer, others (float64 here) one fp32 holder."""
+    model, ref = make_model().to(dtype), make_model().to(dtype)
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), dht=swarm(), run_id=f"dl-{dtype}",
+                                 mode="diloco", local_steps=3, batch_size_per_step=16, outer_lr=0.7,
+                                 outer_momentum=0.9)
+    ref_inner = torch.optim.SGD(ref.parameters(), lr=0.05)
+    outer = [p.detach().to(torch.float32, copy=True) for p in ref.parameters()]
+    ref_outer = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    x_dtype = dict(dtype=dtype)
+    try:
+        for step in range(9):
+            x, y = batch(g1)
+            torch.nn.functional.mse_loss(model(x.to(**x_dtype)), y.to(**x_dtype)).backward()
+            opt.step()
+            opt.zero_grad()
+            x, y = batch(g2)
+            torch.nn.functional.mse_loss(ref(x.to(**x_dtype)), y.to(**x_dtype)).backward()
+            ref_inner.step()
+            ref_inner.zero_grad()
+            if step % 3 == 2:
+                with torch.no_grad():
+                    for o, p in zip(outer, ref.parameters()):
+                        o.grad = o - p.to(torch.float32)
+                    ref_outer.step()
+                    for o, p in zip(outer, ref.parameters()):
+                        p.copy_(o)
+        assert opt.epoch == 3
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for o, q in zip(opt._outer, outer):
+            torch.testing.assert_close(o, q, rtol=1e-5, atol=1e-6)
+        held = opt.memory_report()
+        fp32 = 4 * sum(p.numel() for p in model.parameters())
+        assert held["outer parameters"] == held["outer optimizer state"] == fp32
+        assert held["averaging buffer"] == 0  # (the outer parameters' own buffer)
+        assert len(opt._holders) == len(opt.params) and all(
+            (h.data_ptr() == p.data_ptr()) == (dtype == torch.float32) for h, p in zip(opt._holders, opt.params))
+    finally:
+        opt.close()
+
+
+def test_sync_accumulates_in_the_buffer_it_averages(swarm):
+    """Sync mode holds one fp32 model-sized buffer beyond the model and the inner optimizer: the
+    accumulator, which the averager averages in place (no copy of it), and with delayed updates
+    a second one."""
+    dhts = [swarm(), swarm()]
+    models = [make_model(), make_model()]
+    opts = [DecentralizedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), dht=d, run_id="acc",
+                                   target_batch_size=64, batch_size_per_step=16, delay_updates=i == 1,
+                                   average_state_every=0) for i, (m, d) in enumerate(zip(models, dhts))]
+    try:
+        gens = [torch.Generator().manual_seed(40 + i) for i in range(2)]
+        in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 2) for i in range(2)))
+        fp32 = 4 * sum(p.numel() for p in models[0].parameters())
+        plain = {"model parameters", "inner optimizer state", "state snapshots"}  # (served: see test_state_sync)
+        for o, buffers in zip(opts, (1, 2)):
+            held = {k: v for k, v in o.memory_report().items() if k not in plain and v}
+            assert sum(held.values()) == buffers * fp32, held
+        assert opts[0].averager._flat.data_ptr() == opts[0]._grad_acc[0].data_ptr()
+    finally:
+        for o in opts:
+            o.close()
