@@ -22,6 +22,7 @@ import torch
 
 from ..errors import P2PTrainError
 from . import kernels
+from .device import Transfer
 
 __all__ = [
     "CompressionError",
@@ -107,16 +108,18 @@ def as_uint8(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def out_buffer(codec: Codec, chunk: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+def out_buffer(codec: Codec, chunk: torch.Tensor, out: torch.Tensor | None,
+               staged: bool = False) -> torch.Tensor | None:
     """``encode``'s ``out`` checked (a 1-D contiguous uint8 CPU tensor that can take the chunk's
-    wire bytes; ValueError if not), or None where it does not apply (no out, a CUDA chunk)."""
+    wire bytes; ValueError if not), or None where it does not apply (no out, a CUDA chunk that is
+    not ``staged``: encoded by ``device_encode``, whose wire bytes ``out`` receives)."""
     if out is None:
         return None
     nbytes = codec.encoded_nbytes(chunk.numel(), chunk.dtype)
     if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.device.type == "cpu"
             and out.dim() == 1 and out.is_contiguous() and out.numel() >= nbytes):
         raise ValueError(f"out must be a 1-D contiguous uint8 CPU tensor of at least {nbytes} bytes")
-    return out if chunk.device.type == "cpu" else None
+    return out if staged or chunk.device.type == "cpu" else None
 
 
 #: whether torch has spent its one "buffer is not writable" warning (TORCH_WARN_ONCE: per process)
@@ -176,6 +179,11 @@ class Codec:
     #: True when ``encode`` never fails on finite float32 values (no overflow to a narrower type):
     #: an all-reduce owner may then sum into its own values in place
     encode_total: bool = False
+    #: device types on which ``device_encode`` / ``device_decode`` / ``device_decode_add`` run the
+    #: codec in torch ops on the tensor's own device, with the CPU codec's wire bytes and decoded
+    #: values; ``encode`` / ``decode`` / ``decode_add`` take them for tensors on such a device other
+    #: than the CPU. Without one, a device chunk is encoded on its device and its wire copied over.
+    devices: frozenset[str] = frozenset()
 
     def __init__(self, *, max_numel: int = DEFAULT_MAX_NUMEL, check_finite_on_decode: bool = True):
         if not (isinstance(max_numel, int) and max_numel >= 0):
@@ -206,9 +214,9 @@ class Codec:
         other codecs decode their own output.
         """
         self._check_chunk(chunk)
-        scale = float(scale)
-        if not 0.0 < scale <= 1.0:
-            raise ValueError(f"scale must be in (0, 1], got {scale}")
+        if self._on_device(chunk):
+            return self.device_encode(chunk, out=out, scale=scale, decoded=decoded)
+        scale = _scale(scale)
         out = out_buffer(self, chunk, out)
         if decoded is None:
             return self._encode(chunk, out, scale)
@@ -228,7 +236,10 @@ class Codec:
             out = torch.empty(numel, dtype=dtype)
         else:
             self._check_out(out, numel)
-        self._decode_into(meta, mv, numel, out)
+        if self._on_device(out):
+            self._staged(meta, mv, numel, out, None, None)
+        else:
+            self._decode_into(meta, mv, numel, out)
         return out
 
     def decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0,
@@ -240,7 +251,10 @@ class Codec:
         itself): ``acc = base + weight * decode(...)`` instead, in one pass over memory where the
         codec allows; it starts an accumulator from one's own values without a separate copy."""
         numel, mv, weight = self._check_add(meta, buffer, acc, weight, base)
-        self._decode_add(meta, mv, numel, acc, weight, base)
+        if self._on_device(acc):
+            self._staged(meta, mv, numel, acc, weight, base)
+        else:
+            self._decode_add(meta, mv, numel, acc, weight, base)
         return acc
 
     def decode_add_base(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float,
@@ -253,7 +267,67 @@ class Codec:
         whatever ``base`` holds: the caller checks the result. ``base`` is ``acc`` itself or does
         not overlap it."""
         numel, mv, weight = self._check_add(meta, buffer, acc, weight, base)
-        return self._decode_add_base(meta, mv, numel, acc, weight, base) if numel else 0.0
+        if not numel:
+            return 0.0
+        if self._on_device(acc):
+            own = abs_max(base)
+            self._staged(meta, mv, numel, acc, weight, base)
+            return own
+        return self._decode_add_base(meta, mv, numel, acc, weight, base)
+
+    # ------------------------------------------------------------------ device paths
+    def device_encode(self, chunk: torch.Tensor, *, out: torch.Tensor | None = None, scale: float = 1.0,
+                      decoded: torch.Tensor | None = None) -> Encoded:
+        """``encode`` in torch ops on ``chunk``'s own device (one of ``devices``; on the CPU it is
+        how tests check this path): the same wire bytes as ``encode`` on the CPU. Only they cross
+        to the host, into ``out`` (a uint8 CPU tensor; pinned, the copy is asynchronous) or a fresh
+        pinned buffer, and they are complete when this returns. ``decoded`` stays on its device."""
+        self._check_chunk(chunk)
+        self._check_device(chunk.device)
+        scale = _scale(scale)
+        out = out_buffer(self, chunk, out, staged=True)
+        if decoded is not None:
+            self._check_out(decoded, chunk.numel())
+        with Transfer(chunk.device) as tx:
+            wire, probe = self._device_wire(chunk, scale, decoded)
+            host = tx.to_host(wire, out)
+            seen = None if probe is None else tx.to_host(probe.reshape(1).float()).view(torch.float32)
+        self._device_refuse(chunk, host, None if seen is None else float(seen), scale)
+        return Encoded(self._meta(chunk), [host])
+
+    def device_decode(self, meta: Any, buffer: BufferLike, out: torch.Tensor) -> torch.Tensor:
+        """``decode`` into ``out`` in torch ops on its device (one of ``devices``): only the wire
+        bytes cross to it. The values and errors of ``decode``; ``out`` is untouched on an error."""
+        numel, _dtype, mv = self._validate(meta, buffer)
+        self._check_out(out, numel)
+        self._check_device(out.device)
+        self._staged(meta, mv, numel, out, None, None)
+        return out
+
+    def device_decode_add(self, meta: Any, buffer: BufferLike, acc: torch.Tensor, weight: float = 1.0,
+                          base: torch.Tensor | None = None) -> torch.Tensor:
+        """``decode_add`` in torch ops on ``acc``'s device (one of ``devices``): the same float32
+        operations in the same order as on the CPU (int8: as its compiled kernel), only the wire
+        bytes cross."""
+        numel, mv, weight = self._check_add(meta, buffer, acc, weight, base)
+        self._check_device(acc.device)
+        self._staged(meta, mv, numel, acc, weight, base)
+        return acc
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a non-CPU tensor this codec's device path serves."""
+        return t.device.type != "cpu" and t.device.type in self.devices
+
+    def _check_device(self, device: torch.device) -> None:
+        if device.type not in self.devices:
+            raise CompressionError(f"{self.name}: no device path for {device.type} tensors "
+                                   f"(this codec serves {sorted(self.devices) or 'none'})")
+
+    def _staged(self, meta: dict, buf: memoryview, numel: int, acc: torch.Tensor, weight: float | None,
+                base: torch.Tensor | None) -> None:
+        with Transfer(acc.device) as tx:
+            wire = tx.to_device(frombuffer(buf, torch.uint8, 0, buf.nbytes))
+            self._device_decode(meta, buf, wire, numel, acc, weight, base, tx)
 
     def fuses_add_encode(self, reply: Codec) -> bool:
         """True when ``decode_add_encode`` with ``reply`` as the reply's codec runs as one pass (the
@@ -345,6 +419,24 @@ class Codec:
         self._decode_add(meta, buf, numel, acc, weight, base)
         return m
 
+    def _device_wire(self, chunk: torch.Tensor, scale: float,
+                     decoded: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The wire bytes of ``chunk * scale`` (a contiguous tensor on its device, read only until
+        the next call) and a value the encode's checks need (``_device_refuse``), if any, on the
+        device; ``decoded`` written on the way."""
+        raise NotImplementedError
+
+    def _device_refuse(self, chunk: torch.Tensor, wire: torch.Tensor, probe: float | None, scale: float) -> None:
+        """Raise CompressionError where ``encode`` refuses ``chunk``, from its host wire bytes and
+        ``_device_wire``'s probe."""
+        raise NotImplementedError
+
+    def _device_decode(self, meta: dict, buf: memoryview, wire: torch.Tensor, numel: int, acc: torch.Tensor,
+                       weight: float | None, base: torch.Tensor | None, tx: Transfer) -> None:
+        """Validate the payload (``buf`` on the host, ``wire`` the same bytes on ``acc``'s device),
+        then decode it into ``acc`` (``weight`` None) or add it as ``decode_add`` does."""
+        raise NotImplementedError
+
     def _extra_meta_keys(self) -> dict[str, type]:
         """Codec-specific meta keys and their types (validated to equal this codec's settings)."""
         return {}
@@ -421,6 +513,13 @@ class Codec:
 
 
 # ---------------------------------------------------------------------- helpers used by codecs
+
+
+def _scale(scale: float) -> float:
+    scale = float(scale)
+    if not 0.0 < scale <= 1.0:
+        raise ValueError(f"scale must be in (0, 1], got {scale}")
+    return scale
 
 
 #: Per-thread scratch buffers (see :func:`scratch`). Thread-local, so codecs stay safe to share between

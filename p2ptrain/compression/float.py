@@ -12,6 +12,10 @@ Error bounds (round to nearest even, per element x; u = unit roundoff):
 
 NaN/inf input always raises CompressionError. On decode, a payload holding NaN/inf (a hostile or
 broken peer) raises CompressionError too (``check_finite_on_decode``, on by default: one fast pass).
+
+Device paths (CPU and CUDA): the cast and the add are the CPU codec's torch ops on the device (a
+cast rounds to nearest even everywhere; the add with ``weight`` is ``base + weight * x`` in float32,
+one fused rounding where the CPU's vector lanes and CUDA fuse it, exact for ``weight`` 1).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .base import DTYPES, Codec, CompressionError, Encoded, abs_max, as_uint8, check_finite, frombuffer, scratch
+from .device import Transfer
 
 __all__ = ["NoneCodec", "Float16Codec", "BFloat16Codec"]
 
@@ -27,6 +32,7 @@ class _CastCodec(Codec):
     wire_dtype: torch.dtype | None = None  # None: the chunk's own dtype
     #: inputs with |x| >= overflow raise (they would round to inf in the wire dtype)
     overflow: float = float("inf")
+    devices = frozenset({"cpu", "cuda"})
 
     def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return int(numel) * self._wire(dtype).itemsize  # (no tensor per call: it is per chunk)
@@ -37,17 +43,9 @@ class _CastCodec(Codec):
     def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         wd = self._wire(chunk.dtype)
         if chunk.numel():
-            if chunk.dtype != wd and self.overflow != float("inf"):
+            if self._ranged(chunk.dtype):
                 # one reduction catches NaN (propagates through amax), inf and out-of-range values
-                # max(amax, -amin): no |x| temporary (NaN propagates through both)
-                amax = float(torch.maximum(chunk.amax(), chunk.amin().neg_())) * scale
-                if not amax < self.overflow:
-                    if amax != amax or amax == float("inf"):
-                        raise CompressionError(f"{self.name}: input chunk contains NaN or inf; refusing to encode it")
-                    raise CompressionError(
-                        f"{self.name}: input chunk has |x| = {amax:.6g} >= {self.overflow:.6g}, beyond the "
-                        f"{wd} range; use the 'bf16' or 'int8' codec (or scale the values)"
-                    )
+                self._refuse(chunk.dtype, float(_absmax(chunk)), scale)
             else:
                 check_finite(chunk, f"{self.name}: input chunk")
         if chunk.dtype == wd and scale == 1.0:
@@ -55,11 +53,54 @@ class _CastCodec(Codec):
         else:
             n = chunk.numel()
             wire = out[: n * wd.itemsize].view(wd) if out is not None else torch.empty(n, dtype=wd, device=chunk.device)
-            if scale == 1.0:
-                wire.copy_(chunk)
-            else:  # multiplied while cast: one pass
-                torch.mul(chunk, scale, out=wire)
+            self._cast(chunk, scale, wire)
         return Encoded(self._meta(chunk), [as_uint8(wire)])
+
+    def _ranged(self, dtype: torch.dtype) -> bool:
+        """Whether a chunk of ``dtype`` may hold finite values beyond the wire dtype's range."""
+        return dtype != self._wire(dtype) and self.overflow != float("inf")
+
+    def _refuse(self, dtype: torch.dtype, amax: float, scale: float) -> None:
+        """Raise CompressionError where a ``dtype`` chunk with max |x| ``amax`` does not encode."""
+        if not self._ranged(dtype):
+            if not amax < float("inf"):  # NaN compares false
+                raise CompressionError(f"{self.name}: input chunk contains NaN or inf; refusing to encode/average it")
+            return
+        amax *= scale
+        if not amax < self.overflow:
+            if amax != amax or amax == float("inf"):
+                raise CompressionError(f"{self.name}: input chunk contains NaN or inf; refusing to encode it")
+            raise CompressionError(
+                f"{self.name}: input chunk has |x| = {amax:.6g} >= {self.overflow:.6g}, beyond the "
+                f"{self._wire(dtype)} range; use the 'bf16' or 'int8' codec (or scale the values)"
+            )
+
+    def _cast(self, chunk: torch.Tensor, scale: float, wire: torch.Tensor) -> torch.Tensor:
+        """``chunk * scale`` cast into ``wire`` (a multiply while cast: one pass)."""
+        return wire.copy_(chunk) if scale == 1.0 else torch.mul(chunk, scale, out=wire)
+
+    def _device_wire(self, chunk, scale, decoded):
+        n, wd = chunk.numel(), self._wire(chunk.dtype)
+        probe = _absmax(chunk) if n else None
+        wire = chunk
+        if chunk.dtype != wd or scale != 1.0:
+            wire = self._cast(chunk, scale, scratch("cast.wire", n, wd, chunk.device))
+        if decoded is not None:
+            decoded.copy_(wire)
+        return wire, probe
+
+    def _device_refuse(self, chunk, wire, probe, scale):
+        if probe is not None:
+            self._refuse(chunk.dtype, probe, scale)
+
+    def _device_decode(self, meta, buf, wire, numel, acc, weight, base, tx: Transfer):
+        x = wire.view(self._wire(_meta_dtype(meta)))
+        if self.check_finite_on_decode and numel and not tx.item(_absmax(x)) < float("inf"):
+            raise CompressionError(f"{self.name}: received payload contains NaN or inf; rejecting the message")
+        if weight is None:
+            acc.copy_(x)
+        else:
+            self._add(x, acc, weight, base)
 
     def _payload(self, meta: dict, buf: memoryview, numel: int, device: torch.device) -> torch.Tensor:
         wd = self._wire(_meta_dtype(meta))
@@ -82,11 +123,20 @@ class _CastCodec(Codec):
         out.copy_(self._payload(meta, buf, numel, out.device))
 
     def _decode_add(self, meta, buf, numel, acc, weight, base):
-        x = self._payload(meta, buf, numel, acc.device)
+        self._add(self._payload(meta, buf, numel, acc.device), acc, weight, base)
+
+    @staticmethod
+    def _add(x: torch.Tensor, acc: torch.Tensor, weight: float, base: torch.Tensor | None) -> None:
         if x.dtype != acc.dtype:
             # a mixed-dtype add would cast x into a fresh full-size temporary: cast into scratch
-            x = scratch("cast.dec", numel, acc.dtype, acc.device).copy_(x)
+            x = scratch("cast.dec", x.numel(), acc.dtype, acc.device).copy_(x)
         torch.add(acc if base is None else base, x, alpha=weight, out=acc)
+
+
+def _absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of a non-empty tensor as a 0-dim tensor on its device: max(amax, -amin), no |x|
+    temporary, NaN propagates through both."""
+    return torch.maximum(x.amax(), x.amin().neg_())
 
 
 def _meta_dtype(meta: dict) -> torch.dtype:

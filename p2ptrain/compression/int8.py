@@ -19,8 +19,10 @@ Wire layout (the float32 part first so it is 4-byte aligned whenever the buffer 
 NaN/inf never needs a separate pass: the per-block absmax propagates NaN and inf, so the check is
 a reduction over ceil(numel/block) scales.
 
-On CPU, float32 work goes to the fused one-pass kernels of :mod:`.kernels` when they are built
-(same wire bytes; torch ops otherwise, and always on CUDA).
+On CPU, float32 work goes to the fused one-pass kernels of :mod:`.kernels` when they are built;
+torch ops otherwise and on a device (``devices``): the same float32 operations in the same order,
+so the same wire bytes and decoded values, decode-add included (a multiply, then an add: no fused
+multiply-add), on every device.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 
 from . import kernels
-from .base import BufferLike, Codec, CompressionError, Encoded, as_uint8, frombuffer, scratch
+from .base import BufferLike, Codec, CompressionError, Encoded, abs_max, as_uint8, frombuffer, scratch
 
 __all__ = ["Int8Codec"]
 
@@ -45,6 +47,7 @@ class Int8Codec(Codec):
     uses_out = True
     encode_checks_finite = True  # the block absmaxes propagate NaN/inf: no separate pass
     encode_total = True  # the block scales absorb any finite value
+    devices = frozenset({"cpu", "cuda"})
 
     def __init__(self, block: int = 256, **kw):
         super().__init__(**kw)
@@ -111,18 +114,22 @@ class Int8Codec(Codec):
                 raise CompressionError(_NONFINITE)
         else:
             self._encode_blocks(x, scale, scales, q)
+            self._refuse(scales)
         enc = Encoded(self._meta(chunk), [as_uint8(wire)])  # from a GPU: one copy of the compressed bytes
         if decoded is not None and fused is None:  # torch path, or a float16/bfloat16/CUDA ``decoded``
             self._decode_into(enc.meta, memoryview(enc.buffers[0].numpy()), n, decoded)
         return enc
 
     def _encode_blocks(self, x: torch.Tensor, scale: float, scales: torch.Tensor, q: torch.Tensor) -> None:
-        """The torch path of the encode (CUDA, or no kernels): float32 ``x`` into ``scales``, ``q``."""
+        """The torch path of the encode (a device, or no kernels): float32 ``x`` into ``scales``,
+        ``q``; a NaN/inf in ``x`` leaves a NaN/inf scale (``_refuse``), checked after it, so a device
+        never waits mid-encode."""
         # Passes over the chunk: amax + amin (read), x * inv -> float scratch, round in place, cast
         # into q. Temporaries come from the per-thread scratch (no fresh 4 MiB per chunk). The
         # per-block work is as few small ops as it can be: offloaded, each one is a dispatch that
         # waits for the GIL the event loop's Python holds (and, with cryptography before 50, its
-        # AES-GCM too).
+        # AES-GCM too). Divisions are by tensors: CUDA divides by a Python number as a multiply by
+        # its reciprocal, which is not the kernels' (or the CPU's) division.
         n, dev = x.numel(), x.device
         tmp = scratch("int8.enc", min(n, self.block * (n // self.block)) or n, torch.float32, dev)
         for start, stop, rows, cols, b0 in self._parts(n):
@@ -131,10 +138,8 @@ class Int8Codec(Codec):
             # amax and amin (aminmax(dim=1) is much slower on CPU): no |x| temporary, NaN/inf
             # propagate into absmax
             hi = torch.amax(xb, dim=1)
-            absmax = torch.maximum(hi, torch.amin(xb, dim=1).neg_(), out=hi)
-            if not float(absmax.max()) < _INF:  # NaN compares false
-                raise CompressionError(_NONFINITE)
-            step = absmax.clamp_min_(_TINY).div_(127.0)  # absmax / 127, in [2**-100 / 127, fmax / 127]
+            absmax = torch.maximum(hi, torch.amin(xb, dim=1).neg_(), out=hi)  # NaN/inf propagate
+            step = absmax.clamp_min_(_TINY).div_(torch.full_like(absmax, 127.0))  # in [2**-100 / 127, fmax / 127]
             # q is the same for x * scale (scale-invariant): only the block scales take ``scale``
             torch.mul(step, scale, out=scales[b0 : b0 + rows])
             # 1 / step stays a normal float (a reciprocal of absmax itself would be subnormal for
@@ -142,6 +147,37 @@ class Int8Codec(Codec):
             torch.mul(xb, step.reciprocal_().unsqueeze(1), out=t)
             t.round_()
             q[start:stop].view(rows, cols).copy_(t)
+
+    @staticmethod
+    def _refuse(scales: torch.Tensor) -> None:
+        """Raise CompressionError if an encode's (host) ``scales`` show a NaN/inf input: the block
+        absmaxes propagate them, and a finite chunk's scales are at most float32 max / 127."""
+        if scales.numel() and not abs_max(scales) < _INF:  # NaN compares false
+            raise CompressionError(_NONFINITE)
+
+    def _device_wire(self, chunk, scale, decoded):
+        n, dev = chunk.numel(), chunk.device
+        x = chunk if chunk.dtype == torch.float32 else scratch("int8.x32", n, torch.float32, dev).copy_(chunk)
+        nb = self.n_blocks(n)
+        wire = scratch("int8.wire", 4 * nb + n, torch.uint8, dev)
+        scales, q = wire[: 4 * nb].view(torch.float32), wire[4 * nb :].view(torch.int8)
+        self._encode_blocks(x, scale, scales, q)
+        if decoded is not None:
+            self._decode_blocks(scales, q, decoded)
+        return wire, None
+
+    def _device_refuse(self, chunk, wire, probe, scale):
+        self._refuse(wire[: 4 * self.n_blocks(chunk.numel())].view(torch.float32))
+
+    def _device_decode(self, meta, buf, wire, numel, acc, weight, base, tx):
+        nb = self.n_blocks(numel)
+        if nb and (weight is None or self.check_finite_on_decode):  # (as ``_unpack`` checks)
+            self._scales_max(frombuffer(buf, torch.float32, 0, nb))
+        scales, q = wire[: 4 * nb].view(torch.float32), wire[4 * nb :].view(torch.int8)
+        if weight is None:
+            self._decode_blocks(scales, q, acc)
+        else:
+            self._add_blocks(scales, q, weight, acc if base is None else base, acc)
 
     # ------------------------------------------------------------------ decode
     def _scales_max(self, scales: torch.Tensor) -> float:
@@ -177,6 +213,11 @@ class Int8Codec(Codec):
         if kernels.AVAILABLE and out.dtype == torch.float32 and out.device.type == "cpu":
             kernels.decode(scales, q, self.block, out, self.stream_decoded)
             return
+        self._decode_blocks(scales, q, out)
+
+    def _decode_blocks(self, scales: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The torch path of the decode: ``out = q * scale`` per block, on ``out``'s device."""
+        numel = q.numel()
         f32 = out if out.dtype == torch.float32 else scratch("int8.dec", numel, torch.float32, out.device)
         f32.copy_(q)
         for start, stop, rows, cols, b0 in self._parts(numel):
@@ -223,11 +264,16 @@ class Int8Codec(Codec):
         if self._kernel_adds(acc, src):
             kernels.decode_add(scales, q, self.block, weight, src, acc)
             return
-        if weight != 1.0:
+        self._add_blocks(scales, q, weight, src, acc)
+
+    def _add_blocks(self, scales: torch.Tensor, q: torch.Tensor, weight: float, src: torch.Tensor,
+                    acc: torch.Tensor) -> None:
+        """The torch path of the decode-add, ``acc = src + q * (scale * weight)`` per block: the
+        kernel's float32 operations in its order (a multiply, then an add), so the same bits."""
+        if weight != 1.0:  # (a float32 multiply, as the kernel's; by 1 it is exact)
             scales = scales * weight
-        qf = scratch("int8.dec", numel, torch.float32, acc.device)
-        qf.copy_(q)  # addcmul_ with an int8 operand would cast it into a fresh temporary
-        for start, stop, rows, cols, b0 in self._parts(numel):
-            s = scales[b0 : b0 + rows].unsqueeze(1)
-            torch.addcmul(src[start:stop].view(rows, cols), qf[start:stop].view(rows, cols), s,
-                          out=acc[start:stop].view(rows, cols))
+        qf = scratch("int8.dec", q.numel(), torch.float32, acc.device)
+        qf.copy_(q)  # an int8 operand would be cast into a fresh temporary
+        for start, stop, rows, cols, b0 in self._parts(q.numel()):
+            qf[start:stop].view(rows, cols).mul_(scales[b0 : b0 + rows].unsqueeze(1))
+        torch.add(src, qf, out=acc)

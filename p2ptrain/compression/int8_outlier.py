@@ -81,6 +81,7 @@ class Int8OutlierCodec(Int8Codec):
     decode_add_encode = Codec.decode_add_encode
     fuses_add_encode = Codec.fuses_add_encode
     encode_checks_finite = False  # (not claimed for its own encode)
+    devices = frozenset()  # (int8's device path knows nothing of outliers)
 
     def _encode(self, chunk: torch.Tensor, out: torch.Tensor | None = None, scale: float = 1.0) -> Encoded:
         n, dev, k = chunk.numel(), chunk.device, self.outliers

@@ -1,0 +1,257 @@
+"""The codecs' device paths (``Codec.device_encode`` / ``device_decode`` / ``device_decode_add``):
+torch ops on the tensor's own device, only wire bytes crossing to the host. Run here on CPU
+tensors, they must give the CPU codec's wire bytes and decoded values bit for bit, with the
+compiled int8 kernels and with the torch fallback; the CUDA test at the end (skipped without
+CUDA; ``P2PTRAIN_TEST_DEVICE=cpu`` runs it on the CPU) checks the same through the plain API."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2ptrain.compression import CODECS, CompressionError, get_codec, kernels
+from p2ptrain.compression.device import Transfer
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DEVICE_CODECS = ["none", "fp16", "bf16", "int8"]
+BLOCK = 64  # a small int8 block: odd lengths end in a short block cheaply
+
+
+def make(name: str):
+    return get_codec(name, block=BLOCK) if name == "int8" else get_codec(name)
+
+
+def torch_path():
+    """Within it, int8 on the CPU runs its torch ops instead of the compiled kernels."""
+    return mock.patch.object(kernels, "AVAILABLE", False)
+
+
+@st.composite
+def chunks(draw, finite: bool = False):
+    n = draw(st.sampled_from([0, 1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, 1000, 4099]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))
+    kinds = ["randn", "zeros", "equal", "max", "fp16_edge", "subnormal", "tiny", "mixed", "ties"]
+    kind = draw(st.sampled_from(kinds if finite else kinds + ["nonfinite"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    fmax = torch.finfo(dtype).max
+    if kind == "zeros":
+        x = torch.zeros(n, dtype=torch.float64)
+        x[1::3] = -0.0
+    elif kind == "equal":  # every block all one value
+        x = torch.full((n,), draw(st.sampled_from([-3.5, 1e-3, 7.0])), dtype=torch.float64)
+    elif kind == "max":  # the dtype's largest magnitudes (bf16 refuses what rounds to inf)
+        x = torch.sign(x) * fmax
+    elif kind == "fp16_edge":  # around fp16's largest finite value and its overflow threshold
+        x = torch.sign(x) * torch.tensor([65504.0, 65519.0, 65520.0, 1e5])[torch.randint(0, 4, (n,), generator=g)]
+    elif kind == "subnormal":
+        x = x * (1e-40 if dtype == torch.float32 else 1e-6 if dtype == torch.float16 else 1e-39)
+    elif kind == "tiny":  # below int8's 2**-100 floor
+        x = x * 1e-32
+    elif kind == "mixed":
+        x = x * torch.pow(10.0, torch.randint(-30, 30, (n,), generator=g).double())
+    elif kind == "ties":  # k + 0.5 quantisation steps: round half to even must agree
+        x = torch.randint(-254, 255, (n,), generator=g).double() / 2
+        if n:
+            x[0] = 127.0
+    x = x.clamp(-fmax, fmax).to(dtype)
+    if kind == "nonfinite" and n:
+        x[draw(st.integers(0, n - 1))] = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    return x
+
+
+def outcome(fn):
+    """What ``fn`` returns, or the message of the CompressionError it raises."""
+    try:
+        return fn()
+    except CompressionError as e:
+        return ("refused", str(e))
+
+
+def wire(enc) -> tuple[dict, bytes]:
+    return enc.meta, enc.tobytes()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bit patterns: equal bits, not merely equal values (-0.0, NaN)."""
+    t = t.contiguous()
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@SETTINGS
+@given(name=st.sampled_from(DEVICE_CODECS), x=chunks(), scale=st.sampled_from([1.0, 0.5, 1 / 3, 1e-7]))
+def test_device_encode_is_the_cpu_encode_byte_for_byte(name, x, scale):
+    codec = make(name)
+    want = outcome(lambda: wire(codec.encode(x, scale=scale)))
+    got = outcome(lambda: wire(codec.device_encode(x, scale=scale)))
+    with torch_path():
+        slow = outcome(lambda: wire(codec.encode(x, scale=scale)))
+        got_slow = outcome(lambda: wire(codec.device_encode(x, scale=scale)))
+    assert got == want
+    assert slow == want
+    assert got_slow == want
+    if want[0] == "refused":
+        return
+    # ``decoded`` (what a receiver decodes), also when it is the chunk itself
+    dec_want, dec_got = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    codec.encode(x, scale=scale, decoded=dec_want)
+    assert wire(codec.device_encode(x, scale=scale, decoded=dec_got)) == want
+    assert torch.equal(bits(dec_got), bits(dec_want))
+    same = x.clone()
+    assert wire(codec.device_encode(same, scale=scale, decoded=same)) == want
+    assert torch.equal(bits(same), bits(dec_want))
+
+
+@SETTINGS
+@given(name=st.sampled_from(DEVICE_CODECS), x=chunks(finite=True), weight=st.sampled_from([1.0, 0.25, 1 / 3, 3.0]),
+       in_place=st.booleans(), acc_dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_device_decode_and_decode_add_are_the_cpu_ones_bit_for_bit(name, x, weight, in_place, acc_dtype, seed):
+    codec = make(name)
+    try:
+        meta, buf = wire(codec.encode(x))
+    except CompressionError:  # beyond fp16's or bf16's range (test_device_encode checks the refusal)
+        return
+    n = x.numel()
+    # (int8 refuses its own message for values within an ulp of float32's max: 127 times such a
+    # block's scale rounds to inf; both paths alike)
+    want = outcome(lambda: bits(codec.decode(meta, buf, torch.empty(n))))
+    got = outcome(lambda: bits(codec.device_decode(meta, buf, torch.empty(n))))
+    assert got == want if isinstance(want, tuple) else torch.equal(got, want)
+    # the size of what is added, so that the add's roundings show (max-magnitude sums overflow alike)
+    size = float(x.float().abs().max().clamp(1e-30, 1e30)) if n else 1.0
+    base = (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * size).to(acc_dtype)
+
+    def add(fn):
+        acc = base.clone() if in_place else torch.full_like(base, float("nan"))
+        before = acc.clone()
+        try:
+            fn(meta, buf, acc, weight, None if in_place else base)
+        except CompressionError as e:
+            assert torch.equal(bits(acc), bits(before))
+            return str(e)
+        return bits(acc)
+
+    def same(a, b) -> bool:
+        return a == b if isinstance(b, str) else isinstance(a, torch.Tensor) and torch.equal(a, b)
+
+    want = add(codec.decode_add)
+    assert same(add(codec.device_decode_add), want)
+    with torch_path():  # (int8: the torch fallback is the kernel's order of operations too)
+        assert same(add(codec.decode_add), want)
+        assert same(add(codec.device_decode_add), want)
+
+
+@pytest.mark.parametrize("name", DEVICE_CODECS)
+def test_device_paths_take_unaligned_buffers_and_write_into_out(name):
+    codec = make(name)
+    x = torch.randn(3 * BLOCK + 5)
+    meta, buf = wire(codec.encode(x))
+    out = torch.zeros(len(buf) + 16, dtype=torch.uint8)
+    enc = codec.device_encode(x, out=out)
+    assert enc.buffers[0].data_ptr() == out.data_ptr() and enc.tobytes() == buf
+    shifted = bytearray(len(buf) + 1)
+    shifted[1:] = buf
+    got = codec.device_decode(meta, memoryview(shifted)[1:], torch.empty(x.numel()))
+    assert torch.equal(got, codec.decode(meta, buf))
+    with pytest.raises(ValueError, match="out must be"):
+        codec.device_encode(x, out=torch.zeros(len(buf) - 1, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name", DEVICE_CODECS)
+def test_hostile_payloads_are_refused_before_acc_is_touched(name):
+    codec = make(name)
+    x = torch.randn(2 * BLOCK + 3)
+    meta, buf = wire(codec.encode(x))
+    bad = bytearray(buf)
+    if name == "int8":
+        bad[4:8] = torch.tensor([float("nan")]).numpy().tobytes()  # the second block's scale
+    else:  # a NaN payload value (fp16 0x7e00, bf16 0x7fc0, float32 0x7fc00000: the high bytes)
+        bad[2:4] = b"\xc0\x7f" if name != "fp16" else b"\x00\x7e"
+    acc = torch.randn(x.numel())
+    before = acc.clone()
+    with pytest.raises(CompressionError) as cpu:
+        codec.decode_add(meta, bytes(bad), acc.clone())
+    with pytest.raises(CompressionError) as dev:
+        codec.device_decode_add(meta, bytes(bad), acc)
+    assert str(dev.value) == str(cpu.value)
+    assert torch.equal(acc, before)
+    with pytest.raises(CompressionError):
+        codec.device_decode(meta, bytes(bad), acc)
+    assert torch.equal(acc, before)
+    with pytest.raises(CompressionError, match="expected"):  # the CPU codec's validation
+        codec.device_decode_add(meta, buf[:-1], acc)
+
+
+def test_codecs_declare_their_devices():
+    for name in CODECS:
+        codec = get_codec(name)
+        assert ("cuda" in codec.devices) == (name in DEVICE_CODECS), name
+        if name not in DEVICE_CODECS:
+            with pytest.raises(CompressionError, match="no device path"):
+                codec.device_encode(torch.randn(8))
+
+
+def test_transfer_on_the_cpu_is_plain_copies():
+    src = torch.arange(10, dtype=torch.float32)
+    out = torch.zeros(64, dtype=torch.uint8)
+    with Transfer(src.device) as tx:
+        host = tx.to_host(src, out)
+        assert tx.to_device(host).data_ptr() == host.data_ptr()  # (the CPU is the device: no copy)
+        assert tx.item(src.sum()) == 45.0
+    assert host.data_ptr() == out.data_ptr() and torch.equal(host.view(torch.float32), src)
+
+
+# ---------------------------------------------------------------------------- on a device
+
+DEVICE = torch.device(os.environ.get("P2PTRAIN_TEST_DEVICE", "cuda"))
+needs_device = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_device
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", DEVICE_CODECS)
+def test_device_tensors_encode_and_decode_as_the_cpu_does(name):
+    """Through the plain API: a device chunk's wire bytes are a CPU chunk's (a CPU peer and a GPU
+    peer average together), in a host buffer (pinned on CUDA); decode-adds into a device tensor
+    give the CPU's float32 results. Work queued on the current stream is seen, and the result is
+    seen by what is queued after."""
+    codec = make(name)
+    g = torch.Generator().manual_seed(1)
+    cpu = torch.randn(1 << 16, generator=g) * torch.pow(10.0, torch.randint(-6, 4, (1 << 16,), generator=g).float())
+    cpu[:BLOCK] = 0.0
+    cpu[BLOCK : 2 * BLOCK] = 2.5
+    half = cpu * 0.5
+    x = cpu.to(DEVICE)
+    x.mul_(0.5)  # queued on the current stream: the encode must wait for it
+    for scale in (1.0, 1 / 3):
+        enc = codec.encode(x, scale=scale)
+        assert wire(enc) == wire(codec.encode(half, scale=scale))
+        assert enc.buffers[0].device.type == "cpu"
+        assert enc.buffers[0].is_pinned() == (DEVICE.type == "cuda")
+    meta, buf = wire(codec.encode(half))
+    base = torch.randn(half.numel(), generator=g)
+    for weight in (1.0, 1 / 3):
+        want = base.clone()
+        codec.decode_add(meta, buf, want, weight)
+        acc = base.to(DEVICE)
+        codec.decode_add(meta, buf, acc, weight)
+        got = acc.cpu()
+        if name == "int8" or weight == 1.0:
+            assert torch.equal(got, want)
+        else:  # ``base + weight * x``: one fused rounding on the CPU's vector lanes and on CUDA;
+            # at most one more where a platform does not fuse it
+            ulp = torch.finfo(torch.float32).eps * (base.abs() + (want - base).abs())
+            assert bool(((got - want).abs() <= ulp).all())
+        out = torch.empty_like(acc)
+        codec.decode(meta, buf, out=out)
+        assert torch.equal(out.cpu(), codec.decode(meta, buf))
+    bad = x.clone()
+    bad[123] = float("nan")
+    with pytest.raises(CompressionError, match="NaN or inf"):
+        codec.encode(bad)
