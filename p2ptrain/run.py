@@ -108,9 +108,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
             checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers,
         )
-        book = ContributionBook(dht.node, opt.run_id, name=cfg.name, path=cfg.receipts_file)
-        dht.run(book.start())
-        opt.stats.round_hooks.append(book.hook(opt))
+        book = ContributionBook.attach(opt, name=cfg.name, path=cfg.receipts_file)
         if stop.is_set():  # asked to stop while joining (e.g. Ctrl+C during the state download)
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
         on_event({"event": "started", "peer_id": str(dht.peer_id),
@@ -160,9 +158,9 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         on_event(done)
         return done
     finally:
-        if book is not None:
+        if book is not None and opt is not None:
             try:
-                dht.run(book.close(), timeout=5)  # publishes the receipts not yet in the DHT
+                book.detach(opt)  # publishes the receipts not yet in the DHT
             except Exception as e:  # noqa: BLE001 - leaving must not fail on it
                 log.debug("closing the contribution book failed: %s", e)
         if opt is not None:

@@ -5,20 +5,23 @@ killed at the end whatever happened."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import subprocess
 import sys
 
 import pytest
 
-from p2ptrain.contrib import leaderboard, read_receipts
+from p2ptrain.cli import main
+from p2ptrain.contrib import leaderboard, read_file, read_receipts
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 EPOCHS = 8
 
 
-def test_the_leaderboard_agrees_with_the_peers_own_counts(peer_process, dhts, tmp_path):
+def test_the_leaderboard_agrees_with_the_peers_own_counts(peer_process, dhts, tmp_path, capsys):
     dht = dhts()  # stays after the peers leave: their receipts live on in its store
     boot = str(dht.multiaddrs[0])
     swarm = [peer_process("--threads", "1", "--bootstrap", boot, "--wait-peers", "4", "--epochs", str(EPOCHS),
@@ -43,3 +46,16 @@ def test_the_leaderboard_agrees_with_the_peers_own_counts(peer_process, dhts, tm
     shown = {p["peer_id"]: p for p in json.loads(out.stdout)["peers"]}
     assert {k: (v["rounds"], v["samples"], v["name"]) for k, v in shown.items()} == {
         k: (r.rounds, r.samples, r.name) for k, r in rows.items()}
+    flags = ["status", "--leaderboard", "--bootstrap", boot, "--run-id", run_id]
+    capsys.readouterr()
+    assert main([*flags, "--csv"]) == 0
+    table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert {r["peer_id"]: int(r["samples"]) for r in table} == {k: r.samples for k, r in rows.items()}
+    assert main([*flags, "--prometheus"]) == 0
+    text = capsys.readouterr().out
+    for k, r in rows.items():
+        assert f'p2ptrain_contribution_samples_total{{name="{r.name}",peer_id="{k}",run_id="{run_id}"}} ' \
+               f"{float(r.samples)}" in text
+    assert main([*flags, "--csv", "--json"]) == 2 and "give one of" in capsys.readouterr().err
+    # each peer's file holds its own receipts, signed
+    assert [len(read_file(tmp_path / f"{i}.jsonl")) for i in range(4)] == [d["receipts"] for d in done]

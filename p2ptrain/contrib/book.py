@@ -74,6 +74,7 @@ class ContributionBook:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dirty = asyncio.Event()
+        self._hook: Callable[[StepResult], None] | None = None  # ours in an optimizer's round hooks (attach)
         self._tasks = TaskGroup()
 
     # ------------------------------------------------------------------ any thread
@@ -120,6 +121,23 @@ class ContributionBook:
                 break
             out.append([s.body, s.sig])
         return {"v": _VERSION, "n": self.name, "r": out}
+
+    @classmethod
+    def attach(cls, opt: DecentralizedOptimizer, *, name: str | None = None,
+               path: str | os.PathLike | None = None) -> ContributionBook:
+        """A started book of ``opt``'s rounds, on its DHT (a receipt of each gradient round from now
+        on); ``detach`` it before closing the DHT."""
+        book = cls(opt.dht.node, opt.run_id, name=name, path=path)
+        opt.dht.run(book.start())
+        book._hook = book.hook(opt)
+        opt.stats.round_hooks.append(book._hook)
+        return book
+
+    def detach(self, opt: DecentralizedOptimizer, timeout: float = 2.0) -> None:
+        """Stop taking ``opt``'s rounds and close (publishing what is not published yet)."""
+        if self._hook in opt.stats.round_hooks:
+            opt.stats.round_hooks.remove(self._hook)
+        opt.dht.run(self.close(timeout), timeout=timeout + 3)
 
     def hook(self, opt: DecentralizedOptimizer) -> Callable[[StepResult], None]:
         """The round hook for ``opt`` (its ``stats.round_hooks``): our receipt of each gradient round,
