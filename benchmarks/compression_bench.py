@@ -8,9 +8,13 @@ run: a chunked ``clone`` (memcpy) and a chunked ``acc.add_`` (what an uncompress
 Best of ``--repeat`` passes. ``--device cuda`` keeps the input, outputs and accumulator on the GPU:
 encode then includes the copy of the (compressed) wire bytes to the host, decode the copy back, as
 in a round with a model on the GPU; the baseline rows are then the host-bound copy of the fp32
-chunk (what ``none`` costs at least) and a device ``add_``.
+chunk (what ``none`` costs at least) and a device ``add_``. ``--device-path`` adds a row per codec
+with a device path (``Codec.devices``) that calls ``device_encode`` (into two reused host buffers,
+pinned on CUDA, as a sender takes turns with them), ``device_decode`` and ``device_decode_add``: on
+the CPU, the torch ops a GPU runs against the compiled kernels in the same run.
 
-    python benchmarks/compression_bench.py [--numel N] [--chunk N] [--threads T] [--device cuda] [--json out.json]
+    python benchmarks/compression_bench.py [--numel N] [--chunk N] [--threads T] [--device cuda] [--device-path]
+                                           [--json out.json]
     python benchmarks/compression_bench.py --quality
 
 ``--quality`` prints each codec's relative L2 error ``|dec - x| / |x|`` instead, on tensors of
@@ -29,7 +33,13 @@ import time
 
 import torch
 
-from p2ptrain.compression import CODECS, get_codec, iter_chunks, kernels
+from p2ptrain.compression import CODECS, Encoded, get_codec, iter_chunks, kernels
+from p2ptrain.compression.device import host_buffer
+
+
+def wire_copy(enc: Encoded) -> tuple[dict, list[bytes]]:
+    """An encoded chunk's meta and a copy of its bytes (its buffer is about to be reused)."""
+    return enc.meta, [enc.tobytes()]
 
 
 def best_time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> float:
@@ -105,6 +115,8 @@ def main(argv=None) -> None:
     ap.add_argument("--int8-blocks", default="", help="also bench int8 with these block sizes, e.g. 64,128")
     ap.add_argument("--topk-fraction", type=float, default=0.01)
     ap.add_argument("--device", default="cpu", help="where the tensors live: cpu (default) or cuda")
+    ap.add_argument("--device-path", action="store_true",
+                    help="also time each codec's device path (device_encode / device_decode / device_decode_add)")
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--quality", action="store_true", help="print each codec's error on differently tailed "
                     "tensors and real task updates instead of throughput")
@@ -157,29 +169,38 @@ def main(argv=None) -> None:
     specs = [(n, {}) for n in args.codecs.split(",") if n]
     specs = [(n, {"fraction": args.topk_fraction}) if n == "topk" else (n, o) for n, o in specs]
     specs += [("int8", {"block": int(b)}) for b in args.int8_blocks.split(",") if b]
-    for name, opts in specs:
-        label = name + "".join(f" {k}={v}" for k, v in opts.items())
+    specs = [(n, o, False) for n, o in specs]
+    if args.device_path:
+        specs += [(n, o, True) for n, o, _ in specs if device.type in get_codec(n, **o).devices]
+    for name, opts, staged in specs:
+        label = name + "".join(f" {k}={v}" for k, v in opts.items()) + (" (device path)" if staged else "")
         codec = get_codec(name, **opts)
         encs = []
+        stage = [host_buffer(codec.encoded_nbytes(args.chunk)) for _ in range(2)] if staged else []
 
         def encode_all():
             encs.clear()
             if name == "topk":
                 codec.reset()
             for i, c in enumerate(chunks):
-                encs.append(codec.encode(c, key=i))
+                if staged:  # (its bytes must be used before the buffer's next turn: here, kept as a copy)
+                    encs.append(Encoded(*wire_copy(codec.device_encode(c, out=stage[i % 2]))))
+                else:
+                    encs.append(codec.encode(c, key=i))
 
         t_enc = best_time(encode_all, args.repeat, device)
         # what the receiver holds: one contiguous buffer per chunk
         wires = [bytearray(e.tobytes()) for e in encs]
         metas = [e.meta for e in encs]
         wire_bytes = sum(len(w) for w in wires)
-        t_dec = best_time(lambda: [codec.decode(m, w, out=o) for m, w, o in zip(metas, wires, out_chunks)],
+        decode = codec.device_decode if staged else codec.decode
+        decode_add = codec.device_decode_add if staged else codec.decode_add
+        t_dec = best_time(lambda: [decode(m, w, out=o) for m, w, o in zip(metas, wires, out_chunks)],
                           args.repeat, device)
-        t_add = best_time(lambda: [codec.decode_add(m, w, a, 0.5) for m, w, a in zip(metas, wires, acc_chunks)],
+        t_add = best_time(lambda: [decode_add(m, w, a, 0.5) for m, w, a in zip(metas, wires, acc_chunks)],
                           args.repeat, device)
         for m, w, o in zip(metas, wires, out_chunks):
-            codec.decode(m, w, out=o)
+            decode(m, w, out=o)
         err = (out - x).abs_()
         r = row(label, t_enc, t_dec, t_add, args.numel * 4 / wire_bytes, float(err.max()), float(err.mean()))
         encs.clear()  # (the next codec's buffers replace these)
