@@ -8,6 +8,7 @@ tensors in place and says what happened. A peer that finds nobody keeps its tens
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -33,6 +34,8 @@ log = logging.getLogger("p2ptrain.averager")
 
 #: values per all-reduce of a round (64 MiB of fp32): the most a peer stages on the host at once
 SLICE_NUMEL = 16 << 20
+#: slices of a round averaged at once
+SLICES_IN_FLIGHT = 2
 
 TensorsLike = Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -189,30 +192,42 @@ class Averager:
 
     async def _slices(self, group: Group, rank: int, weight: float, lock: AbstractContextManager | None,
                       on_write: Callable[[], None] | None) -> list[AllReduceResult]:
-        """One all-reduce per slice of ``_slice_numel`` values, in place in our shared buffer when
-        there is one and no ``lock``, else through one host staging buffer; slice k runs as group
+        """One all-reduce per slice of ``_slice_numel`` values, ``SLICES_IN_FLIGHT`` at a time (one
+        fills its pipeline while the other drains), in place in our shared buffer when there is one
+        and no ``lock``, else each through a host staging buffer; slice k runs as group
         ``slice_group(group, k)`` (every member derives the same)."""
         total, step = self.schema.numel, self._slice_numel
         in_place = self._flat is not None and lock is None
-        staging = None if in_place else torch.empty(min(total, step), dtype=torch.float32)
-        results: list[AllReduceResult] = []
-        for k, start in enumerate(range(0, total, step)):
-            end = min(total, start + step)
-            if in_place:
-                assert self._flat is not None
-                results.append(await self.service.run(slice_group(group, k), rank, self._flat[start:end], weight,
-                                                      self.codec_name, aggregation=self.aggregation))
-                continue
-            assert staging is not None
-            buf = staging[: end - start]
-            copy_slice(self.tensors, start, end, buf, into_tensors=False)
-            results.append(await self.service.run(slice_group(group, k), rank, buf, weight, self.codec_name,
-                                                  aggregation=self.aggregation))
-            with lock if lock is not None else nullcontext():
-                copy_slice(self.tensors, start, end, buf, into_tensors=True)
-                if on_write is not None:
-                    on_write()
-        return results
+        spans = [(start, min(total, start + step)) for start in range(0, total, step)]
+        free = [] if in_place else [torch.empty(min(total, step), dtype=torch.float32)
+                                    for _ in range(min(SLICES_IN_FLIGHT, len(spans)))]
+        gate = asyncio.Semaphore(SLICES_IN_FLIGHT)
+
+        async def one(k: int, start: int, end: int) -> AllReduceResult:
+            async with gate:
+                if in_place:
+                    assert self._flat is not None
+                    return await self.service.run(slice_group(group, k), rank, self._flat[start:end], weight,
+                                                  self.codec_name, aggregation=self.aggregation)
+                staging = free.pop()
+                try:
+                    buf = staging[: end - start]
+                    copy_slice(self.tensors, start, end, buf, into_tensors=False)
+                    result = await self.service.run(slice_group(group, k), rank, buf, weight, self.codec_name,
+                                                    aggregation=self.aggregation)
+                    with lock if lock is not None else nullcontext():
+                        copy_slice(self.tensors, start, end, buf, into_tensors=True)
+                        if on_write is not None:
+                            on_write()
+                    return result
+                finally:
+                    free.append(staging)
+
+        if len(spans) == 1:
+            return [await one(0, *spans[0])]
+        async with asyncio.TaskGroup() as tg:  # (a slice that fails cancels the others)
+            tasks = [tg.create_task(one(k, start, end)) for k, (start, end) in enumerate(spans)]
+        return [t.result() for t in tasks]
 
 
 def shared_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
