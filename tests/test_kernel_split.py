@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import threading
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,21 +23,19 @@ BLOCK = 256
 
 
 @pytest.fixture
-def split(monkeypatch):
-    """``split(fn)``: fn() run as one call and split over 3 threads, both results returned."""
-    monkeypatch.setattr(kernels, "SPLIT_MIN", 4096)  # small tensors: a fast test of the same code
+def split():
+    """``split(fn)``: fn() run as one call and in 3 parts at once, both results returned (parts
+    from 4096 values on: small tensors, a fast test of the same code)."""
 
     def both(fn):
         kernels.set_threads(1)
         one = fn()
-        kernels.set_threads(3)
-        assert kernels.threads() == 3
+        assert kernels.set_threads(3, split_min=4096) == 3
         many = fn()
-        assert any(t.name.startswith("p2pt-kernel") for t in threading.enumerate())  # it did split
         return one, many
 
     yield both
-    kernels.set_threads(None)  # (the default again; the pool's threads joined)
+    kernels.set_threads(None)  # (the default again)
 
 
 def values(n: int, seed: int, bad: tuple[int, float] | None = None) -> torch.Tensor:
@@ -117,11 +116,21 @@ def test_split_only_from_four_cpus_unless_asked(monkeypatch):
     assert kernels._default_threads() == 4
     monkeypatch.setenv("P2PT_KERNEL_THREADS", "3")
     assert kernels._default_threads() == 3
-    assert kernels._Splitter(1).parts(1 << 24, 4096) is None  # one thread: never split
-    parts = kernels._Splitter(3).parts((1 << 20) + 5, 4096)
-    assert parts is not None and len(parts) == 3 and all(a % 4096 == 0 for a, _ in parts)
-    assert parts[0][0] == 0 and parts[-1][1] == (1 << 20) + 5 and all(p[1] == q[0] for p, q in zip(parts, parts[1:]))
-    assert kernels._Splitter(3).parts(kernels.SPLIT_MIN - 1, 4096) is None  # too small to be worth it
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_parts_run_at_once_on_threads_of_their_own():
+    """A split call's parts run on the extension's threads beside the caller's (a fresh process:
+    the pool, once made, stays for the next calls)."""
+    code = ("import os, torch; from p2ptrain.compression import kernels\n"
+            "tasks = lambda: len(os.listdir('/proc/self/task'))\n"
+            "kernels.set_threads(1); kernels.absmax(torch.ones(1 << 16)); one = tasks()\n"
+            "kernels.set_threads(3, split_min=4096); kernels.absmax(torch.ones(1 << 16)); print(one, tasks())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, P2PT_KERNEL_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    one, three = map(int, out.stdout.split())
+    assert three == one + 2
 
 
 async def _average(inputs: list[torch.Tensor], codec: str) -> list[torch.Tensor]:

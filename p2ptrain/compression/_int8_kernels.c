@@ -12,11 +12,21 @@
  * Pointers arrive as integers (tensor.data_ptr()) and every kernel releases the GIL, so the round's
  * worker thread runs them beside the event loop. On x86-64 with glibc and GCC >= 12 each kernel is
  * built for three ISA levels and picked at load time (target_clones); elsewhere the compiler's
- * autovectorisation of the plain loops applies. */
+ * autovectorisation of the plain loops applies.
+ *
+ * On many-core hosts a call over split_min values or more runs in parts at once on split_threads
+ * threads (set_threads; the caller's thread runs the first part, a small pool of POSIX threads the
+ * others), all under the one release of the GIL: threads that took the GIL back per part waited for
+ * it behind the event loop. Parts are whole groups of blocks (or copy pieces), so the bits are the
+ * same as one call's. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#ifndef _WIN32
+#include <pthread.h>
+#define HAVE_SPLIT 1
+#endif
 
 #ifdef _MSC_VER
 #define restrict __restrict
@@ -297,6 +307,164 @@ STREAM_TARGET static int64_t copy_finite_f32_stream(const float *restrict src, f
 }
 #endif
 
+/* ------------------------------------------------------------ big calls in parts on a few threads */
+
+#define MAX_PARTS 16
+enum { K_ABSMAX, K_ENCODE, K_DECODE, K_DECODE_STREAM, K_DECODE_ADD, K_DECODE_ADD_ENCODE, K_COPY, K_COPY_STREAM };
+
+/* one kernel call: its arguments, its parts' bounds and their results */
+struct call {
+    int kind, nparts;
+    int64_t n, block;
+    float weight, mult;
+    const uint8_t *scales_in;
+    const int8_t *q_in;
+    const float *src;
+    float *out, *scales_out;
+    int8_t *q_out;
+    int64_t bounds[MAX_PARTS + 1];
+    uint32_t bits[MAX_PARTS];
+    int ok[MAX_PARTS];
+    int64_t done[MAX_PARTS];
+};
+
+static int split_threads = 1;           /* parts of a big call (1: never split) */
+static int64_t split_min = 1 << 18;      /* calls over fewer values are not split */
+
+static void run_part(struct call *c, int i) {
+    int64_t a = c->bounds[i], len = c->bounds[i + 1] - a, sb = c->block ? a / c->block : 0;
+    switch (c->kind) {
+    case K_ABSMAX: c->bits[i] = absmax_bits_all(c->src + a, len); break;
+    case K_ENCODE:
+        c->ok[i] = encode_f32(c->src + a, len, c->block, c->mult, c->scales_out + sb, c->q_out + a,
+                              c->out == NULL ? NULL : c->out + a);
+        break;
+    case K_DECODE: decode_f32(c->scales_in + 4 * sb, c->q_in + a, len, c->block, c->out + a); break;
+    case K_DECODE_ADD:
+        c->bits[i] = decode_add_max_f32(c->scales_in + 4 * sb, c->q_in + a, len, c->block, c->weight, c->src + a,
+                                        c->out + a);
+        break;
+    case K_DECODE_ADD_ENCODE:
+        c->ok[i] = decode_add_encode_f32(c->scales_in + 4 * sb, c->q_in + a, len, c->block, c->weight, c->src + a,
+                                         c->out + a, c->mult, c->scales_out + sb, c->q_out + a, &c->bits[i]);
+        break;
+    case K_COPY: c->done[i] = copy_finite_f32(c->src + a, c->out + a, len); break;
+#ifdef HAVE_STREAM
+    case K_DECODE_STREAM: decode_f32_stream(c->scales_in + 4 * sb, c->q_in + a, len, c->block, c->out + a); break;
+    case K_COPY_STREAM: c->done[i] = copy_finite_f32_stream(c->src + a, c->out + a, len); break;
+#endif
+    }
+}
+
+#ifdef HAVE_SPLIT
+/* The pool: worker k runs part k of each call dispatched (generation), the caller part 0. One
+ * call at a time (call_mu): rounds of several hosts in one process queue here, without the GIL. */
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER, pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND_INITIALIZER;
+static struct call *current;
+static uint64_t generation;
+static int workers, ready, remaining;
+
+static void *worker_main(void *arg) {
+    int k = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool_mu);
+    uint64_t seen = generation;
+    ready++;
+    pthread_cond_broadcast(&done_cv);
+    for (;;) {
+        while (generation == seen) pthread_cond_wait(&work_cv, &pool_mu);
+        seen = generation;
+        struct call *c = current;
+        if (c == NULL || k >= c->nparts) continue;
+        pthread_mutex_unlock(&pool_mu);
+        run_part(c, k);
+        pthread_mutex_lock(&pool_mu);
+        if (--remaining == 0) pthread_cond_broadcast(&done_cv);
+    }
+    return NULL;
+}
+
+/* with pool_mu held: at least want workers started and waiting (fewer if threads cannot be made) */
+static void grow_pool(int want) {
+    while (workers < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int err = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)(workers + 1));
+        pthread_attr_destroy(&attr);
+        if (err) break;
+        workers++;
+    }
+    while (ready < workers) pthread_cond_wait(&done_cv, &pool_mu);
+}
+
+static void forked_child(void) { /* the pool's threads did not come along */
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    call_mu = pool_mu = m;
+    work_cv = done_cv = cv;
+    current = NULL;
+    workers = ready = remaining = 0;
+}
+#endif
+
+/* Split c->n values into up to split_threads parts of whole grains (none if too small); 1 part: one call */
+static void plan(struct call *c, int64_t grain) {
+    int k = c->n >= split_min ? split_threads : 1;
+    int64_t per = (c->n + k - 1) / (k > 0 ? k : 1);
+    per = (per + grain - 1) / grain * grain;
+    if (per <= 0) per = c->n > 0 ? c->n : 1;
+    c->nparts = 0;
+    for (int64_t a = 0; a < c->n || c->nparts == 0; a += per) {
+        c->bounds[c->nparts++] = a;
+        if (c->nparts == MAX_PARTS) break;
+    }
+    c->bounds[c->nparts] = c->n;
+}
+
+/* Run every part of c (no GIL held), all at once where there is more than one. */
+static void run_call(struct call *c) {
+#ifdef HAVE_SPLIT
+    if (c->nparts > 1) {
+        pthread_mutex_lock(&call_mu);
+        pthread_mutex_lock(&pool_mu);
+        grow_pool(c->nparts - 1);
+        if (workers < c->nparts - 1) { /* threads could not be made: run the parts here, in turn */
+            pthread_mutex_unlock(&pool_mu);
+            pthread_mutex_unlock(&call_mu);
+            for (int i = 0; i < c->nparts; i++) run_part(c, i);
+            return;
+        }
+        current = c;
+        remaining = c->nparts - 1;
+        generation++;
+        pthread_cond_broadcast(&work_cv);
+        pthread_mutex_unlock(&pool_mu);
+        run_part(c, 0);
+        pthread_mutex_lock(&pool_mu);
+        while (remaining > 0) pthread_cond_wait(&done_cv, &pool_mu);
+        current = NULL;
+        pthread_mutex_unlock(&pool_mu);
+        pthread_mutex_unlock(&call_mu);
+        return;
+    }
+#endif
+    for (int i = 0; i < c->nparts; i++) run_part(c, i);
+}
+
+static uint32_t max_bits(const struct call *c) {
+    uint32_t m = 0;
+    for (int i = 0; i < c->nparts; i++) m = c->bits[i] > m ? c->bits[i] : m;
+    return m;
+}
+
+static int all_ok(const struct call *c) {
+    for (int i = 0; i < c->nparts; i++)
+        if (!c->ok[i]) return 0;
+    return 1;
+}
+
 static PyObject *bits_to_float(uint32_t bits) {
     if (bits > INF_BITS) return PyFloat_FromDouble(Py_NAN);
     float f;
@@ -307,25 +475,29 @@ static PyObject *bits_to_float(uint32_t bits) {
 static PyObject *py_absmax(PyObject *self, PyObject *args) {
     unsigned long long x;
     long long n;
-    uint32_t bits;
+    struct call c = {0};
     if (!PyArg_ParseTuple(args, "KL", &x, &n)) return NULL;
+    c.kind = K_ABSMAX, c.n = n, c.src = (const float *)(uintptr_t)x;
+    plan(&c, COPY_PIECE);
     Py_BEGIN_ALLOW_THREADS
-    bits = absmax_bits_all((const float *)(uintptr_t)x, n);
+    run_call(&c);
     Py_END_ALLOW_THREADS
-    return bits_to_float(bits);
+    return bits_to_float(max_bits(&c));
 }
 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     unsigned long long x, scales, q, dec;
     long long n, block;
     float mult;
-    int ok;
+    struct call c = {0};
     if (!PyArg_ParseTuple(args, "KLLfKKK", &x, &n, &block, &mult, &scales, &q, &dec)) return NULL;
+    c.kind = K_ENCODE, c.n = n, c.block = block, c.mult = mult, c.src = (const float *)(uintptr_t)x;
+    c.scales_out = (float *)(uintptr_t)scales, c.q_out = (int8_t *)(uintptr_t)q, c.out = (float *)(uintptr_t)dec;
+    plan(&c, GROUP * block);
     Py_BEGIN_ALLOW_THREADS
-    ok = encode_f32((const float *)(uintptr_t)x, n, block, mult, (float *)(uintptr_t)scales,
-                    (int8_t *)(uintptr_t)q, (float *)(uintptr_t)dec);
+    run_call(&c);
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(ok);
+    return PyBool_FromLong(all_ok(&c));
 }
 
 /* whether to use the streaming twin: asked for, supported, and float-aligned output */
@@ -335,17 +507,14 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     unsigned long long scales, q, out;
     long long n, block;
     int stream = 0;
+    struct call c = {0};
     if (!PyArg_ParseTuple(args, "KKLLK|p", &scales, &q, &n, &block, &out, &stream)) return NULL;
-    stream = use_stream(stream, out);
+    c.kind = use_stream(stream, out) ? K_DECODE_STREAM : K_DECODE, c.n = n, c.block = block;
+    c.scales_in = (const uint8_t *)(uintptr_t)scales, c.q_in = (const int8_t *)(uintptr_t)q;
+    c.out = (float *)(uintptr_t)out;
+    plan(&c, GROUP * block);
     Py_BEGIN_ALLOW_THREADS
-#ifdef HAVE_STREAM
-    if (stream)
-        decode_f32_stream((const uint8_t *)(uintptr_t)scales, (const int8_t *)(uintptr_t)q, n, block,
-                          (float *)(uintptr_t)out);
-    else
-#endif
-        decode_f32((const uint8_t *)(uintptr_t)scales, (const int8_t *)(uintptr_t)q, n, block,
-                   (float *)(uintptr_t)out);
+    run_call(&c);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -354,49 +523,69 @@ static PyObject *py_decode_add(PyObject *self, PyObject *args) {
     unsigned long long scales, q, src, out;
     long long n, block;
     float weight;
-    uint32_t bits;
+    struct call c = {0};
     if (!PyArg_ParseTuple(args, "KKLLfKK", &scales, &q, &n, &block, &weight, &src, &out)) return NULL;
+    c.kind = K_DECODE_ADD, c.n = n, c.block = block, c.weight = weight;
+    c.scales_in = (const uint8_t *)(uintptr_t)scales, c.q_in = (const int8_t *)(uintptr_t)q;
+    c.src = (const float *)(uintptr_t)src, c.out = (float *)(uintptr_t)out;
+    plan(&c, GROUP * block);
     Py_BEGIN_ALLOW_THREADS
-    bits = decode_add_max_f32((const uint8_t *)(uintptr_t)scales, (const int8_t *)(uintptr_t)q, n, block, weight,
-                              (const float *)(uintptr_t)src, (float *)(uintptr_t)out);
+    run_call(&c);
     Py_END_ALLOW_THREADS
-    return bits_to_float(bits);
+    return bits_to_float(max_bits(&c));
 }
 
 static PyObject *py_decode_add_encode(PyObject *self, PyObject *args) {
     unsigned long long scales_in, q_in, src, out, scales_out, q_out;
     long long n, block;
     float weight, mult;
-    uint32_t bits;
-    int ok;
+    struct call c = {0};
     if (!PyArg_ParseTuple(args, "KKLLfKKfKK", &scales_in, &q_in, &n, &block, &weight, &src, &out, &mult,
                           &scales_out, &q_out))
         return NULL;
+    c.kind = K_DECODE_ADD_ENCODE, c.n = n, c.block = block, c.weight = weight, c.mult = mult;
+    c.scales_in = (const uint8_t *)(uintptr_t)scales_in, c.q_in = (const int8_t *)(uintptr_t)q_in;
+    c.src = (const float *)(uintptr_t)src, c.out = (float *)(uintptr_t)out;
+    c.scales_out = (float *)(uintptr_t)scales_out, c.q_out = (int8_t *)(uintptr_t)q_out;
+    plan(&c, GROUP * block);
     Py_BEGIN_ALLOW_THREADS
-    ok = decode_add_encode_f32((const uint8_t *)(uintptr_t)scales_in, (const int8_t *)(uintptr_t)q_in, n, block,
-                               weight, (const float *)(uintptr_t)src, (float *)(uintptr_t)out, mult,
-                               (float *)(uintptr_t)scales_out, (int8_t *)(uintptr_t)q_out, &bits);
+    run_call(&c);
     Py_END_ALLOW_THREADS
-    PyObject *mx = bits_to_float(bits);
+    PyObject *mx = bits_to_float(max_bits(&c));
     if (mx == NULL) return NULL;
-    return Py_BuildValue("(NO)", mx, ok ? Py_True : Py_False);
+    return Py_BuildValue("(NO)", mx, all_ok(&c) ? Py_True : Py_False);
 }
 
 static PyObject *py_copy_finite(PyObject *self, PyObject *args) {
     unsigned long long src, dst;
-    long long n, done;
+    long long n, done = 0;
     int stream = 0;
+    struct call c = {0};
     if (!PyArg_ParseTuple(args, "KKL|p", &src, &dst, &n, &stream)) return NULL;
-    stream = use_stream(stream, dst);
+    c.n = n, c.src = (const float *)(uintptr_t)src, c.out = (float *)(uintptr_t)dst;
+    plan(&c, COPY_PIECE);
     Py_BEGIN_ALLOW_THREADS
-#ifdef HAVE_STREAM
-    if (stream)
-        done = copy_finite_f32_stream((const float *)(uintptr_t)src, (float *)(uintptr_t)dst, n);
-    else
-#endif
-        done = copy_finite_f32((const float *)(uintptr_t)src, (float *)(uintptr_t)dst, n);
+    if (c.nparts > 1) { /* every part checked first: nothing past the first NaN/inf is written, as in one call */
+        c.kind = K_ABSMAX;
+        run_call(&c);
+        if (max_bits(&c) >= INF_BITS) c.nparts = 1, c.bounds[1] = n;
+    }
+    c.kind = use_stream(stream, dst) ? K_COPY_STREAM : K_COPY;
+    run_call(&c);
+    for (int i = 0; i < c.nparts; i++) done += c.done[i];
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(done);
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    int threads;
+    long long min_values;
+    if (!PyArg_ParseTuple(args, "iL", &threads, &min_values)) return NULL;
+#ifdef HAVE_SPLIT
+    split_threads = threads < 1 ? 1 : threads > MAX_PARTS ? MAX_PARTS : threads;
+#endif
+    split_min = min_values > 0 ? min_values : 1;
+    return PyLong_FromLong(split_threads);
 }
 
 static PyMethodDef methods[] = {
@@ -412,6 +601,9 @@ static PyMethodDef methods[] = {
     {"copy_finite", py_copy_finite, METH_VARARGS,
      "copy_finite(src_ptr, dst_ptr, n, stream=False) -> values copied (a multiple of 4096 short of n at the "
      "first NaN/inf)"},
+    {"set_threads", py_set_threads, METH_VARARGS,
+     "set_threads(threads, min_values) -> threads: calls over min_values values or more run in that many parts "
+     "at once (1 where threads are not supported)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -423,6 +615,9 @@ PyMODINIT_FUNC PyInit__int8_kernels(void) {
 #ifdef HAVE_STREAM
     __builtin_cpu_init();
     can_stream = __builtin_cpu_supports("avx2") != 0;
+#endif
+#ifdef HAVE_SPLIT
+    pthread_atfork(NULL, NULL, forked_child);
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "COPY_PIECE", COPY_PIECE) < 0 ||

@@ -8,19 +8,15 @@ environment (to compare, or to rule the kernels out), ``AVAILABLE`` is False and
 torch path, which encodes and decodes to the same bits.
 
 The C functions take raw addresses; these wrappers are the only callers and check what C cannot:
-device, dtype, contiguity and sizes. Every kernel releases the GIL, so on a many-core host a call
-over ``SPLIT_MIN`` values or more is split into parts run at once on a few threads (``THREADS``),
-each part a whole number of blocks, which gives the same bits as one call (``set_threads``).
+device, dtype, contiguity and sizes. Every kernel releases the GIL. On a many-core host a call over
+``SPLIT_MIN`` values or more runs in parts at once on a few threads of the extension's own, within
+that one release of the GIL (``threads``, ``set_threads``); the parts are whole groups of blocks,
+so the bits are those of one call.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import math
 import os
-import threading
-from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
@@ -69,16 +65,9 @@ def stream_worthwhile(nbytes: int) -> bool:
     return CAN_STREAM and nbytes > STREAM_MIN_BYTES
 
 
-# ---------------------------------------------------------------- big calls split across threads
-
-#: calls over at least this many values are split (where ``threads()`` > 1): a part of 64K values or
-#: more outweighs the ~20 us a hand-off to another thread costs
+#: calls over at least this many values run in parts where ``threads()`` > 1: a part of 64K values or
+#: more outweighs waking a thread for it
 SPLIT_MIN = 1 << 18
-#: parts start at multiples of this many values (whole ``COPY_PIECE`` pieces) ...
-_GRAIN = 4096
-#: ... or of this many blocks (the groups whose scales the encode computes together)
-_GROUP = 16
-_T = TypeVar("_T")
 
 
 def _default_threads() -> int:
@@ -94,63 +83,25 @@ def _default_threads() -> int:
     return min(4, max(2, cpus // 4)) if cpus >= 4 else 1
 
 
-class _Splitter:
-    """The threads that run all parts of a split call but the first (which its caller runs): one
-    small pool per process, as torch keeps its own; made on first use, idle threads cost nothing."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    def parts(self, n: int, grain: int) -> list[tuple[int, int]] | None:
-        """``[start, end)`` of each part of an ``n``-value call, or None to make one call."""
-        if self.threads <= 1 or n < SPLIT_MIN:
-            return None
-        per = -(-n // self.threads)
-        per = -(-per // grain) * grain
-        return [(a, min(n, a + per)) for a in range(0, n, per)]
-
-    def run(self, fn: Callable[[int, int], _T], parts: list[tuple[int, int]]) -> list[_T]:
-        """``fn(start, end)`` of every part, all at once; the results in part order. Returns only
-        when every part is done (they write the caller's tensors), even if one raised."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self.threads - 1, "p2pt-kernel")
-            pool = self._pool
-        futures = [pool.submit(fn, a, b) for a, b in parts[1:]]
-        try:
-            first = fn(*parts[0])
-        finally:
-            concurrent.futures.wait(futures)
-        return [first] + [f.result() for f in futures]
-
-    def shutdown(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-
-_split = _Splitter(_default_threads())
+_threads = 1
 
 
 def threads() -> int:
-    """How many threads a big kernel call runs on (1: calls are not split)."""
-    return _split.threads
+    """How many threads a big kernel call runs on (1: one call, as without the split)."""
+    return _threads
 
 
-def set_threads(n: int | None) -> None:
-    """Split big calls over ``n`` threads from now on (1: never; None: the default, see
-    ``P2PT_KERNEL_THREADS``); for tests and benchmarks. Not while a call runs."""
-    global _split
-    old, _split = _split, _Splitter(_default_threads() if n is None else max(1, n))
-    old.shutdown()
+def set_threads(n: int | None, split_min: int = SPLIT_MIN) -> int:
+    """Run calls over ``split_min`` values or more in ``n`` parts at once from now on (1: never;
+    None: the default, see ``P2PT_KERNEL_THREADS``); returns the count in effect (1 where the
+    extension cannot make threads). For tests and benchmarks; the pool's idle threads stay."""
+    global _threads
+    want = _default_threads() if n is None else max(1, n)
+    _threads = _K.set_threads(want, split_min) if _K is not None else 1
+    return _threads
 
 
-def _max_of(values: list[float]) -> float:
-    """The max of per-part maxima as one call over the whole would return it (NaN if any is)."""
-    return math.nan if any(v != v for v in values) else max(values)
+set_threads(None)
 
 
 def _need(t: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> int:
@@ -168,11 +119,7 @@ def _overlap(a: int, b: int, nbytes: int, nbytes_b: int | None = None) -> bool:
 
 def absmax(x: torch.Tensor) -> float:
     """max |x| of a contiguous float32 CPU tensor in one pass; inf/nan if it holds inf/NaN."""
-    p, n = _need(x, torch.float32, 0, "absmax"), x.numel()
-    parts = _split.parts(n, _GRAIN)
-    if parts is None:
-        return _K.absmax(p, n)
-    return _max_of(_split.run(lambda a, b: _K.absmax(p + 4 * a, b - a), parts))
+    return _K.absmax(_need(x, torch.float32, 0, "absmax"), x.numel())
 
 
 def encode(x: torch.Tensor, block: int, scale: float, scales: torch.Tensor, q: torch.Tensor,
@@ -181,44 +128,27 @@ def encode(x: torch.Tensor, block: int, scale: float, scales: torch.Tensor, q: t
     ``scale``) and ``q`` (int8); with ``dec``, also what a receiver decodes, in the same pass
     (``dec`` may be ``x``). False, with the outputs partly written, if ``x`` holds NaN or inf."""
     n = x.numel()
-    px, ps, pq = (_need(x, torch.float32, n, "encode x"), _need(scales, torch.float32, -(-n // block), "encode scales"),
-                  _need(q, torch.int8, n, "encode q"))
-    pd = 0 if dec is None else _need(dec, torch.float32, n, "encode dec")
-    parts = _split.parts(n, _GROUP * block)
-    if parts is None:
-        return _K.encode(px, n, block, scale, ps, pq, pd)
-    return all(_split.run(lambda a, b: _K.encode(px + 4 * a, b - a, block, scale, ps + 4 * (a // block), pq + a,
-                                                 pd and pd + 4 * a), parts))
+    args = (_need(x, torch.float32, n, "encode x"), n, block, scale,
+            _need(scales, torch.float32, -(-n // block), "encode scales"), _need(q, torch.int8, n, "encode q"),
+            0 if dec is None else _need(dec, torch.float32, n, "encode dec"))
+    return _K.encode(*args)
 
 
 def decode(scales: torch.Tensor, q: torch.Tensor, block: int, out: torch.Tensor, stream: bool = False) -> None:
     """``out = q * scale`` per block (``out`` float32, ``q.numel()`` values); ``stream``: with
     streaming stores where the CPU has them (see ``stream_worthwhile``), the same values."""
     n = q.numel()
-    ps, pq = _need(scales, torch.float32, -(-n // block), "decode scales"), _need(q, torch.int8, n, "decode q")
-    po = _need(out, torch.float32, n, "decode out")
-    parts = _split.parts(n, _GROUP * block)
-    if parts is None:
-        _K.decode(ps, pq, n, block, po, stream)
-    else:
-        _split.run(lambda a, b: _K.decode(ps + 4 * (a // block), pq + a, b - a, block, po + 4 * a, stream), parts)
+    _K.decode(_need(scales, torch.float32, -(-n // block), "decode scales"), _need(q, torch.int8, n, "decode q"),
+              n, block, _need(out, torch.float32, n, "decode out"), stream)
 
 
 def decode_add(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float, src: torch.Tensor,
                out: torch.Tensor) -> None:
     """``out = src + q * (scale * weight)`` per block; ``src`` may be ``out``."""
     n = q.numel()
-    _decode_add(n, block, weight, _need(scales, torch.float32, -(-n // block), "decode_add scales"),
-                _need(q, torch.int8, n, "decode_add q"), _need(src, torch.float32, n, "decode_add src"),
-                _need(out, torch.float32, n, "decode_add out"))
-
-
-def _decode_add(n: int, block: int, weight: float, ps: int, pq: int, psrc: int, pout: int) -> float:
-    parts = _split.parts(n, _GROUP * block)
-    if parts is None:
-        return _K.decode_add(ps, pq, n, block, weight, psrc, pout)
-    return _max_of(_split.run(lambda a, b: _K.decode_add(ps + 4 * (a // block), pq + a, b - a, block, weight,
-                                                         psrc + 4 * a, pout + 4 * a), parts))
+    _K.decode_add(_need(scales, torch.float32, -(-n // block), "decode_add scales"),
+                  _need(q, torch.int8, n, "decode_add q"), n, block, weight,
+                  _need(src, torch.float32, n, "decode_add src"), _need(out, torch.float32, n, "decode_add out"))
 
 
 def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float, src: torch.Tensor,
@@ -227,11 +157,12 @@ def decode_add_max(scales: torch.Tensor, q: torch.Tensor, block: int, weight: fl
     the same pass: ``out`` is written whatever ``src`` holds. ``src`` is ``out`` itself or does
     not overlap it."""
     n = q.numel()
-    ps, pq = _need(scales, torch.float32, -(-n // block), "decode_add scales"), _need(q, torch.int8, n, "decode_add q")
-    psrc, pout = _need(src, torch.float32, n, "decode_add src"), _need(out, torch.float32, n, "decode_add out")
-    if psrc != pout and _overlap(psrc, pout, 4 * n):
+    args = (_need(scales, torch.float32, -(-n // block), "decode_add scales"), _need(q, torch.int8, n, "decode_add q"),
+            n, block, weight, _need(src, torch.float32, n, "decode_add src"),
+            _need(out, torch.float32, n, "decode_add out"))
+    if args[5] != args[6] and _overlap(args[5], args[6], 4 * n):
         raise ValueError("decode_add_max: src must be out itself or not overlap it")
-    return _decode_add(n, block, weight, ps, pq, psrc, pout)  # (one kernel: ``decode_add`` drops the max)
+    return _K.decode_add(*args)  # (one kernel: ``decode_add`` drops the max it returns)
 
 
 def decode_add_encode(scales: torch.Tensor, q: torch.Tensor, block: int, weight: float, src: torch.Tensor,
@@ -255,17 +186,7 @@ def decode_add_encode(scales: torch.Tensor, q: torch.Tensor, block: int, weight:
             _overlap(qo_p, out_p, n, 4 * n) or _overlap(so_p, qo_p, 4 * nb, n):
         raise ValueError("decode_add_encode: src must be out itself or not overlap it, and the outputs must not "
                          "overlap each other or out")
-    parts = _split.parts(n, _GROUP * block)
-    if parts is None:
-        return _K.decode_add_encode(*args)
-    ps, pq, w = args[0], args[1], args[4]
-
-    def part(a: int, b: int) -> tuple[float, bool]:
-        sb = 4 * (a // block)
-        return _K.decode_add_encode(ps + sb, pq + a, b - a, block, w, src_p + 4 * a, out_p + 4 * a, scale,
-                                    so_p + sb, qo_p + a)
-    done = _split.run(part, parts)
-    return _max_of([m for m, _ in done]), all(ok for _, ok in done)
+    return _K.decode_add_encode(*args)
 
 
 def copy_finite(src: torch.Tensor, dst: torch.Tensor, stream: bool = False) -> int:
@@ -277,8 +198,4 @@ def copy_finite(src: torch.Tensor, dst: torch.Tensor, stream: bool = False) -> i
     ps, pd = _need(src, torch.float32, n, "copy_finite src"), _need(dst, torch.float32, n, "copy_finite dst")
     if _overlap(ps, pd, 4 * n):
         raise ValueError("copy_finite: src and dst overlap")
-    parts = _split.parts(n, _GRAIN)
-    # split: every part is checked first, so that nothing past the first NaN/inf is written, as in one call
-    if parts is None or not all(m < math.inf for m in _split.run(lambda a, b: _K.absmax(ps + 4 * a, b - a), parts)):
-        return _K.copy_finite(ps, pd, n, stream)
-    return sum(_split.run(lambda a, b: _K.copy_finite(ps + 4 * a, pd + 4 * a, b - a, stream), parts))
+    return _K.copy_finite(ps, pd, n, stream)
