@@ -189,6 +189,15 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def peak_rss() -> int:
+    """This process's peak resident set size (``VmHWM``) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def rss_mb(pid: int) -> float:
     """Resident set size of ``pid`` in MB (0 if gone)."""
     try:
