@@ -1,11 +1,13 @@
 """The codecs' device paths (``Codec.device_encode`` / ``device_decode`` / ``device_decode_add``):
 torch ops on the tensor's own device, only wire bytes crossing to the host. Run here on CPU
 tensors, they must give the CPU codec's wire bytes and decoded values bit for bit, with the
-compiled int8 kernels and with the torch fallback; the CUDA test at the end (skipped without
-CUDA; ``P2PTRAIN_TEST_DEVICE=cpu`` runs it on the CPU) checks the same through the plain API."""
+compiled int8 kernels and with the torch fallback; an all-reduce round whose sender takes them
+gives the normal round's results; the CUDA test at the end (skipped without CUDA;
+``P2PTRAIN_TEST_DEVICE=cpu`` runs it on the CPU) checks the same through the plain API."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from unittest import mock
 
@@ -14,8 +16,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.compression import CODECS, CompressionError, get_codec, kernels
+from p2ptrain.averaging import sender
+from p2ptrain.averaging.group import Group
+from p2ptrain.averaging.round_types import AllReduceConfig
+from p2ptrain.compression import CODECS, Codec, CompressionError, get_codec, kernels
 from p2ptrain.compression.device import Transfer
+from test_allreduce import data, run_all, swarm  # noqa: F401 - swarm is a fixture
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DEVICE_CODECS = ["none", "fp16", "bf16", "int8"]
@@ -223,6 +229,34 @@ def test_transfer_on_the_cpu_is_plain_copies():
         assert tx.to_device(host).data_ptr() == host.data_ptr()  # (the CPU is the device: no copy)
         assert tx.item(src.sum()) == 45.0
     assert host.data_ptr() == out.data_ptr() and torch.equal(host.view(torch.float32), src)
+
+
+@pytest.mark.usefixtures("loop_errors")
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+async def test_a_round_whose_sender_takes_the_device_paths_gives_the_same_results(swarm, monkeypatch, codec):
+    """Forced on for CPU tensors, the sender's staged path (a ``flat`` on a device: chunks encoded
+    and replies decoded by the codecs' device paths) gives every member the normal round's values
+    bit for bit, and it did encode and decode there."""
+    calls = []
+    for name in ("device_encode", "device_decode"):
+        def spy(self, *args, _f=getattr(Codec, name), _name=name, **kw):
+            calls.append(_name)
+            return _f(self, *args, **kw)
+        monkeypatch.setattr(Codec, name, spy)
+    async with asyncio.timeout(20):
+        # two members: one contribution per owner, so no arrival order changes a sum's rounding
+        group, _h, services = await swarm.group(2, config=AllReduceConfig(chunk_numel=4096))
+        xs, ws = data(2, 2 * 10_007 + 5)
+        got = {}
+        for staged in (False, True):
+            monkeypatch.setattr(sender, "staged", lambda flat, _s=staged: _s)
+            calls.clear()
+            flats = [x.clone() for x in xs]
+            g = Group(group.group_id + bytes([staged]), group.members)
+            assert all(r.ok and not r.failed for r in await run_all(g, services, flats, ws, codec))
+            assert {"device_encode", "device_decode"} <= set(calls) if staged else not calls
+            got[staged] = flats
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got[False], got[True]))
 
 
 # ---------------------------------------------------------------------------- on a device

@@ -12,6 +12,9 @@ is dropped like a dead owner; the chunks before it stay averaged (with a ``none`
 Hot path: for ``none`` we send views of ``flat`` (``run`` checked it is finite: no encode pass),
 ``none`` replies are checked and copied into ``flat`` in one pass, and where ``flat`` outgrows the
 last-level cache replies are written around it (streaming stores: no read before write).
+
+A ``flat`` on a device (``staged``): chunks are encoded on the device and replies decoded onto it
+by the codecs' device paths, so only wire bytes cross between the device and the host.
 """
 
 from __future__ import annotations
@@ -32,11 +35,18 @@ from .ledger import chunks as _chunks
 from .protocol import MAX_SUMMARY, PREFIX, PROTOCOL, Reader, parse_summary
 from .round_types import Drop, InputRefused, PartialResult, ShardResult
 
-__all__ = ["Sender"]
+__all__ = ["Sender", "staged"]
 
 
 def _no_gone(j: int) -> None:
     pass
+
+
+def staged(flat: torch.Tensor) -> bool:
+    """Whether a sender encodes ``flat``'s chunks and decodes their replies with the codecs' device
+    paths (``Codec.device_encode`` / ``device_decode``): where ``flat`` is not on the CPU. (Tests
+    force it on for CPU tensors: the same bytes and results.)"""
+    return flat.device.type != "cpu"
 
 
 class Sender:
@@ -47,11 +57,15 @@ class Sender:
         self.ctx = ctx
         self.gone = gone
         codec, gcodec = ctx.codec, ctx.gcodec
+        dev = ctx.flat.device.type
+        self.staged = staged(ctx.flat)
+        self.enc_staged = self.staged and dev in codec.devices  # (else ``encode``: error feedback)
+        self.dec_staged = self.staged and dev in gcodec.devices
         # ``none`` on float32 (no error feedback): a chunk's wire bytes are its values, and ``run``
         # checked ``flat`` is finite, so we send views of it (no encode pass, no worker hop)
-        self.raw = codec.wire_is_values
+        self.raw = codec.wire_is_values and not self.staged
         # ``none`` replies: checked and copied into ``flat`` in one pass (see ``_decode``)
-        self.raw_reply = gcodec.wire_is_values and kernels.AVAILABLE
+        self.raw_reply = gcodec.wire_is_values and kernels.AVAILABLE and not self.staged
         # Replies go into ``flat`` and nothing in the round reads them again: where ``flat`` outgrows
         # the last-level cache they are written around it (streaming stores: no read before write).
         self.stream_out = kernels.stream_worthwhile(ctx.flat.numel() * ctx.flat.element_size())
@@ -64,6 +78,8 @@ class Sender:
         flat = self.ctx.flat
         if self.raw:  # flat was checked finite by ``run``: its bytes are the message
             return [memoryview(flat[a:b].numpy()).cast("B")]
+        if self.enc_staged:
+            return self.ctx.codec.device_encode(flat[a:b], out=out_wire).memoryviews()
         return self.ctx.codec.encode(flat[a:b], key=("allreduce", a), out=out_wire).memoryviews()
 
     def _decode(self, a: int, b: int, buf: memoryview) -> None:
@@ -76,7 +92,10 @@ class Sender:
             if done < b - a:
                 raise PartialResult(done)
             return
-        self.gdecoder.decode(dict(self.ctx.gmeta, numel=b - a), buf, out=flat[a:b])
+        if self.dec_staged:
+            self.gdecoder.device_decode(dict(self.ctx.gmeta, numel=b - a), buf, flat[a:b])
+        else:
+            self.gdecoder.decode(dict(self.ctx.gmeta, numel=b - a), buf, out=flat[a:b])
 
     async def send_part(self, j: int) -> ShardResult:
         """Send our part of owner ``j``'s shard and take its reply."""
