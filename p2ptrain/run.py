@@ -27,7 +27,6 @@ import torch
 from dht import Multiaddr
 
 from .background import DHT
-from .contrib import ContributionBook
 from .optim import DecentralizedOptimizer
 
 log = logging.getLogger("p2ptrain.run")
@@ -96,7 +95,6 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
     if dht is None:
         dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host)
     opt: DecentralizedOptimizer | None = None
-    book: ContributionBook | None = None
     try:
         model = task.make_model(seed=cfg.seed).to(device)  # the same init on every device: built on the host
         opt = DecentralizedOptimizer(
@@ -106,9 +104,9 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             inner_warmup_steps=cfg.inner_warmup_steps, compression=cfg.compression,
             aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
-            checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers,
+            checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers, name=cfg.name,
+            receipts_file=cfg.receipts_file,
         )
-        book = ContributionBook.attach(opt, name=cfg.name, path=cfg.receipts_file)
         if stop.is_set():  # asked to stop while joining (e.g. Ctrl+C during the state download)
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
         on_event({"event": "started", "peer_id": str(dht.peer_id),
@@ -152,17 +150,14 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         metrics = task.evaluate(model)
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
                 "stopped": stop.is_set(), "epochs_trained": opt.epoch - start_epoch,
-                "params_digest": _digest(model), "receipts": book.signed, "receipt_samples": book.samples}
+                "params_digest": _digest(model)}
+        if opt.contribution is not None:  # what our own receipts say
+            done.update(receipts=opt.contribution.signed, receipt_samples=opt.contribution.samples)
         if cfg.save:
             done["saved"] = save_model(model, cfg.save, {"run_id": opt.run_id, "epoch": str(opt.epoch)})
         on_event(done)
         return done
     finally:
-        if book is not None and opt is not None:
-            try:
-                book.detach(opt)  # publishes the receipts not yet in the DHT
-            except Exception as e:  # noqa: BLE001 - leaving must not fail on it
-                log.debug("closing the contribution book failed: %s", e)
         if opt is not None:
             opt.close()
         if own_dht:

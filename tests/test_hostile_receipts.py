@@ -20,7 +20,7 @@ from test_allreduce import Swarm, data, run_all
 
 from dht import DHTConfig, DHTNode, Identity
 from p2ptrain.averaging import Group, StepResult, partition
-from p2ptrain.averaging.round_types import AllReduceConfig
+from p2ptrain.averaging.round_types import AllReduceConfig, AllReduceResult, ShardResult
 from p2ptrain.contrib import ContributionBook, Line, build_receipt, leaderboard, parse_signed, read_file, sign
 from p2ptrain.contrib.book import read_receipts
 from p2ptrain.contrib.receipt import Receipt
@@ -190,3 +190,16 @@ async def test_receipts_in_the_dht_and_on_disk_credit_a_peer_that_left(swarm, tm
             await book.close()
         for node in [reader, *nodes[1:]]:
             await node.close()
+
+
+def test_a_round_in_slices_credits_the_part_of_every_slice_that_holds_a_members_values():
+    ids = [Identity() for _ in range(3)]
+
+    def slice_result(contributors: list[list[int]]) -> AllReduceResult:
+        shards = [ShardResult(o, 100 * o, 100 * o + 100, "ok", 100, c) for o, c in enumerate(contributors)]
+        return AllReduceResult(b"g" * 16, 3, tuple(i.peer_id for i in ids), 0, shards, {}, 1.0,
+                               weights=(30.0, 30.0, 30.0))
+    first, second = slice_result([[0, 1, 2]] * 3), slice_result([[0, 1, 2], [0, 1, 2], [0, 1]])
+    r = build_receipt(first, RUN, "e1", ids[0].peer_id, 0.0, slices=[first, second])
+    assert [(ln.samples, ln.excluded) for ln in r.lines] == [(30, False), (30, False), (25, True)]
+    assert r.why == {2: "missing"}

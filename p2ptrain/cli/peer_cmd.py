@@ -177,7 +177,7 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--bootstrap-timeout must be a positive number of seconds")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port must be between 0 and 65535 (0: any free port)")
-    from ..contrib.book import check_name
+    from ..contrib import check_name
 
     try:
         check_name(args.name)

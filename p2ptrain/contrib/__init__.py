@@ -6,9 +6,9 @@ and the leaderboard a majority of each group's signatures confirms.
     book.py         ContributionBook: sign each round's receipt, publish the newest in the DHT, keep a file
 """
 
-from .book import ContributionBook, read_file, read_receipts, receipts_key
+from .book import ContributionBook, check_name, read_file, read_receipts, receipts_key
 from .leaderboard import Row, leaderboard
 from .receipt import Line, Receipt, Signed, build_receipt, parse_signed, sign
 
-__all__ = ["ContributionBook", "Line", "Receipt", "Row", "Signed", "build_receipt", "leaderboard", "parse_signed",
-           "read_file", "read_receipts", "receipts_key", "sign"]
+__all__ = ["ContributionBook", "Line", "Receipt", "Row", "Signed", "build_receipt", "check_name", "leaderboard",
+           "parse_signed", "read_file", "read_receipts", "receipts_key", "sign"]

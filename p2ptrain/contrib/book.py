@@ -74,7 +74,6 @@ class ContributionBook:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dirty = asyncio.Event()
-        self._hook: Callable[[StepResult], None] | None = None  # ours in an optimizer's round hooks (attach)
         self._tasks = TaskGroup()
 
     # ------------------------------------------------------------------ any thread
@@ -100,7 +99,8 @@ class ContributionBook:
         """Our receipt of ``result`` (an extension point: a hostile peer signs another)."""
         assert result.allreduce is not None
         return build_receipt(result.allreduce, run, result.round_id, self.identity.peer_id, time.time(),
-                             failed=result.failed, bytes_sent=result.bytes_sent, compute_s=compute_s)
+                             slices=result.allreduces, failed=result.failed, bytes_sent=result.bytes_sent,
+                             compute_s=compute_s)
 
     def _append(self, signed: Signed) -> None:
         by, body, sig = (base64.b64encode(x).decode() for x in signed.to_wire())
@@ -121,23 +121,6 @@ class ContributionBook:
                 break
             out.append([s.body, s.sig])
         return {"v": _VERSION, "n": self.name, "r": out}
-
-    @classmethod
-    def attach(cls, opt: DecentralizedOptimizer, *, name: str | None = None,
-               path: str | os.PathLike | None = None) -> ContributionBook:
-        """A started book of ``opt``'s rounds, on its DHT (a receipt of each gradient round from now
-        on); ``detach`` it before closing the DHT."""
-        book = cls(opt.dht.node, opt.run_id, name=name, path=path)
-        opt.dht.run(book.start())
-        book._hook = book.hook(opt)
-        opt.stats.round_hooks.append(book._hook)
-        return book
-
-    def detach(self, opt: DecentralizedOptimizer, timeout: float = 2.0) -> None:
-        """Stop taking ``opt``'s rounds and close (publishing what is not published yet)."""
-        if self._hook in opt.stats.round_hooks:
-            opt.stats.round_hooks.remove(self._hook)
-        opt.dht.run(self.close(timeout), timeout=timeout + 3)
 
     def hook(self, opt: DecentralizedOptimizer) -> Callable[[StepResult], None]:
         """The round hook for ``opt`` (its ``stats.round_hooks``): our receipt of each gradient round,

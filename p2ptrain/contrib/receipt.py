@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,19 +182,22 @@ def exclusion_class(why: str) -> str:
 
 
 def build_receipt(ar: AllReduceResult, run: str, round_id: str, signer: PeerID, now: float, *,
-                  failed: Mapping[int, str] | None = None, bytes_sent: int = 0, compute_s: float = 0.0) -> Receipt:
-    """Our receipt of round ``ar`` (``failed``: the round's failures, default ``ar.failed``; a
-    staged round's merged ones), from the facts the group agreed on: see the module docstring."""
+                  slices: Sequence[AllReduceResult] = (), failed: Mapping[int, str] | None = None,
+                  bytes_sent: int = 0, compute_s: float = 0.0) -> Receipt:
+    """Our receipt of round ``ar`` (``slices``: every all-reduce of a round averaged a slice at a
+    time, ``ar`` the first; ``failed``: the round's failures, default ``ar.failed``), from the facts
+    the group agreed on: see the module docstring."""
     failed = ar.failed if failed is None else failed
+    shards = [s for r in (slices or [ar]) for s in r.shards]
     n = ar.group_size
     weights = list(ar.weights) if len(ar.weights) == n else [0.0] * n
     if ar.aggregation != "mean" and weights:  # robust rules cap each weight at the median (robust._capped)
         med = statistics.median_low(weights)
         weights = [min(w, med) for w in weights]
-    total = sum(s.numel for s in ar.shards)
+    total = sum(s.numel for s in shards)
     covered = [0] * n
     missing: set[int] = set()
-    for s in ar.shards:
+    for s in shards:
         if s.status == "ok":
             for r in s.contributors:
                 if 0 <= r < n:

@@ -39,6 +39,7 @@ from dht import LogThrottle, Multiaddr, PeerID
 from ..averaging import AllReduceConfig, Averager, StepResult
 from ..background import DHT
 from ..checkpoint.autosave import Checkpointer
+from ..contrib import ContributionBook, check_name
 from ..deadlines import STATE_LOAD, resolve
 from .adopt import Schedule
 from .catch_up import catch_up_at_start, fall_behind, fetch_state, load_state_from_peers
@@ -99,6 +100,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     record its ``state_dict`` names, so ``p2ptrain ckpt export`` writes a file that
     ``model.load_state_dict`` takes, and hold its other state_dict tensors (buffers such as
     BatchNorm running stats, frozen parameters) as the saving peer has them, restored on resume.
+
+    ``receipts``: after each gradient round sign a receipt of what the group credited each member
+    with and publish it in the DHT (``p2ptrain status --leaderboard``; :mod:`p2ptrain.contrib`),
+    with ``name`` announced beside our PeerID; ``receipts_file``: also append them there.
     """
 
     def __init__(
@@ -133,9 +138,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         checkpoint_writers: int = 3,
         trusted_writers: Sequence[PeerID | str] = (),
         model: torch.nn.Module | None = None,
+        receipts: bool = True,
+        name: str | None = None,
+        receipts_file: str | Path | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        peer_name = check_name(name)
         self.options = o = TrainerOptions(
             run_id=run_id, target_batch_size=target_batch_size, batch_size_per_step=batch_size_per_step, mode=mode,
             local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
@@ -259,6 +268,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         # (optimizer moments and more) plus 16 MiB of counters; a larger manifest is refused unread
         self._state_cap = 8 * sum(t.numel() * max(4, t.element_size()) for t in self.params) + (16 << 20)
         self.checkpointer: Checkpointer | None = None
+        self.contribution = (ContributionBook(self.dht.node, run_id, name=peer_name, path=receipts_file)
+                             if receipts else None)
         try:
             self.checkpointer = make_checkpointer(self, o)
             self._loop.run(self._start())
@@ -276,6 +287,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self.checkpointer is not None:
             await self.checkpointer.start()
         await self.tracker.start(publish=False)
+        if self.contribution is not None:
+            await self.contribution.start()
+            self.stats.round_hooks.append(self.contribution.hook(self))
 
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> int:
         """Block until ``n`` compatible peers (us included) are in the swarm or ``timeout`` passes;
@@ -460,6 +474,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self.dht.close()
 
     async def _close(self) -> None:
+        if self.contribution is not None:
+            await self.contribution.close()  # (publishes the receipts not yet in the DHT)
         if self._state_averager is not None:
             await self._state_averager.close()
         if self.checkpointer is not None:
