@@ -40,6 +40,8 @@ _FIELDS = [
     ("p2ptrain_state_loads", "counter", "Times this peer downloaded the swarm's state", "state_loads"),
     ("p2ptrain_bytes_sent", "counter", "Bytes this peer sent in averaging rounds", "bytes_sent"),
     ("p2ptrain_bytes_received", "counter", "Bytes this peer received in averaging rounds", "bytes_received"),
+    ("p2ptrain_receipts", "counter", "Averaging rounds this peer signed a contribution receipt for", "receipts"),
+    ("p2ptrain_receipt_samples", "counter", "Samples this peer's own receipts credit it with", "receipt_samples"),
     ("p2ptrain_loss", "gauge", "Training loss (moving average of the local batches)", "loss"),
 ]
 _ROUND_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

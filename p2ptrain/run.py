@@ -151,8 +151,6 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
                 "stopped": stop.is_set(), "epochs_trained": opt.epoch - start_epoch,
                 "params_digest": _digest(model)}
-        if opt.contribution is not None:  # what our own receipts say
-            done.update(receipts=opt.contribution.signed, receipt_samples=opt.contribution.samples)
         if cfg.save:
             done["saved"] = save_model(model, cfg.save, {"run_id": opt.run_id, "epoch": str(opt.epoch)})
         on_event(done)
@@ -203,7 +201,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: float) -> Event:
-    s = opt.stats
+    s, book = opt.stats, opt.contribution
     return {"event": "progress", "epoch": opt.epoch, "loss": None if math.isnan(loss) else round(loss, 5),
             "steps": steps, "samples": s.samples_total, "seconds": round(elapsed, 3),
             "local_sps": round(s.local_sps, 1), "swarm_sps": round(s.swarm_sps, 1), "peers": s.peers,
@@ -211,7 +209,8 @@ def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: flo
             "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "state_loads": s.state_loads,
             "local_samples": s.local_samples, "round_s": round(s.last_round_s, 4), "state_rounds": s.state_rounds,
             "dht_peers": len(opt.dht.node.routing), "checkpoints_saved": s.checkpoints_saved,
-            "checkpoint_epoch": s.last_checkpoint_epoch}
+            "checkpoint_epoch": s.last_checkpoint_epoch, "receipts": book.signed if book else 0,
+            "receipt_samples": book.samples if book else 0}
 
 
 def _round_counters(s: Any) -> tuple[int, int, int, int, int]:

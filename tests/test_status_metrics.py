@@ -190,7 +190,8 @@ def test_metrics_and_round_log_in_process(tmp_path):
               "total_rounds": 1, "total_failures": 0}
     m.on_round(record)
     m.on_event({"event": "progress", "epoch": 1, "samples": 600, "loss": 0.5, "peers": 2, "bytes_sent": 1000,
-                "bytes_received": 900, "rounds": 1, "failed_rounds": 0, "dht_peers": 3, "local_sps": 100.0})
+                "bytes_received": 900, "rounds": 1, "failed_rounds": 0, "dht_peers": 3, "local_sps": 100.0,
+                "receipts": 1, "receipt_samples": 512})
     m.on_round({**record, "epoch": 2, "group_size": None, "seconds": None, "rounds": 0, "failures": 1, "samples": 600,
                 "bytes_sent": 0, "bytes_received": 0, "total_failures": 1})
     port = m.serve(0, "127.0.0.1")
@@ -204,6 +205,7 @@ def test_metrics_and_round_log_in_process(tmp_path):
     assert got["p2ptrain_rounds_total"] == 1 and got["p2ptrain_failed_rounds_total"] == 1
     assert got["p2ptrain_bytes_sent_total"] == 1000 and got["p2ptrain_group_size"] == 2 and got["p2ptrain_loss"] == 0.5
     assert got["p2ptrain_round_seconds_count"] == 1 and got["p2ptrain_round_seconds_sum"] == 0.25
+    assert got["p2ptrain_receipts_total"] == 1 and got["p2ptrain_receipt_samples_total"] == 512
     with pytest.raises(OSError):
         urllib.request.urlopen(m.url, timeout=2)  # closed with the peer: nothing serves the port any more
 
