@@ -233,7 +233,7 @@ def test_transfer_on_the_cpu_is_plain_copies():
 
 @pytest.mark.usefixtures("loop_errors")
 @pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
-async def test_a_round_whose_sender_takes_the_device_paths_gives_the_same_results(swarm, monkeypatch, codec):
+async def test_a_round_whose_sender_takes_the_device_paths_gives_the_same_results(swarm, monkeypatch, codec):  # noqa: F811
     """Forced on for CPU tensors, the sender's staged path (a ``flat`` on a device: chunks encoded
     and replies decoded by the codecs' device paths) gives every member the normal round's values
     bit for bit, and it did encode and decode there."""
