@@ -1,7 +1,7 @@
 """``p2ptrain status --leaderboard``: who contributed what to a run, from the receipts in the DHT.
 
 Every training peer publishes its signed receipts of the rounds it took part in under
-``{run_id}/receipts`` (:mod:`p2ptrain.contrib`); a member's line of a round counts when a majority
+``{run_id}/receipts/*`` (:mod:`p2ptrain.contrib`); a member's line of a round counts when a majority
 of its group signed it. One row per PeerID (and the name it announces): rounds, samples, compute
 time and bytes sent (those two are the peer's own claims), first and last seen, exclusions and why;
 as a table, ``--json``, ``--csv`` or ``--prometheus`` (the text format, e.g. for a textfile collector).
@@ -48,11 +48,11 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 async def show_leaderboard(args: argparse.Namespace, node: DHTNode, run_id: str) -> int:
     """Read the run's receipts from ``node``'s DHT and print the leaderboard."""
-    from ..contrib import leaderboard, read_receipts, receipts_key
+    from ..contrib import leaderboard, read_receipts
 
     signed, names = await read_receipts(node, run_id)
     if not signed:
-        return fail(f"no receipts under key {receipts_key(run_id)!r} (run {run_id!r}): check the run id, and that "
+        return fail(f"no receipts under keys {run_id + '/receipts/*'!r} (run {run_id!r}): check the run id, and that "
                     "its peers averaged at least once (they publish their receipts every 30 s and as they leave)")
     rows = leaderboard(signed, names)
     if args.prometheus:

@@ -1,10 +1,12 @@
 """A peer's contribution book: signs a receipt of each averaging round it took part in, publishes its
 latest receipts in the DHT and, optionally, appends every one to a file; and the reads of them.
 
-In the DHT each peer holds one owner-signed entry under ``{run_id}/receipts`` (sub-key ``r``):
-its announced name and its newest receipts, bounded (``MAX_KEPT`` receipts, ``MAX_ENTRY`` bytes),
-expiring ``ttl`` seconds after its last write. A round's receipts are published in the background,
-at most every ``publish_every`` seconds: no round waits for them. Receipts are credited from
+In the DHT each peer holds one owner-signed entry (sub-key ``r``) under ``{run_id}/receipts/{b}``,
+``b`` one of ``BUCKETS`` drawn from its PeerID (a DHT reply holds at most 1 MiB of one key: the
+buckets let hundreds of peers' entries be read): its announced name and its newest receipts,
+bounded (``MAX_KEPT`` receipts, ``MAX_ENTRY`` bytes), expiring ``ttl`` seconds after its last
+write. A round's receipts are published in the background, at most every ``publish_every`` seconds:
+no round waits for them. Receipts are credited from
 whoever holds them (see :mod:`.leaderboard`), so a peer that left is still credited from its
 group's receipts while they last.
 
@@ -45,8 +47,16 @@ MAX_NAME = 40
 TTL = 86_400.0  # the DHT's longest
 
 
-def receipts_key(run_id: str) -> str:
-    return f"{run_id}/receipts"
+BUCKETS = 16
+
+
+def receipts_key(run_id: str, bucket: int) -> str:
+    """The DHT key of run ``run_id``'s receipts in ``bucket`` (a peer's: ``bucket_of``)."""
+    return f"{run_id}/receipts/{bucket}"
+
+
+def bucket_of(peer: PeerID) -> int:
+    return peer.to_bytes()[-1] % BUCKETS
 
 
 def check_name(name: str | None) -> str | None:
@@ -64,7 +74,7 @@ class ContributionBook:
     def __init__(self, node: DHTNode, run_id: str, *, name: str | None = None, path: str | os.PathLike | None = None,
                  publish_every: float = 30.0, ttl: float = TTL):
         self.node, self.run_id, self.name = node, run_id, check_name(name)
-        self.key = receipts_key(run_id)
+        self.key = receipts_key(run_id, bucket_of(node.peer_id))
         self.identity: Identity = node.identity
         self.path = None if path is None else os.fspath(path)
         self.publish_every, self.ttl = publish_every, ttl
@@ -188,10 +198,11 @@ def parse_entry(value: object, owner: PeerID) -> tuple[str | None, list[Signed]]
 
 async def read_receipts(node: DHTNode, run_id: str) -> tuple[list[Signed], dict[PeerID, str]]:
     """Every valid receipt the peers of ``run_id`` publish, and the names they announce."""
-    read = await node.get_owned(receipts_key(run_id), _SUBKEY, max_size=64 * 1024)
+    reads = await asyncio.gather(*(node.get_owned(receipts_key(run_id, b), _SUBKEY, max_size=64 * 1024)
+                                   for b in range(BUCKETS)))
     signed: list[Signed] = []
     names: dict[PeerID, str] = {}
-    for owner, ov in read.values.items():
+    for owner, ov in ((o, v) for read in reads for o, v in read.values.items()):
         name, found = parse_entry(ov.value, owner)
         signed += found
         if name is not None:
