@@ -101,7 +101,7 @@ class ContributionBook:
             self.samples += receipt.lines[ar.rank].samples
             if self.path is not None:
                 self._append(signed)
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._dirty.set)
         return signed
 
@@ -141,7 +141,10 @@ class ContributionBook:
             ar = result.allreduce
             sps = opt.stats.local_sps
             own = ar.weights[ar.rank] if ar is not None and len(ar.weights) > ar.rank else 0.0
-            self.record(result, run, own / sps if sps > 0 else 0.0)
+            try:
+                self.record(result, run, own / sps if sps > 0 else 0.0)
+            except Exception:  # noqa: BLE001 - a receipt we cannot make must not stop training
+                log.exception("could not sign the receipt of round %s", result.round_id)
 
         return on_round
 
