@@ -200,8 +200,9 @@ class Codec:
         ``out``: a 1-D contiguous uint8 CPU tensor of at least ``encoded_nbytes`` bytes that a codec
         with one wire buffer writes into instead of allocating one, so a caller that encodes chunk
         after chunk can take turns with a few buffers (a fresh buffer per chunk costs a page fault
-        per 4 KiB on first touch). The result then aliases ``out``. Ignored for CUDA chunks and by
-        codecs that send the chunk itself (``none``) or several buffers (``topk``).
+        per 4 KiB on first touch). The result then aliases ``out``. Ignored by codecs that send a
+        CPU chunk itself (``none``) or several buffers (``topk``), and for device chunks of codecs
+        without a device path; a device path (``devices``) copies every codec's bytes into it.
 
         ``scale`` (0 < scale <= 1): encode ``chunk * scale`` without a separate pass over the
         chunk, e.g. the division of a weighted mean folded into the encode of the sum (``int8``
