@@ -1,5 +1,6 @@
-"""Big incoming frames decrypted on the host's thread pool (``dht.sealer.OrderedReceiver``), as on
-many-core machines. Off by default on this 2-core box: ``Limits(seal_threads=2)`` turns it on.
+"""Big incoming frames decrypted on the host's thread pool (``dht.sealer.OrderedReceiver``, whose
+own tests are in test_sealer.py), as on many-core machines, through real connections. Off by
+default on this 2-core box: ``Limits(seal_threads=2)`` turns it on.
 
 What must not change: the order in which frames reach the connection (the bytes a stream delivers,
 among small frames and RPCs), a frame failing its tag closes the connection with the words it
@@ -17,7 +18,7 @@ import threading
 
 import pytest
 
-from dht import PeerUnreachable, sealer
+from dht import PeerUnreachable
 from dht.limits import Limits
 from dht.noise import AUTH_FAILED
 
@@ -25,88 +26,6 @@ MiB = 1 << 20
 POOL = Limits(seal_threads=2)
 
 pytestmark = [pytest.mark.usefixtures("loop_errors"), pytest.mark.timeout(60)]
-
-
-class _ManualPool(concurrent.futures.Executor):
-    """Runs nothing until told: the test completes jobs in any order it likes."""
-
-    def __init__(self):
-        self.jobs: list[tuple[concurrent.futures.Future, object]] = []
-
-    def submit(self, fn, *args, **kwargs):
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.jobs.append((fut, fn))
-        return fut
-
-    def run(self, i: int) -> None:
-        fut, fn = self.jobs[i]
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fn()
-        except Exception as e:
-            fut.set_exception(e)
-        else:
-            fut.set_result(None)
-
-
-class _Receiver:
-    def __init__(self):
-        self.delivered: list[object] = []
-        self.failed: list[Exception] = []
-        self.pauses: list[bool] = []
-        self.q = sealer.OrderedReceiver(asyncio.get_running_loop(), self.delivered.append, self.failed.append,
-                                        self.pauses.append)
-
-
-async def _settled() -> None:
-    """Let the loop run what the pool's done-callbacks scheduled (call_soon_threadsafe)."""
-    for _ in range(3):
-        await asyncio.sleep(0)
-
-
-async def test_frames_reach_the_connection_in_arrival_order_whatever_order_they_open_in():
-    r, pool = _Receiver(), _ManualPool()
-    opened: list[int] = []
-    for i in range(3):
-        r.q.open(pool, f"big{i}", lambda i=i: opened.append(i))
-    r.q.push("small")  # opened inline, received after them: waits for them
-    assert r.pauses == [True]  # MAX_OPENING frames wait: the socket is not read on
-    pool.run(2)
-    pool.run(1)
-    await _settled()
-    assert r.delivered == []  # frame 0 is still being opened
-    pool.run(0)
-    await _settled()
-    assert r.delivered == ["big0", "big1", "big2", "small"] and opened == [2, 1, 0]
-    assert r.pauses == [True, False] and not r.failed and not r.q
-
-
-async def test_a_frame_failing_its_tag_fails_the_connection_and_nothing_after_it_arrives():
-    r, pool = _Receiver(), _ManualPool()
-
-    def forged():
-        raise sealer_error
-    sealer_error = ValueError("tag")
-    r.q.open(pool, "good", lambda: None)
-    r.q.open(pool, "forged", forged)
-    r.q.open(pool, "after", lambda: None)
-    for i in (2, 1, 0):
-        pool.run(i)
-    await _settled()
-    assert r.delivered == ["good"] and r.failed == [sealer_error] and not r.q
-
-
-async def test_clearing_cancels_what_has_not_started_and_a_late_job_delivers_nothing():
-    r, pool = _Receiver(), _ManualPool()
-    for i in range(2):
-        r.q.open(pool, i, lambda: None)
-    pool.jobs[0][0].set_running_or_notify_cancel()  # job 0 is running on a thread
-    r.q.clear()  # the connection closed
-    assert pool.jobs[1][0].cancelled() and not pool.jobs[0][0].cancelled()
-    pool.jobs[0][0].set_result(None)  # job 0 finishes after the close
-    await _settled()
-    assert r.delivered == [] and r.failed == []
 
 
 class _CountingPool(concurrent.futures.Executor):
@@ -129,6 +48,21 @@ class _CountingPool(concurrent.futures.Executor):
 
     def shutdown(self, wait=True, *, cancel_futures=False):
         self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _drain(streams: list, ended: asyncio.Event, started: asyncio.Event | None = None):
+    """A stream handler that reads to the end, keeps each stream in ``streams`` and sets ``ended``
+    when it stops (a closing connection cancels its handlers)."""
+    async def sink(stream):
+        streams.append(stream)
+        if started is not None:
+            started.set()
+        try:
+            while await stream.read(10) is not None:
+                pass
+        finally:
+            ended.set()
+    return sink
 
 
 def _pooled(host, gate: threading.Event | None = None) -> _CountingPool:
@@ -183,18 +117,8 @@ async def test_a_forged_frame_closes_the_connection_as_it_always_did(make_host, 
     a = await make_host(Limits(seal_threads=0))  # sealed inline: _write_frame sees every frame
     b = await make_host(Limits(seal_threads=2, decrypt_on_pool=on_pool))
     pool = _pooled(b)
-    ended = asyncio.Event()
-    seen: list = []
-
-    async def sink(stream):
-        seen.append(stream)
-        try:
-            while await stream.read(10) is not None:
-                pass
-        finally:  # (a connection that closes cancels its handlers)
-            ended.set()
-
-    b.on_stream("sink", sink)
+    seen, ended = [], asyncio.Event()
+    b.on_stream("sink", _drain(seen, ended))
     async with asyncio.timeout(30):
         conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
         stream = await conn.open_stream("sink")
@@ -225,19 +149,8 @@ async def test_closing_while_frames_are_being_opened_leaves_nothing_running(make
     a, b = await make_host(Limits(seal_threads=0)), await make_host(POOL)
     gate = threading.Event()
     pool = _pooled(b, gate)
-    started, ended = asyncio.Event(), asyncio.Event()
-    inbound: list = []
-
-    async def sink(stream):
-        inbound.append(stream)
-        started.set()
-        try:
-            while await stream.read(10) is not None:
-                pass
-        finally:  # (a connection that closes cancels its handlers)
-            ended.set()
-
-    b.on_stream("sink", sink)
+    inbound, started, ended = [], asyncio.Event(), asyncio.Event()
+    b.on_stream("sink", _drain(inbound, ended, started))
     async with asyncio.timeout(30):
         conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
         stream = await conn.open_stream("sink")

@@ -1,4 +1,4 @@
-"""Big frames encrypted on a thread pool (``dht.sealer``), as on many-core machines.
+"""Big frames encrypted (and decrypted) on a thread pool (``dht.sealer``), as on many-core machines.
 
 The pool is off by default on this 2-core box, so these tests turn it on with
 ``Limits(seal_threads=2)`` and check what must not change: the bytes a stream delivers, frame
@@ -160,9 +160,14 @@ class _ManualPool(concurrent.futures.Executor):
 
     def run(self, i: int) -> None:
         fut, fn = self.jobs[i]
-        fut.set_running_or_notify_cancel()
-        fn()
-        fut.set_result(None)
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fn()
+        except Exception as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
 
 
 def _sender(fail=pytest.fail) -> tuple[sealer.OrderedSender, list[bytes]]:
@@ -258,3 +263,69 @@ async def test_a_pool_shutting_down_under_a_writer_seals_inline_without_cancelli
     pool.jobs[0][0].cancel()  # what shutdown(cancel_futures=True) does to a job not started
     await asyncio.wait_for(t, 5)  # returns: the writer's task was not the one cancelled
     assert ran == ["a"] and written == [b"a"] and not t.cancelled()
+
+
+# ---------------------------------------------------------------- received frames (OrderedReceiver)
+
+class _Receiver:
+    """An OrderedReceiver whose deliveries, failures and pauses are recorded."""
+
+    def __init__(self):
+        self.delivered: list[object] = []
+        self.failed: list[Exception] = []
+        self.pauses: list[bool] = []
+        self.q = sealer.OrderedReceiver(asyncio.get_running_loop(), self.delivered.append, self.failed.append,
+                                        self.pauses.append)
+
+
+async def test_frames_reach_the_connection_in_arrival_order_whatever_order_they_open_in():
+    r, pool = _Receiver(), _ManualPool()
+    opened: list[int] = []
+    for i in range(3):
+        r.q.open(pool, f"big{i}", lambda i=i: opened.append(i))
+    r.q.push("small")  # opened inline, received after them: waits for them
+    assert r.pauses == [True]  # MAX_OPENING frames wait: the socket is not read on
+    pool.run(2)
+    pool.run(1)
+    r.q.flush()  # (what the pool's done-callback schedules)
+    assert r.delivered == []  # frame 0 is still being opened
+    pool.run(0)
+    r.q.flush()
+    assert r.delivered == ["big0", "big1", "big2", "small"] and opened == [2, 1, 0]
+    assert r.pauses == [True, False] and not r.failed and not r.q
+
+
+async def test_a_frame_failing_its_tag_fails_the_connection_and_nothing_after_it_arrives():
+    r, pool = _Receiver(), _ManualPool()
+
+    def forged():
+        raise tag_error
+    tag_error = ValueError("tag")
+    r.q.open(pool, "good", lambda: None)
+    r.q.open(pool, "forged", forged)
+    r.q.open(pool, "after", lambda: None)
+    for i in (2, 1, 0):
+        pool.run(i)
+    r.q.flush()
+    assert r.delivered == ["good"] and r.failed == [tag_error] and not r.q
+
+
+async def test_clearing_cancels_what_has_not_started_and_a_late_job_delivers_nothing():
+    r, pool = _Receiver(), _ManualPool()
+    for i in range(2):
+        r.q.open(pool, i, lambda: None)
+    pool.jobs[0][0].set_running_or_notify_cancel()  # job 0 is running on a thread
+    r.q.clear()  # the connection closed
+    assert pool.jobs[1][0].cancelled() and not pool.jobs[0][0].cancelled()
+    pool.jobs[0][0].set_result(None)  # job 0 finishes after the close
+    r.q.flush()
+    assert r.delivered == [] and r.failed == []
+
+
+async def test_a_frame_whose_job_the_closing_pool_cancelled_is_opened_inline_in_turn():
+    r, pool = _Receiver(), _ManualPool()
+    opened: list[str] = []
+    r.q.open(pool, "a", lambda: opened.append("a"))
+    pool.jobs[0][0].cancel()  # what shutdown(cancel_futures=True) does to a job not started
+    r.q.flush()
+    assert opened == ["a"] and r.delivered == ["a"] and not r.failed
