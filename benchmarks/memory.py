@@ -31,19 +31,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _procs import Children, run_main, sigterm_as_exit  # noqa: E402
+from _procs import Children, peak_rss, run_main, sigterm_as_exit  # noqa: E402
 
 #: name -> (d_model, layers, heads): GPT-style CharTransformer sizes (context 256)
-MODELS = {"tiny": (64, 2, 4), "85m": (768, 12, 12), "350m": (1024, 26, 16)}
+MODELS = {"tiny": (64, 2, 4), "85m": (768, 12, 12), "350m": (1024, 28, 16)}
 TARGETS = {"sync": 1.5, "diloco": 3.0}
-
-
-def _rss_peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _reset_peak() -> None:
@@ -96,7 +88,7 @@ def child_plain(a: argparse.Namespace) -> None:
         _train_step(model, x, y)
         opt.step()
         opt.zero_grad()
-    _emit(event="done", peak=_rss_peak(), numel=sum(p.numel() for p in model.parameters()))
+    _emit(event="done", peak=peak_rss(), numel=sum(p.numel() for p in model.parameters()))
 
 
 def child_peer(a: argparse.Namespace) -> None:
@@ -112,7 +104,7 @@ def child_peer(a: argparse.Namespace) -> None:
               local_steps=a.every, matchmaking_timeout=30.0)
     opt = DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dht=dht, run_id=f"mem-{a.model}",
                                  model=model, **kw)
-    phases = {"start": _rss_peak()}
+    phases = {"start": peak_rss()}
     opt.wait_for_peers(2, timeout=120)
     _reset_peak()
     data = _batches(a, 1 + int(a.bootstrap is not None))
@@ -124,9 +116,9 @@ def child_peer(a: argparse.Namespace) -> None:
         opt.zero_grad()
         if first_round is None and opt.epoch > 0:
             first_round = step
-            phases["first round"] = _rss_peak()
+            phases["first round"] = peak_rss()
             _reset_peak()
-    phases["steady"] = _rss_peak()
+    phases["steady"] = peak_rss()
     report = opt.memory_report()
     _emit(event="done", peak=max(phases.values()), phases=phases, report=report, epoch=opt.epoch)
     opt.close()
