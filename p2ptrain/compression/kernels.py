@@ -97,7 +97,8 @@ def set_threads(n: int | None, split_min: int = SPLIT_MIN) -> int:
     extension cannot make threads). For tests and benchmarks; the pool's idle threads stay."""
     global _threads
     want = _default_threads() if n is None else max(1, n)
-    _threads = _K.set_threads(want, split_min) if _K is not None else 1
+    split = getattr(_K, "set_threads", None)  # (absent from a build older than the split: one call)
+    _threads = split(want, split_min) if split is not None else 1
     return _threads
 
 
