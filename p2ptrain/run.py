@@ -57,6 +57,7 @@ class PeerConfig:
     data_seed: int | None = None  # default: different on every peer
     compute_delay: float = 0.0  # extra seconds per step, to emulate a bigger model
     delay_updates: bool = False
+    overlap_outer: bool = False  # diloco: outer rounds run during the next inner steps
     progress_every: float = 1.0
     target_group_size: int = 16
     matchmaking_timeout: float = 5.0
@@ -102,7 +103,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             target_batch_size=cfg.target_batch_size, batch_size_per_step=batch_size, mode=cfg.mode,
             local_steps=cfg.local_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
             inner_warmup_steps=cfg.inner_warmup_steps, compression=cfg.compression,
-            aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, target_group_size=cfg.target_group_size,
+            aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, overlap_outer=cfg.overlap_outer,
+            target_group_size=cfg.target_group_size,
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
             checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers, name=cfg.name,
             receipts_file=cfg.receipts_file,
@@ -146,6 +148,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
                 next_report = now + cfg.progress_every
                 on_event(_progress(opt, loss_ewma, steps, now - t0))
         elapsed = time.perf_counter() - t0
+        opt.finish_round()  # (overlapped rounds: the last one in, the model the swarm's outer parameters)
         model.eval()
         metrics = task.evaluate(model)
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
@@ -208,6 +211,7 @@ def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: flo
             "rounds": s.rounds, "group_size": s.last_group_size, "failed_rounds": s.failed_rounds,
             "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "state_loads": s.state_loads,
             "local_samples": s.local_samples, "round_s": round(s.last_round_s, 4), "state_rounds": s.state_rounds,
+            "overlapped_steps": s.overlapped_steps,
             "dht_peers": len(opt.dht.node.routing), "checkpoints_saved": s.checkpoints_saved,
             "checkpoint_epoch": s.last_checkpoint_epoch, "receipts": book.signed if book else 0,
             "receipt_samples": book.samples if book else 0}

@@ -458,12 +458,15 @@ def test_expected_round_size_counts_delayed_peers_that_reported_the_next_epoch()
     def report(peer, epoch):
         return PeerReport(peer, epoch, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1))
 
-    fake = types.SimpleNamespace(delay_updates=True)
+    fake = types.SimpleNamespace(delay_updates=True, overlap_outer=False)
     moved_on = SwarmView(epoch=5, samples=0, target=64, peers=[report(a, 5), report(b, 5)],
                          behind=[report(me, 4), report(c, 4)])
     assert DecentralizedOptimizer._expected(fake, moved_on, 4) == 4  # type: ignore[arg-type]
     fake.delay_updates = False  # peers at 5 applied round 4 already: only c and we are left
     assert DecentralizedOptimizer._expected(fake, moved_on, 4) == 2  # type: ignore[arg-type]
+    fake.overlap_outer = True  # diloco's overlapped rounds: peers report the next epoch alike
+    assert DecentralizedOptimizer._expected(fake, moved_on, 4) == 4  # type: ignore[arg-type]
+    fake.overlap_outer = False
     same = SwarmView(epoch=4, samples=0, target=64, peers=[report(me, 4), report(a, 4)],
                      behind=[report(b, 3), report(c, 1)])  # b is finishing round 3; c is catching up
     for delay in (True, False):
@@ -496,7 +499,7 @@ def test_a_peer_about_to_skip_a_round_looks_at_the_swarm_again_first():
         return views.pop(0)
 
     fake = types.SimpleNamespace(
-        delay_updates=False, mode="sync", matchmaking_timeout=5.0, _paused=0.0,
+        delay_updates=False, overlap_outer=False, mode="sync", matchmaking_timeout=5.0, _paused=0.0,
         _settled=types.SimpleNamespace(clear=None),
         tracker=types.SimpleNamespace(refresh_now=refresh_now),
         averager=types.SimpleNamespace(step=lambda **kw: kw),

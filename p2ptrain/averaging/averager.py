@@ -71,7 +71,8 @@ class Averager:
     consecutive views of one contiguous fp32 CPU buffer (see :func:`shared_flat`) are averaged in
     that buffer, with no copy. Others may live on any device and have any float dtype: each slice
     is copied into a host fp32 staging buffer and written back, so the host holds one slice, never
-    a copy of everything. Peers meet only with the same ``slice_numel`` (it shapes the rounds).
+    a copy of everything. Peers meet only with the same ``slice_numel`` (it shapes the rounds)
+    and ``tag`` (anything else the caller's peers must agree on), both part of the schema.
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class Averager:
         allreduce_config: AllReduceConfig | None = None,
         service: AllReduceService | None = None,
         slice_numel: int = SLICE_NUMEL,
+        tag: str = "",
     ):
         if isinstance(tensors, Mapping):
             named = list(tensors.items())
@@ -110,6 +112,7 @@ class Averager:
         # The aggregation rule joins the codec in the schema (hence the matchmaking key): peers that
         # combine differently never meet, and a mismatch message names it with the codec.
         rule = codec if aggregation == "mean" else f"{codec}+{aggregation}"
+        rule += f"/{tag}" if tag else ""  # (what else the peers must agree on: e.g. how rounds are timed)
         self.schema: Schema = tensor_schema(named, rule if slice_numel == SLICE_NUMEL else f"{rule}/{slice_numel}")
         self.matchmaking_timeout = matchmaking_timeout
         self.matchmaker = Matchmaker(dht, prefix, self.schema, target_group_size=target_group_size,

@@ -99,6 +99,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-delay", type=float, default=0.0, metavar="S",
                    help="extra seconds per step, to emulate a bigger model (benchmarks)")
     p.add_argument("--delay-updates", action="store_true", help="sync: average in the background, apply one epoch late")
+    p.add_argument("--overlap-outer", action="store_true",
+                   help="diloco: run each outer round during the next inner steps instead of pausing for it "
+                        "(one more model-sized buffer; the same on every peer)")
     p.add_argument("--wait-peers", type=int, metavar="N",
                    help="wait (up to 60 s) for N peers, this one included, before training, so a swarm started "
                    "together trains together; 1: train at once (default: a peer that starts a new swarm, with no "
@@ -162,7 +165,7 @@ def check_training_args(args: argparse.Namespace) -> None:
         check_options(mode=args.mode, target_batch_size=args.target_batch_size, local_steps=args.local_steps,
                       outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                       inner_warmup_steps=args.inner_warmup_steps, checkpoint_every=args.checkpoint_every,
-                      **{k: v for k, v in given.items() if v is not None})
+                      overlap_outer=args.overlap_outer, **{k: v for k, v in given.items() if v is not None})
     except OptionError as e:
         raise ConfigError(e.flag_message) from None
     from ..run import resolve_device  # torch: only once the other options are known to be good
@@ -197,7 +200,8 @@ def _config(args: argparse.Namespace) -> Any:
         lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         inner_warmup_steps=args.inner_warmup_steps, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed,
         compute_delay=args.compute_delay,
-        delay_updates=args.delay_updates, wait_peers=wait_peers, wait_timeout=wait_timeout, device=args.device,
+        delay_updates=args.delay_updates, overlap_outer=args.overlap_outer, wait_peers=wait_peers,
+        wait_timeout=wait_timeout, device=args.device,
         threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,

@@ -5,50 +5,71 @@ outer parameters, which every member then continues from. A slow peer is not wai
 peer of its epoch is ready to average, it stops after its current step and joins with the samples it
 has (weighted accordingly); peers that are not ready within the matchmaking deadline are left out of
 that round.
+
+With ``overlap_outer`` the round runs on the event loop while the next H inner steps proceed: the
+outer step of round t is taken once its average lands (at the latest when round t+1 starts, so
+at most one is in flight), one round late for the steps taken meanwhile, and the parameters are
+then merged into the new outer parameters (``outer_swap.land_overlapped``; the one-round-delayed
+outer update of Kale et al. 2025, with streaming DiLoCo's merge, Douillard et al. 2025).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 
 from .catch_up import fall_behind
-from .outer_swap import swap_back, swap_out
+from .outer_swap import land_overlapped, pseudo_gradient, swap_back, swap_out
 from .progress import SwarmView
 from .rounds import round_result, state_round_due
 from .shared_state import maybe_checkpoint
+from .sync_step import _others_hold_our_epoch
 from .warmup import warmed_step
 
 if TYPE_CHECKING:
     from .optimizer import DecentralizedOptimizer
 
+#: overlapped rounds: the share of the steps taken during a round (and of this peer's departure
+#: from the group's mean) that its parameters keep when the round lands (streaming DiLoCo's alpha)
+OVERLAP_MIX = 0.5
+
 
 def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     """One inner step on this batch (``bs`` samples); the outer step once H are done or another
     peer is ready to average (a slow peer joins with the samples it has)."""
+    overlap = opt.overlap_outer
     opt._inner_steps += 1
     with opt._state_lock:
         warmed_step(opt.inner, opt._inner_steps, opt.inner_warmup_steps)
+    opt.stats.overlapped_steps += opt._pending is not None
     opt._local_steps_done += 1
     opt.local_samples += bs
     view = opt.tracker.estimate()
     opt.stats.observe(view, opt.epoch, opt.local_samples)
-    if view.epoch > opt.epoch:
+    # (overlapped: a peer reports the next epoch once its round started: one epoch ahead of us,
+    # it is in the round of ours, or just out of it; further ahead, we fell behind)
+    if view.epoch > opt.epoch + overlap:
+        land_outer(opt, wait=True)
         fall_behind(opt, view)
         return
     # The round's end as a sample target, so that the tracker refreshes faster as it nears
     # and the peers notice each other's readiness in time (it decides nothing else here).
     opt.tracker.target = opt.local_steps * bs * max(1, view.num_peers)
-    others_ready = any(p.ready and p.peer != opt.tracker.me.peer for p in view.peers)
+    others_ready = view.epoch > opt.epoch or any(p.ready and p.peer != opt.tracker.me.peer for p in view.peers)
     if opt._local_steps_done >= opt.local_steps or others_ready:
         opt._outer_step(view)
     else:
         opt.tracker.report(opt.epoch, opt.local_samples, opt._sps)
+    if overlap:  # (after the inner step: the next gradients are taken at the merged parameters)
+        land_outer(opt, wait=False)
 
 
 def outer_step(opt: DecentralizedOptimizer, view: SwarmView) -> None:
     """The pseudo-gradient into the buffers, then the round and the outer step."""
-    assert opt.outer_optimizer is not None
+    if opt.overlap_outer:
+        start_overlapped(opt, view)
+        return
     samples = opt.local_samples
     with opt._state_lock:
         swap_out(opt)
@@ -61,7 +82,6 @@ def outer_step(opt: DecentralizedOptimizer, view: SwarmView) -> None:
 
 
 def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmView) -> None:
-    assert opt.outer_optimizer is not None
     opt.tracker.report(epoch, samples, opt._sps, ready=True)
     result = round_result(opt, opt._average(epoch, samples, view))
     with opt._state_lock:
@@ -75,15 +95,9 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
             failed = True
         else:
             failed = False
-            for outer, delta in zip(opt._outer, deltas):
-                outer.grad = delta
-            opt.outer_optimizer.step()
-            for outer in opt._outer:
-                outer.grad = None
+            _outer_update(opt, deltas)
             for p, outer in zip(opt.params, opt._outer):
                 p.copy_(outer)
-            if opt.scheduler is not None:
-                opt.scheduler.step()
             opt._applied = epoch + 1
             opt._version += 1
     if failed:  # as a sync peer that missed its round: the next epoch, if a peer holds its update
@@ -104,3 +118,74 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
                 p.copy_(outer)
     maybe_checkpoint(opt)
     opt.tracker.report(opt.epoch, 0, opt._sps)
+
+
+def _outer_update(opt: DecentralizedOptimizer, deltas: list[torch.Tensor]) -> None:
+    """The outer optimizer's step with the averaged pseudo-gradient ``deltas`` (and the scheduler's)."""
+    assert opt.outer_optimizer is not None
+    for outer, delta in zip(opt._outer, deltas):
+        outer.grad = delta
+    opt.outer_optimizer.step()
+    for outer in opt._outer:
+        outer.grad = None
+    if opt.scheduler is not None:
+        opt.scheduler.step()
+
+
+# ---- overlapped rounds (overlap_outer)
+
+def start_overlapped(opt: DecentralizedOptimizer, view: SwarmView) -> None:
+    """End our epoch: its pseudo-gradient into the averaging buffer and its round started on the
+    event loop; training goes on meanwhile (``land_outer`` applies the round once it is over)."""
+    if opt._pending is not None:
+        land_outer(opt, wait=True)  # at most one round in flight: its update is this one's base
+        if opt.local_samples == 0:  # (it was missed: we loaded the swarm's state and start anew)
+            return
+    samples, epoch = opt.local_samples, opt.epoch
+    pseudo_gradient(opt._outer, opt.params, opt._buffers)
+    opt.tracker.report(epoch, samples, opt._sps, ready=True)
+    opt._pending, opt._pending_epoch = opt._average(epoch, samples, view), epoch
+    opt.epoch += 1
+    opt.local_samples = 0
+    opt._local_steps_done = 0
+    opt.tracker.report(opt.epoch, 0, opt._sps)
+
+
+def land_outer(opt: DecentralizedOptimizer, wait: bool) -> None:
+    """Apply the round in flight once it is over (``wait``: wait for it): the outer step with its
+    average, the parameters merged into the new outer ones. A round we missed (others were
+    there but we met nobody, or it failed midway) loads the swarm's state instead."""
+    future = opt._pending
+    if future is None or (not wait and not future.done()):
+        return
+    opt._pending = None
+    epoch = opt._pending_epoch
+    try:
+        result = round_result(opt, future)
+        if opt._last_expected > 1 and (result is None or result.group_size == 1):
+            if result is None or _others_hold_our_epoch(opt):
+                opt.stats.record(result, opt.epoch, opt.local_samples)
+                opt._load_state_from_peers(opt.tracker.estimate(), missed=True)
+                return
+            opt._last_expected = 1  # they left (or are behind, and will load ours): no state round
+        with opt._state_lock:
+            land_overlapped(opt.params, opt._outer, opt._buffers, OVERLAP_MIX, lambda: _outer_update(opt, opt._buffers))
+            opt._applied = epoch + 1
+            opt._version += 1
+        if not state_round_due(opt.average_state_every, epoch, opt._last_expected):
+            opt._settled.set()  # the update is in (else once the state round is: maybe_average_state)
+        opt.state_sync.warm()
+        opt.stats.record(result, opt.epoch, opt.local_samples)
+        opt._maybe_average_state(epoch)
+        maybe_checkpoint(opt)
+    finally:
+        opt._settled.set()
+
+
+@torch.no_grad()
+def finish_overlapped(opt: DecentralizedOptimizer) -> None:
+    """Apply the round in flight, if any, and put the outer parameters in the model, as a
+    blocking round leaves it."""
+    land_outer(opt, wait=True)
+    for p, outer in zip(opt.params, opt._outer):
+        p.copy_(outer)

@@ -44,7 +44,7 @@ from ..deadlines import STATE_LOAD, resolve
 from .adopt import Schedule
 from .catch_up import catch_up_at_start, fall_behind, fetch_state, load_state_from_peers
 from .claims import EpochJudge
-from .diloco_step import diloco_step, outer_step
+from .diloco_step import diloco_step, finish_overlapped, outer_step
 from .memory import flat_views
 from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
@@ -75,6 +75,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     ``scheduler``: an LR scheduler over *this* optimizer, or a callable ``f(optimizer)`` making one;
     it is stepped once per global epoch (do not step it yourself).
+
+    ``overlap_outer`` (``diloco`` only): the outer round runs in the background while the next
+    ``local_steps`` inner steps proceed (no pause for it); its outer step is taken when it lands,
+    one round late for the steps taken meanwhile, which the parameters keep half of. It costs
+    one more fp32 model-sized buffer (outer parameters, momentum and the averaging buffer: 3x the
+    model, against 2x for blocking rounds). All peers of a run must agree on it (it is in the
+    schema). Call :meth:`finish_round` before evaluating or saving the final model.
 
     ``inner_warmup_steps`` (``diloco`` only): scale the inner learning rate linearly from
     1/N to 1 over this peer's first N local steps. Early DiLoCo rounds start from random weights,
@@ -124,6 +131,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         aggregation: str = "mean",
         target_group_size: int = 16,
         delay_updates: bool = False,
+        overlap_outer: bool = False,
         scheduler: Any = None,
         matchmaking_timeout: float = 5.0,
         averaging_timeout: float | None = None,
@@ -149,7 +157,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             run_id=run_id, target_batch_size=target_batch_size, batch_size_per_step=batch_size_per_step, mode=mode,
             local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
             inner_warmup_steps=inner_warmup_steps, compression=compression, aggregation=aggregation,
-            target_group_size=target_group_size, delay_updates=delay_updates, matchmaking_timeout=matchmaking_timeout,
+            target_group_size=target_group_size, delay_updates=delay_updates, overlap_outer=overlap_outer,
+            matchmaking_timeout=matchmaking_timeout,
             averaging_timeout=averaging_timeout, refresh_period=refresh_period, bandwidth=bandwidth,
             load_state_timeout=load_state_timeout, average_state_every=average_state_every,
             outer_momentum_in_state=outer_momentum_in_state, checkpoint_every=checkpoint_every,
@@ -175,6 +184,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.inner_warmup_steps = inner_warmup_steps
         self._inner_steps = 0  # diloco: local steps taken by this peer (the warmup's clock)
         self.delay_updates = delay_updates
+        self.overlap_outer = overlap_outer
         self.matchmaking_timeout = matchmaking_timeout
         self.codec = o.codec
         # "mean" trusts every peer; a robust rule (trimmed_mean, median, centered_clip) bounds
@@ -206,6 +216,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         named = [(f"p{i}", b) for i, b in enumerate(self._buffers)]
         self.averager = Averager(
             self.dht.node, f"{run_id}/{mode}", named, codec=self.codec, aggregation=self.aggregation,
+            tag="overlap" if overlap_outer else "",  # (peers one round apart in their reports never meet)
             target_group_size=target_group_size,
             bandwidth=bandwidth, matchmaking_timeout=matchmaking_timeout,
             allreduce_config=AllReduceConfig(timeout=averaging_timeout),
@@ -225,7 +236,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._outer_in_params = False
         self._holders: list[torch.Tensor] = []
         if mode == "diloco":
-            self._outer = self._buffers
+            self._outer = flat_views(self.params) if overlap_outer else self._buffers  # (see diloco_step)
             torch._foreach_copy_(self._outer, [p.detach() for p in self.params])
             self.outer_optimizer = torch.optim.SGD(self._outer, lr=outer_lr, momentum=outer_momentum,
                                                    nesterov=outer_momentum > 0)
@@ -393,7 +404,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         return maybe_average_state(self, epoch)
 
     def _expected(self, view: SwarmView, epoch: int) -> int:
-        return expected_peers(view, epoch, self.delay_updates)
+        return expected_peers(view, epoch, self.delay_updates or self.overlap_outer)
 
     def _round_over(self, view: SwarmView) -> bool:
         return round_over(self, view)
@@ -445,6 +456,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         for peer, why in refused.items():
             if self.stats.exclude(str(peer), f"epoch claim refused: it {why}"):
                 log.warning("not believing peer %s: it %s; it is left out until it says otherwise", peer.short(), why)
+
+    def finish_round(self) -> None:
+        """With ``overlap_outer``: apply the round in flight, if any, and put the outer parameters
+        in the model, as a blocking round leaves it (before evaluating or saving it)."""
+        if self.overlap_outer:
+            finish_overlapped(self)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this optimizer holds, by buffer kind (see :mod:`~p2ptrain.optim.memory`)."""

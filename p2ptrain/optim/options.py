@@ -66,6 +66,9 @@ def check_options(**given: Any) -> None:
         raise OptionError("inner_warmup_steps is for diloco mode (sync peers must all take the same step: "
                           "warm up with scheduler=, stepped per global epoch)",
                           "--inner-warmup-steps is for --mode diloco (sync peers must all take the same step)")
+    if given.get("overlap_outer") and mode != "diloco":
+        raise OptionError("overlap_outer is for diloco mode (sync overlaps its rounds with delay_updates)",
+                          "--overlap-outer is for --mode diloco (sync: --delay-updates)")
     every = given.get("checkpoint_every")
     if every is not None and (type(every) is not int or every < 1):
         raise OptionError(f"checkpoint_every must be a positive number of epochs, got {every!r}",
@@ -101,6 +104,7 @@ class TrainerOptions:
     aggregation: str = "mean"
     target_group_size: int = 16
     delay_updates: bool = False
+    overlap_outer: bool = False
     matchmaking_timeout: float = 5.0
     averaging_timeout: float | None = None  # None: derived (p2ptrain.deadlines)
     refresh_period: float = 0.5

@@ -28,7 +28,7 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
     Alone (no other peer has reported recently) there is nobody to meet: the round is skipped
     rather than waiting out the matchmaking deadline on every epoch.
     """
-    expected = expected_peers(view, epoch, opt.delay_updates)
+    expected = opt._expected(view, epoch)
     if expected <= 1 and len(view.peers) + len(view.behind) > 1:
         # Others train, but none looks due for this round. The view is up to a refresh period
         # old: a peer that finished the previous epoch's round with us since then still
@@ -38,7 +38,7 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
         t0 = time.perf_counter()
         view = opt._loop.run(opt.tracker.refresh_now(timeout=FRESH_LOOK))
         opt._paused += time.perf_counter() - t0
-        expected = expected_peers(view, epoch, opt.delay_updates)
+        expected = opt._expected(view, epoch)
     opt._last_expected = expected
     if expected <= 1:
         done: Future[StepResult | None] = Future()

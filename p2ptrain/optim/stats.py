@@ -31,6 +31,7 @@ class OptimizerStats:
     bytes_received: int = 0
     failed_rounds: int = 0  # rounds that found nobody or lost part of the average
     state_rounds: int = 0  # rounds that averaged the parameters and optimizer state themselves
+    overlapped_steps: int = 0  # diloco overlap_outer: inner steps taken while an outer round was in flight
     state_loads: int = 0  # times this peer downloaded the swarm's state (joining, or after missing rounds)
     last_state_load_s: float = 0.0
     last_state_providers: int = 0  # peers the last state download came from (in parallel)
