@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, nullcontext
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import blake3
 import msgpack
@@ -261,7 +261,6 @@ def hash_chunks(buffer: torch.Tensor, chunk_size: int) -> bytes:
 def build_snapshot(
     obj: Any, meta: dict | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
     max_total: int = DEFAULT_MAX_TOTAL, lock: AbstractContextManager[Any] | None = None,
-    alloc: Callable[[int], torch.Tensor] | None = None,
 ) -> tuple[Manifest, torch.Tensor]:
     """Copy every tensor of ``obj`` once into one new buffer and describe it.
 
@@ -274,19 +273,15 @@ def build_snapshot(
     ``lock``: held while ``obj`` is read and copied, released before the hashing (the slower
     half), so a trainer that holds it while changing parameters waits for the copy only.
 
-    ``alloc(n)``: where the ``n``-byte buffer comes from (default: a fresh one), e.g. a
-    :class:`~p2ptrain.checkpoint.recycle.Recycler`'s ``take``, whose buffers are already touched.
-
     Several torch calls per tensor, each of which gives up the GIL: run with short GIL waits (see
     :mod:`p2ptrain.gil`), or a peer whose other threads are busy makes each of them wait 5 ms.
     """
     with short_gil_waits():
-        return _build_snapshot(obj, meta, chunk_size, max_total, lock, alloc)
+        return _build_snapshot(obj, meta, chunk_size, max_total, lock)
 
 
 def _build_snapshot(obj: Any, meta: dict | None, chunk_size: int, max_total: int,
-                    lock: AbstractContextManager[Any] | None,
-                    alloc: Callable[[int], torch.Tensor] | None) -> tuple[Manifest, torch.Tensor]:
+                    lock: AbstractContextManager[Any] | None) -> tuple[Manifest, torch.Tensor]:
     import torch
 
     with lock if lock is not None else nullcontext():
@@ -295,7 +290,7 @@ def _build_snapshot(obj: Any, meta: dict | None, chunk_size: int, max_total: int
         entries, total = layout(specs)
         if total > max_total:
             raise StateTooLarge(total, max_total)
-        buffer = alloc(total) if alloc is not None else torch.empty(total, dtype=torch.uint8)
+        buffer = torch.empty(total, dtype=torch.uint8)
         pos = 0
         for t, e in zip(tensors, entries):
             if e.nbytes:

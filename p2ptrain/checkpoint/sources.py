@@ -31,7 +31,7 @@ class MemorySource:
     """A snapshot in one buffer (from ``build_snapshot``), served without copying.
 
     ``on_release(buffer)``: called once the server no longer publishes the snapshot and no
-    stream reads it any more, so its owner can reuse the memory (see ``checkpoint.recycle``);
+    stream reads it any more, so its owner can reuse the memory;
     from then on ``acquire`` fails and a late request is told the state is no longer held.
     """
 
@@ -92,7 +92,7 @@ Resolver = Callable[[str], Awaitable[list[ChunkSource]]]
 
 
 def evict(sources: Iterable[ChunkSource]) -> None:
-    """No longer published: each memory source releases its buffer once its readers finish."""
+    """No longer published: each source that holds memory lets it go once its readers finish."""
     for s in sources:
-        if isinstance(s, MemorySource):
+        if callable(getattr(s, "evict", None)):
             s.evict()

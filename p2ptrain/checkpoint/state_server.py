@@ -16,6 +16,7 @@ import torch
 
 from dht import Connection, Host, Stream, TaskGroup
 
+from .live import LiveSource
 from .manifest import Manifest
 from .sources import ChunkSource, MemorySource, Resolver, evict
 from .state_protocol import (
@@ -113,10 +114,15 @@ class StateServer:
         """
         if self._closed:
             raise RuntimeError("StateServer is closed")
+        self.publish_source(key, MemorySource(manifest, buffer, on_release))
+
+    def publish_source(self, key: str, source: ChunkSource) -> None:
+        """Serve ``source`` under ``key`` as its latest state (e.g. a :class:`LiveSource`)."""
+        if self._closed:
+            raise RuntimeError("StateServer is closed")
         check_key(key)
-        source = MemorySource(manifest, buffer, on_release)
         old = self._snapshots.get(key, [])
-        snaps = [source, *(s for s in old if s.manifest.id != manifest.id)]
+        snaps = [source, *(s for s in old if s.manifest.id != source.manifest.id)]
         self._snapshots[key] = snaps[: self.keep]
         evict(s for s in old if s not in self._snapshots[key])
 
@@ -164,7 +170,7 @@ class StateServer:
         snaps = self._snapshots.get(key)
         if not snaps:
             return
-        idle = [s for s in snaps[1:] if isinstance(s, MemorySource) and not s.busy]
+        idle = [s for s in snaps[1:] if isinstance(s, (MemorySource, LiveSource)) and not s.busy]
         self._snapshots[key] = [s for s in snaps if s not in idle]
         evict(idle)
 
@@ -246,12 +252,12 @@ class StateServer:
     async def _on_chunks(self, stream: Stream) -> None:
         with self._tasks.adopt():
             ahead: asyncio.Future | None = None
-            held: MemorySource | None = None
+            held: MemorySource | LiveSource | None = None
             try:
                 snap = await self._lookup(stream)
                 if snap is None:
                     return
-                if isinstance(snap, MemorySource):
+                if isinstance(snap, (MemorySource, LiveSource)):
                     if not snap.acquire():  # released while the request was looked up
                         stream.reset("state no longer held")
                         return

@@ -95,7 +95,7 @@ def load_state_from_peers(opt: DecentralizedOptimizer, view: SwarmView, missed: 
         opt._untrained = opt._version
         loaded = True
         opt.averager.service.link.observe_transfer(result.manifest.total_size, result.seconds)  # (deadlines)
-        opt.state_sync.warm()  # we serve this state from now on
+        opt.state_sync.update_size()
         if opt.delay_updates:
             # with delayed updates the providers' state trails their epoch by the round in
             # flight: join at their epoch (that update reaches us with the next state round)

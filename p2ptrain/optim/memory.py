@@ -60,8 +60,6 @@ def memory_report(opt: DecentralizedOptimizer) -> dict[str, int]:
         "outer optimizer state": size(_tensors(opt.outer_optimizer.state)) if opt.outer_optimizer else 0,
         "averaging buffer": size(opt._buffers),
         "all-reduce scratch and wire pools": size([*service._scratch, *service._wires]),
-        "state snapshots": size(opt.state_sync.buffers._spares) + size(
-            s.buffer for snaps in opt.state_sync.server._snapshots.values() for s in snaps
-            if isinstance(getattr(s, "buffer", None), torch.Tensor)),
+        "state copies for downloads": opt.state_sync.held_bytes,
     }
     return report

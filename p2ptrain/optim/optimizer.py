@@ -39,6 +39,7 @@ from dht import LogThrottle, Multiaddr, PeerID
 from ..averaging import AllReduceConfig, Averager, StepResult
 from ..background import DHT
 from ..checkpoint.autosave import Checkpointer
+from ..checkpoint.live import StateLock
 from ..contrib import ContributionBook, check_name
 from ..deadlines import STATE_LOAD, resolve
 from .adopt import Schedule
@@ -77,8 +78,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     it is stepped once per global epoch (do not step it yourself).
 
     ``overlap_outer`` (``diloco`` only): the outer round runs in the background while the next
-    ``local_steps`` inner steps proceed (no pause for it); its outer step is taken when it lands,
-    one round late for the steps taken meanwhile, which the parameters keep half of. It costs
+    ``local_steps`` inner steps proceed (no pause for it): a peer trains on from where its own
+    pseudo-gradient would take the outer parameters, and half-merges into them once the round
+    lands (see :mod:`~p2ptrain.optim.diloco_step`). It costs
     one more fp32 model-sized buffer (outer parameters, momentum and the averaging buffer: 3x the
     model, against 2x for blocking rounds). All peers of a run must agree on it (it is in the
     schema). Call :meth:`finish_round` before evaluating or saving the final model.
@@ -253,7 +255,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._load_warnings = LogThrottle(_LOAD_WARN_EVERY)
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
-        self._state_lock = threading.Lock()  # held while parameters change (snapshots wait on it)
+        # held while the state changes; taking it first preserves a version a peer is downloading
+        self._state_lock = StateLock()
         # Clear while a round's all-reduce (and then its update) is in flight: a joiner asking for
         # our state then gets the state right after it, at the start of the epoch the swarm is
         # about to train, not that of an epoch whose round is already closing (it would be a step

@@ -2,8 +2,8 @@
 
 Each optimizer serves its *shared* state (what every peer of a group holds identically: the
 parameters, the inner optimizer state in ``sync`` mode, the outer parameters and optimizer in
-``diloco`` mode, the epoch) under ``{run_id}/state``. The snapshot is taken lazily, when a peer
-asks and the state changed since the last one, because it costs a copy and a hash of all of it.
+``diloco`` mode, the epoch) under ``{run_id}/state``, read from its live tensors. The manifest is
+hashed lazily, when a peer asks and the state changed since the last one.
 Since the peers of one epoch hold bit-identical state, their manifests have the same content
 address and a joiner downloads disjoint chunks from several of them at once, each chunk verified
 against the manifest most of them agree on (:mod:`p2ptrain.checkpoint.probe`).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import random
 import threading
@@ -24,11 +23,11 @@ import torch
 
 from dht import Host, PeerID
 
-from ..checkpoint import FetchResult, Manifest, StateServer, StateTransferError, build_snapshot, fetch_state
+from ..checkpoint import FetchResult, Manifest, StateServer, StateTransferError, fetch_state
 from ..checkpoint.manifest import layout
 from ..checkpoint.placement import Placement, tensors_under
 from ..checkpoint.tree import flatten, tensor_specs
-from ..checkpoint.recycle import Recycler
+from ..checkpoint.live import LiveSource, StateLock
 from .progress import PeerReport
 
 log = logging.getLogger("p2ptrain.optim.state")
@@ -42,32 +41,35 @@ class NoProviders(StateTransferError):
 
 
 class StateSync:
-    """Serves ``state()`` (returns ``(epoch, nested state)``; called in a worker thread with
-    ``lock`` held, which the training thread holds while it changes parameters, so a snapshot never
-    mixes two steps) and fetches other peers' state.
+    """Serves ``state()`` (returns ``(epoch, nested state)``, called with the lock held) from the
+    live tensors it returns (:mod:`p2ptrain.checkpoint.live`) and fetches other peers' state.
 
-    ``version()`` (read with ``lock`` held) changes whenever the state does. The epoch alone is not
-    enough to tell: a state-averaging round changes the parameters and leaves the epoch as it was,
-    and a snapshot cached by epoch then served the state from before that round to every joiner of
-    the epoch, which left them a rounding error apart from the swarm until the next such round."""
+    ``lock``: a :class:`~p2ptrain.checkpoint.live.StateLock`, which the training thread holds
+    while it changes the state; its acquisitions preserve a version a peer is downloading before
+    it changes. ``version()`` (read with the lock held) changes whenever the state does (default:
+    the epoch). The epoch alone is not enough to tell: a state-averaging round changes the
+    parameters and leaves the epoch as it was, and a state cached by epoch then served the state
+    from before that round to every joiner of the epoch."""
 
-    def __init__(self, host: Host, key: str, state: Callable[[], tuple[int, Any]], lock: threading.Lock,
+    def __init__(self, host: Host, key: str, state: Callable[[], tuple[int, Any]], lock: StateLock | threading.Lock,
                  *, settled: threading.Event | None = None, settle_timeout: float = 5.0,
                  version: Callable[[], Any] | None = None):
         self.host = host
         self.key = key
         self._state = state
         self._lock = lock
-        #: set while no round is in flight: a snapshot waits for it (at most ``settle_timeout``),
+        self._raw: threading.Lock = lock.raw if isinstance(lock, StateLock) else lock
+        if isinstance(lock, StateLock):
+            lock.before_change = self._before_change
+        #: set while no round is in flight: a manifest waits for it (at most ``settle_timeout``),
         #: so a joiner gets the state of the epoch about to start, not of one whose round is closing
         self._settled = settled
         self.settle_timeout = settle_timeout
-        self._version = version or (lambda: None)
-        self._served: tuple[int, Any] | None = None  # (epoch, version) of the snapshot served
+        self._version = version or (lambda: self._state()[0])
+        self._served: tuple[int, Any] | None = None  # (epoch, version) of the source served
+        self._live: tuple[LiveSource, ...] = ()  # the sources served (two at most), the latest last
         self.server = StateServer(host)
-        #: snapshot buffers, touched ahead; two take turns (see ``warm`` and checkpoint.recycle)
-        self.buffers = Recycler()
-        #: bytes of our own state as ``warm`` last sized it (0: not yet): what a state load moves
+        #: bytes of our own state as ``update_size`` last measured it (0: not yet): what a state load moves
         self.size = 0
 
     async def start(self) -> None:
@@ -76,62 +78,62 @@ class StateSync:
 
     async def close(self) -> None:
         await self.server.close()
-        self.buffers.close()
+        for src in self._live:
+            src.evict()
+        self._live = ()
 
     def state_bytes(self) -> int:
-        """The size of a snapshot of the state now (call with the lock held)."""
+        """The size of the state now (call with the lock held)."""
         _, state = self._state()
         skeleton, _ = flatten(state)
         return layout(tensor_specs(skeleton))[1]
 
-    def warm(self) -> None:
-        """Keep snapshot buffers of the state's current size touched ahead, in the background, so
-        a peer that asks for our state waits for neither page faults nor a warm-up beside its
-        download (see ``checkpoint.recycle``). Call from the training thread after updates.
+    def update_size(self) -> None:
+        """Measure the state's size (``size``); call from the training thread after updates."""
+        with self._raw:
+            self.size = self.state_bytes()
 
-        Two buffers take turns: the snapshot served and the spare the next one is built in (the
-        served one comes back when the next is published, ``drop_idle``). Before the first
-        snapshot both are spares: touching the second only once a joiner asked put those faults
-        beside its download. A client-mode peer serves nobody and touches nothing."""
-        with self._lock:
-            n = self.size = self.state_bytes()
-        if self.host is None or self.host.client_mode:
-            return
-        self.buffers.warm(n, count=1 if self.server.latest(self.key) is not None else 2)
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of state copies held for peers downloading a version that changed since."""
+        return sum(src.held_bytes for src in self._live)
+
+    def _before_change(self) -> None:
+        """(The lock held, the state about to change.) Preserve the versions peers download."""
+        for src in self._live:
+            src.preserve()
+            src.expire()
 
     async def _refresh(self) -> None:
-        """Publish a snapshot of the state if it changed since the last one (a peer asked)."""
+        """Serve the state as it is now if it changed since the last source (a peer asked)."""
         loop = asyncio.get_running_loop()
 
-        def take() -> tuple[tuple[int, Any], Manifest, torch.Tensor] | None:
-            seen: dict[str, Any] = {}
-
-            def read() -> Any:  # called by build_snapshot with the lock held
-                epoch, state = self._state()
-                seen["epoch"], seen["version"] = epoch, self._version()
-                return state
-
+        def take() -> tuple[tuple[int, Any], LiveSource] | None:
             if self._settled is not None:
                 self._settled.wait(self.settle_timeout)
-            with self._lock:
-                if (self._state()[0], self._version()) == self._served:
+            with self._raw:
+                if (self._state()[0], self._version()) == self._served and self._live:
+                    self._live[-1].lease()
                     return None
-            self.buffers.wait(self.settle_timeout)  # a buffer being touched: not under the lock
-            # the copy is consistent (made under the lock); hashing happens after releasing it
-            manifest, buffer = build_snapshot(read, lock=self._lock,
-                                              alloc=self.buffers.take)
-            manifest = dataclasses.replace(manifest, meta={"epoch": seen["epoch"]})
-            return (seen["epoch"], seen["version"]), manifest, buffer
+            seen: dict[str, Any] = {}
+
+            def read() -> Any:  # (the lock held)
+                seen["epoch"], state = self._state()
+                return state
+
+            src = LiveSource(self._raw, read, self._version)
+            src.lease()
+            src.describe({"epoch": seen["epoch"]})
+            return (seen["epoch"], src.version), src
 
         result = await loop.run_in_executor(None, take)
         if result is None:
             return
-        self._served, manifest, buffer = result
-        self.server.publish(self.key, manifest, buffer, on_release=self.buffers.give)
-        # The previous snapshot goes unless a download still reads it: its buffer and the one
-        # now served are all the next snapshot needs (two buffers in turn, none faulted anew).
+        self._served, src = result
+        self._live = (*self._live[-1:], src)
+        self.server.publish_source(self.key, src)
+        # the previous version goes unless a download still reads it
         self.server.drop_idle(self.key)
-        self.buffers.trim(1)  # with the one served, two in all
 
     @staticmethod
     def choose(peers: list[PeerReport], quorum: bool = False) -> list[PeerReport]:

@@ -9,7 +9,6 @@ computed and its result is applied one step later (no pause; the update is one e
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -19,7 +18,7 @@ from ..averaging import StepResult
 from .catch_up import fall_behind
 from .memory import flat_views
 from .progress import SwarmView
-from .rounds import FRESH_LOOK, round_result, state_round_due
+from .rounds import missed_round, round_result, state_round_due
 from .shared_state import maybe_checkpoint
 
 if TYPE_CHECKING:
@@ -94,15 +93,8 @@ def apply_pending(opt: DecentralizedOptimizer, wait: bool) -> None:
 
 def _apply_round(opt: DecentralizedOptimizer, future: Future[StepResult | None]) -> None:
     result = round_result(opt, future)
-    if opt._last_expected > 1 and (result is None or result.group_size == 1):
-        if result is None or _others_hold_our_epoch(opt):
-            # Others were there but we met nobody (we came late, or the round failed): stepping
-            # with our own gradients would leave us on a path of our own for good. Take theirs.
-            opt.stats.record(result, opt.epoch, opt.local_samples)
-            opt._load_state_from_peers(opt.tracker.estimate(), missed=True)
-            return
-        # they left (or are behind, and will load ours): we are the swarm; no state round either
-        opt._last_expected = 1
+    if missed_round(opt, result):
+        return
     grads = [p.grad for p in opt.params]
     with opt._state_lock:
         for p, buf in zip(opt.params, opt._buffers):
@@ -116,22 +108,10 @@ def _apply_round(opt: DecentralizedOptimizer, future: Future[StepResult | None])
         p.grad = g
     if not state_round_due(opt.average_state_every, opt._pending_epoch, opt._last_expected):
         opt._settled.set()  # the update is in (else once the state round is: maybe_average_state)
-    opt.state_sync.warm()
+    opt.state_sync.update_size()
     opt.stats.record(result, opt.epoch, opt.local_samples)
     opt._maybe_average_state(opt._pending_epoch)
     maybe_checkpoint(opt)
-
-
-def _others_hold_our_epoch(opt: DecentralizedOptimizer) -> bool:
-    """Whether a fresh look shows another peer at our state's epoch or past it: one that may
-    have taken the step we missed (or missed it with us). The view that expected them is up
-    to a refresh old: a peer that finished and left since then is gone from a fresh one."""
-    t0 = time.perf_counter()
-    view = opt._loop.run(opt.tracker.refresh_now(timeout=FRESH_LOOK))
-    opt._paused += time.perf_counter() - t0
-    opt.stats.observe(view, opt.epoch, opt.local_samples)
-    me = opt.tracker.me.peer
-    return any(p.peer != me and p.epoch >= opt._applied for p in (*view.peers, *view.behind))
 
 
 def round_over(opt: DecentralizedOptimizer, view: SwarmView) -> bool:
