@@ -64,6 +64,32 @@ def expected_peers(view: SwarmView, epoch: int, delay_updates: bool) -> int:
     return view.num_peers + sum(1 for p in view.behind if p.epoch == epoch - 1)
 
 
+def missed_round(opt: DecentralizedOptimizer, result: StepResult | None) -> bool:
+    """After a round of ours: whether we missed it and loaded the swarm's state instead. Others
+    were there but we met nobody (we came late, or the round failed): stepping with our own
+    update would leave us on a path of our own for good. When they left instead (or are behind,
+    and will load ours), we are the swarm: we step, and take no state round either."""
+    if opt._last_expected > 1 and (result is None or result.group_size == 1):
+        if result is None or others_hold_our_epoch(opt):
+            opt.stats.record(result, opt.epoch, opt.local_samples)
+            opt._load_state_from_peers(opt.tracker.estimate(), missed=True)
+            return True
+        opt._last_expected = 1
+    return False
+
+
+def others_hold_our_epoch(opt: DecentralizedOptimizer) -> bool:
+    """Whether a fresh look shows another peer at our state's epoch or past it: one that may
+    have taken the step we missed (or missed it with us). The view that expected them is up
+    to a refresh old: a peer that finished and left since then is gone from a fresh one."""
+    t0 = time.perf_counter()
+    view = opt._loop.run(opt.tracker.refresh_now(timeout=FRESH_LOOK))
+    opt._paused += time.perf_counter() - t0
+    opt.stats.observe(view, opt.epoch, opt.local_samples)
+    me = opt.tracker.me.peer
+    return any(p.peer != me and p.epoch >= opt._applied for p in (*view.peers, *view.behind))
+
+
 def round_result(opt: DecentralizedOptimizer, future: Future[StepResult | None]) -> StepResult | None:
     """Wait for a round's result (None if it failed: counted and logged); the wait counts as a pause."""
     t0 = time.perf_counter()
