@@ -195,16 +195,15 @@ class Averager:
 
     async def _slices(self, group: Group, rank: int, weight: float, lock: AbstractContextManager | None,
                       on_write: Callable[[], None] | None) -> list[AllReduceResult]:
-        """One all-reduce per slice of ``_slice_numel`` values, ``SLICES_IN_FLIGHT`` at a time (one
-        fills its pipeline while the other drains), in place in our shared buffer when there is one
-        and no ``lock``, else each through a host staging buffer; slice k runs as group
-        ``slice_group(group, k)`` (every member derives the same)."""
+        """One all-reduce per slice of ``_slice_numel`` values: in place in our shared buffer when
+        there is one and no ``lock``, ``SLICES_IN_FLIGHT`` at a time (one fills its pipeline while
+        the other drains), else one at a time through a host staging buffer (the host holds one
+        slice); slice k runs as group ``slice_group(group, k)`` (every member derives the same)."""
         total, step = self.schema.numel, self._slice_numel
         in_place = self._flat is not None and lock is None
         spans = [(start, min(total, start + step)) for start in range(0, total, step)]
-        free = [] if in_place else [torch.empty(min(total, step), dtype=torch.float32)
-                                    for _ in range(min(SLICES_IN_FLIGHT, len(spans)))]
-        gate = asyncio.Semaphore(SLICES_IN_FLIGHT)
+        free = [] if in_place else [torch.empty(min(total, step), dtype=torch.float32)]
+        gate = asyncio.Semaphore(SLICES_IN_FLIGHT if in_place else 1)
 
         async def one(k: int, start: int, end: int) -> AllReduceResult:
             async with gate:
