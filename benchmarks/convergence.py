@@ -5,6 +5,8 @@ vs hivemind.Optimizer, on the built-in tasks, with every baseline measured in th
     python benchmarks/convergence.py --task char_lm    # ~10 min
     python benchmarks/convergence.py --task digits --runs hivemind --hivemind-python /tmp/hmvenv/bin/python
     python benchmarks/convergence.py --task char_lm --runs --simulate    # baseline + DiLoCo ablations only
+    python benchmarks/convergence.py --task char_lm --peers 2 --samples 16000 --runs diloco diloco-overlap \
+        --simulate-overlap    # blocking vs overlapped outer rounds: ~6 min
 
 Runs, each trained on the same total number of samples N (``--samples``):
 
@@ -22,6 +24,8 @@ Runs, each trained on the same total number of samples N (``--samples``):
   N/(P*H*b)`` outer rounds, where b is the task's DiLoCo batch per peer (``--diloco-batch-size``:
   char_lm 2 = its batch 8 / 4 peers, so each replica takes as many steps as the baseline), plus the
   task's outer momentum and inner lr warmup (``--warmup-steps``; the baseline warms up the same way).
+* ``diloco-overlap``: the same as ``diloco`` with ``--overlap-outer`` (each outer round runs
+  during the next inner steps); reported against ``diloco`` too (final loss ratio, target <= 1.02).
 * ``hivemind``: with ``--hivemind-python``, hivemind.Optimizer (its collaborative mode: gradients
   averaged every T samples, the equivalent of ``sync``) in ``--peers`` processes of that
   interpreter (``benchmarks/_hivemind_optimizer.py``), same task, batch, lr and N.
@@ -29,6 +33,9 @@ Runs, each trained on the same total number of samples N (``--samples``):
   with the swarm's settings, then with fp32 pseudo-gradients, then without outer momentum. What the
   algorithm itself gives, without networking, staleness or stragglers: it tells a gap that is
   DiLoCo's from one that is the trainer's, and which knob it comes from.
+* ``--simulate-overlap``: the same simulation with blocking rounds and with overlapped ones whose
+  average lands ``--overlap-steps`` inner steps into the next round (default H, the worst case:
+  the whole round in flight), same seeds and inner steps (on a LAN a round lands after a few).
 
 Printed: final accuracy (digits) / loss / perplexity (char_lm), the delta vs the baseline at the
 same samples (%), swarm samples/s (sum of the peers' samples / the slowest peer's training time),
@@ -231,15 +238,21 @@ def plain_loop(task: Any, batch_size: int, lr: float | None, steps: int, eval_at
 
 def simulate_diloco(task: Any, peers: int, batch_size: int, lr: float | None, rounds: int, local_steps: int,
                     codec_name: str, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                    seed: int = 0, warmup_steps: int = 0) -> tuple[dict[str, float], float, int]:
+                    seed: int = 0, warmup_steps: int = 0,
+                    overlap: int | None = None) -> tuple[dict[str, float], float, int]:
     """DiLoCo with ``peers`` replicas in this process, every round complete and synchronous: each
     replica (its own inner AdamW and data order, like a peer) takes ``local_steps`` steps from the
     outer parameters; the pseudo-gradients (outer - local) go through the codec as in the swarm's
     all-reduce (each shard's owner adds its own exactly, the others' through the codec; the average
-    through the codec again); Nesterov SGD on the outer parameters. Returns (metrics, seconds, samples)."""
+    through the codec again); Nesterov SGD on the outer parameters. ``overlap``: the replicas do not
+    wait for the round: they train on, and its average lands ``overlap`` steps into the next
+    round, merged as ``overlap_outer`` merges it (``outer_swap.land_overlapped``). Returns
+    (metrics, seconds, samples)."""
     import torch
 
     from p2ptrain.compression import get_codec
+    from p2ptrain.optim.diloco_step import overlap_mix
+    from p2ptrain.optim.outer_swap import eager_start, land_overlapped
     from p2ptrain.optim.warmup import warmed_step
 
     codec = get_codec(codec_name)
@@ -255,13 +268,20 @@ def simulate_diloco(task: Any, peers: int, batch_size: int, lr: float | None, ro
         enc = codec.encode(x.contiguous())
         return codec.decode(enc.meta, b"".join(bytes(m) for m in enc.memoryviews()))
 
+    landing = False  # overlap: a round's outer step (taken at its end, here) is still to land in the replicas
+
+    def land(m: torch.nn.Module) -> None:
+        land_overlapped(list(m.parameters()), outer, overlap_mix(outer_lr, outer_momentum), lambda: None)
+
     seconds, samples, steps = 0.0, 0, [0] * peers
     for _ in range(rounds):
         t0 = time.perf_counter()
         deltas = []
         for r, (m, opt, it) in enumerate(zip(models, inner, data)):
             m.train()
-            for _ in range(local_steps):
+            for k in range(local_steps):
+                if landing and k == overlap:
+                    land(m)
                 batch = next(it)
                 loss = task.loss(m, batch)
                 opt.zero_grad(set_to_none=True)
@@ -269,8 +289,15 @@ def simulate_diloco(task: Any, peers: int, batch_size: int, lr: float | None, ro
                 steps[r] += 1
                 warmed_step(opt, steps[r], warmup_steps)
                 samples += len(batch[1])
-            with torch.no_grad():
-                deltas.append(torch.cat([(o - p).flatten() for o, p in zip(outer, m.parameters())]))
+            if landing and overlap is not None and overlap >= local_steps:
+                land(m)  # (at the round's end, before its pseudo-gradient)
+            if overlap is None:
+                with torch.no_grad():
+                    deltas.append(torch.cat([(o - p).flatten() for o, p in zip(outer, m.parameters())]))
+            else:  # the pseudo-gradient; the replica trains on eagerly, as overlap_outer does
+                flat = torch.empty(sum(o.numel() for o in outer))
+                eager_start(outer, list(m.parameters()), list(flat.split([o.numel() for o in outer])), outer_opt)
+                deltas.append(flat)
         numel = deltas[0].numel()
         bounds = [numel * j // peers for j in range(peers + 1)]
         avg = torch.empty(numel)
@@ -289,10 +316,16 @@ def simulate_diloco(task: Any, peers: int, batch_size: int, lr: float | None, ro
                 o.grad = avg[off: off + o.numel()].view_as(o).clone()
                 off += o.numel()
             outer_opt.step()
-            for m in models:
-                for p, o in zip(m.parameters(), outer):
-                    p.copy_(o)
+            if overlap is not None:  # (lands in the next round; the outer step can be taken now)
+                landing = True
+            else:
+                for m in models:
+                    for p, o in zip(m.parameters(), outer):
+                        p.copy_(o)
         seconds += time.perf_counter() - t0
+    with torch.no_grad():  # the model of the swarm: the outer parameters (finish_round)
+        for p, o in zip(models[0].parameters(), outer):
+            p.copy_(o)
     return task.evaluate(models[0]), seconds, samples
 
 
@@ -318,7 +351,7 @@ def run_p2ptrain_swarm(name: str, task_name: str, peers: int, extra: list[str], 
         for i in range(peers):
             log = open(os.path.join(logdir, f"{name}-peer{i}.log"), "w")  # noqa: SIM115 (closed below)
             logs.append(log)
-            argv = base + (["--bootstrap-file", empty] if i == 0 else ["--bootstrap", boot])
+            argv = base + ["--data-seed", str(i)] + (["--bootstrap-file", empty] if i == 0 else ["--bootstrap", boot])
             p = CHILDREN.spawn(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
             procs.append(p)
             lines.attach(i, p)
@@ -443,6 +476,8 @@ def print_peers(res: Result) -> None:
         if "rounds" in p:
             extra = (f" rounds {p['rounds']} failed {p['failed_rounds']} group {p['group_size']}"
                      f" state_loads {p['state_loads']} sent {fmt_bytes(p['bytes_sent'])}")
+            if p.get("overlapped_steps"):
+                extra += f" overlapped {p['overlapped_steps']}"
         print(f"    peer {i}: epoch {p['epoch']} steps {p['steps']} samples {p['samples']} "
               f"{p['seconds']:.1f} s{extra} | {m} | digest {p.get('params_digest', '-')}", flush=True)
 
@@ -533,13 +568,16 @@ def bench_task(task_name: str, args: argparse.Namespace, logdir: str) -> None:
             args.run_timeout, args.threads, logdir)
         results["sync"] = r
         print_peers(r)
-    if "diloco" in runs:
-        print(f"  diloco: {P} peers ...; {load()}", flush=True)
-        r = run_p2ptrain_swarm("diloco", task_name, P, common + [
+    for name in ("diloco", "diloco-overlap"):
+        if name not in runs:
+            continue
+        print(f"  {name}: {P} peers ...; {load()}", flush=True)
+        r = run_p2ptrain_swarm(name, task_name, P, common + [
             "--batch-size", str(dbs), "--mode", "diloco", "--local-steps", str(h), "--compression", args.compression,
             "--outer-momentum", str(mom), "--inner-warmup-steps", str(warm),
-            "--epochs", str(diloco_epochs)], args.run_timeout, args.threads, logdir)
-        results["diloco"] = r
+            "--epochs", str(diloco_epochs)] + (["--overlap-outer"] if name == "diloco-overlap" else []),
+            args.run_timeout, args.threads, logdir)
+        results[name] = r
         print_peers(r)
     if "hivemind" in runs and args.hivemind_python:
         print(f"  hivemind.Optimizer: {P} peers ...; {load()}", flush=True)
@@ -556,6 +594,13 @@ def bench_task(task_name: str, args: argparse.Namespace, logdir: str) -> None:
             print(f"  simulated diloco ({label}) in this process ...; {load()}", flush=True)
             m, s, samples = simulate_diloco(task, P, dbs, lr, diloco_epochs, h, codec, outer_momentum=momentum,
                                             warmup_steps=warm)
+            sims.append(Result(label, m, samples, s, s))
+    if args.simulate_overlap:
+        tau = h if args.overlap_steps is None else args.overlap_steps
+        for label, overlap in (("sim blocking", None), (f"sim overlap tau={tau}", tau)):
+            print(f"  simulated diloco ({label}) in this process ...; {load()}", flush=True)
+            m, s, samples = simulate_diloco(task, P, dbs, lr, diloco_epochs, h, args.compression, outer_momentum=mom,
+                                            warmup_steps=warm, overlap=overlap)
             sims.append(Result(label, m, samples, s, s))
 
     # the baselines last: evaluated at N and at every swarm's actual total
@@ -582,7 +627,7 @@ def bench_task(task_name: str, args: argparse.Namespace, logdir: str) -> None:
         t0 = time.monotonic()
         ev, s, m = plain_loop(task, tbs, lr, steps, set())
         rows.append((Result(f"baseline bs={tbs}", m, steps * tbs, s, time.monotonic() - t0), evals[steps_n]))
-    for name in ("sync", "diloco", "hivemind"):
+    for name in ("sync", "diloco", "diloco-overlap", "hivemind"):
         if name in results:
             r = results[name]
             rows.append((r, ref_for(r.samples) if r.samples else None))
@@ -605,6 +650,16 @@ def bench_task(task_name: str, args: argparse.Namespace, logdir: str) -> None:
                      f"{rounds:.1f} rounds is ~{fmt_bytes(ar)} (ratio to fp32-every-step on that alone "
                      f"{fp32 / ar:.0f}x); the other {fmt_bytes(max(0.0, r.bytes_sent - ar))} "
                      f"({max(0.0, 1 - ar / r.bytes_sent) * 100:.0f}%) is other averaging (state rounds)")
+    key, larger = metric_of(task_name)
+    pairs = [(results.get("diloco"), results.get("diloco-overlap"))]
+    if args.simulate_overlap:
+        pairs.append((sims[-2], sims[-1]))
+    for blocking, over in pairs:
+        if blocking is not None and over is not None and key in blocking.metrics and key in over.metrics:
+            a, b = blocking.metrics[key], over.metrics[key]
+            ok = b / a >= 0.98 if larger else b / a <= 1.02
+            notes.append(f"overlapped vs blocking rounds ({over.name} / {blocking.name}): final {key} "
+                         f"{b:.4f} / {a:.4f} = {b / a:.4f} (2% {'ok' if ok else 'MISSED'})")
     for line in notes:
         print(f"  note: {line}")
     print(f"  logs: {logdir}", flush=True)
@@ -630,10 +685,14 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, help="DiLoCo outer momentum (default: digits 0.9, char_lm 0.8)")
     ap.add_argument("--compression", default="int8", help="DiLoCo pseudo-gradient codec (default int8)")
     ap.add_argument("--runs", nargs="*", default=["sync", "diloco", "hivemind"],
-                    choices=["sync", "diloco", "hivemind"],
+                    choices=["sync", "diloco", "diloco-overlap", "hivemind"],
                     help="swarm runs (default: all three; hivemind only with --hivemind-python); "
                          "the baseline always runs")
     ap.add_argument("--simulate", action="store_true", help="also DiLoCo simulated in-process (int8 and fp32)")
+    ap.add_argument("--simulate-overlap", action="store_true",
+                    help="also DiLoCo simulated with blocking and with overlapped outer rounds")
+    ap.add_argument("--overlap-steps", type=int, metavar="TAU",
+                    help="--simulate-overlap: inner steps before a round's average lands (default H)")
     ap.add_argument("--no-large-batch", action="store_true", help="skip the batch=target-batch-size baseline")
     ap.add_argument("--hivemind-python", metavar="PY", help="interpreter with hivemind 1.1.12 (numpy<2.4)")
     ap.add_argument("--hivemind-matchmaking-time", type=float, default=1.0,

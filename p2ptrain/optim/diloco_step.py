@@ -6,11 +6,11 @@ peer of its epoch is ready to average, it stops after its current step and joins
 has (weighted accordingly); peers that are not ready within the matchmaking deadline are left out of
 that round.
 
-With ``overlap_outer`` the round runs on the event loop while the next H inner steps proceed: the
-outer step of round t is taken once its average lands (at the latest when round t+1 starts, so
-at most one is in flight), one round late for the steps taken meanwhile, and the parameters are
-then merged into the new outer parameters (``outer_swap.land_overlapped``; the one-round-delayed
-outer update of Kale et al. 2025, with streaming DiLoCo's merge, Douillard et al. 2025).
+With ``overlap_outer`` the round runs on the event loop while the next H inner steps proceed (at
+most one in flight: round t lands at the latest when round t+1 starts). Each peer trains on from
+where the outer step would take the outer parameters with its own pseudo-gradient (an eager
+update, Kale et al. 2025); once the round lands, the outer parameters take the real step and the
+parameters are merged into them (streaming DiLoCo, Douillard et al. 2025): see ``outer_swap``.
 """
 
 from __future__ import annotations
@@ -20,19 +20,26 @@ from typing import TYPE_CHECKING
 import torch
 
 from .catch_up import fall_behind
-from .outer_swap import land_overlapped, pseudo_gradient, swap_back, swap_out
+from .outer_swap import eager_start, land_overlapped, swap_back, swap_out
 from .progress import SwarmView
-from .rounds import round_result, state_round_due
+from .rounds import missed_round, round_result, state_round_due
 from .shared_state import maybe_checkpoint
-from .sync_step import _others_hold_our_epoch
 from .warmup import warmed_step
 
 if TYPE_CHECKING:
     from .optimizer import DecentralizedOptimizer
 
-#: overlapped rounds: the share of the steps taken during a round (and of this peer's departure
-#: from the group's mean) that its parameters keep when the round lands (streaming DiLoCo's alpha)
-OVERLAP_MIX = 0.5
+#: overlapped rounds: the share of its distance from the new outer parameters (the steps taken
+#: during the round, its departure from the group's mean) that a peer keeps when a round lands:
+#: streaming DiLoCo's alpha (on char_lm with the whole round in flight 0.6 did best of 0.3-0.7)
+OVERLAP_MIX = 0.6
+
+
+def overlap_mix(lr: float, momentum: float) -> float:
+    """``OVERLAP_MIX``, or less for large outer steps: a peer's departure from the group's mean
+    comes back ``lr * (1 + momentum)`` times larger through its eager start, times the mix at
+    the merge; that product is kept at 0.75 at most, so the departures shrink round after round."""
+    return min(OVERLAP_MIX, 0.75 / (lr * (1 + momentum)))
 
 
 def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
@@ -107,7 +114,7 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
         return
     if not state_round_due(opt.average_state_every, epoch, opt._last_expected):
         opt._settled.set()  # the update is in (else once the state round is: maybe_average_state)
-    opt.state_sync.warm()
+    opt.state_sync.update_size()
     opt.epoch += 1
     opt.local_samples = 0
     opt._local_steps_done = 0
@@ -142,7 +149,8 @@ def start_overlapped(opt: DecentralizedOptimizer, view: SwarmView) -> None:
         if opt.local_samples == 0:  # (it was missed: we loaded the swarm's state and start anew)
             return
     samples, epoch = opt.local_samples, opt.epoch
-    pseudo_gradient(opt._outer, opt.params, opt._buffers)
+    assert opt.outer_optimizer is not None
+    eager_start(opt._outer, opt.params, opt._buffers, opt.outer_optimizer)
     opt.tracker.report(epoch, samples, opt._sps, ready=True)
     opt._pending, opt._pending_epoch = opt._average(epoch, samples, view), epoch
     opt.epoch += 1
@@ -162,19 +170,18 @@ def land_outer(opt: DecentralizedOptimizer, wait: bool) -> None:
     epoch = opt._pending_epoch
     try:
         result = round_result(opt, future)
-        if opt._last_expected > 1 and (result is None or result.group_size == 1):
-            if result is None or _others_hold_our_epoch(opt):
-                opt.stats.record(result, opt.epoch, opt.local_samples)
-                opt._load_state_from_peers(opt.tracker.estimate(), missed=True)
-                return
-            opt._last_expected = 1  # they left (or are behind, and will load ours): no state round
+        if missed_round(opt, result):
+            return
+        assert opt.outer_optimizer is not None
         with opt._state_lock:
-            land_overlapped(opt.params, opt._outer, opt._buffers, OVERLAP_MIX, lambda: _outer_update(opt, opt._buffers))
+            group = opt.outer_optimizer.param_groups[0]
+            land_overlapped(opt.params, opt._outer, overlap_mix(group["lr"], group["momentum"]),
+                            lambda: _outer_update(opt, opt._buffers))
             opt._applied = epoch + 1
             opt._version += 1
         if not state_round_due(opt.average_state_every, epoch, opt._last_expected):
             opt._settled.set()  # the update is in (else once the state round is: maybe_average_state)
-        opt.state_sync.warm()
+        opt.state_sync.update_size()
         opt.stats.record(result, opt.epoch, opt.local_samples)
         opt._maybe_average_state(epoch)
         maybe_checkpoint(opt)

@@ -6,9 +6,9 @@ parameters, whose values are not needed again; ``swap_back`` reverses the placem
 round is over, leaving the averaged pseudo-gradient where the outer parameters were.
 
 With ``overlap_outer`` the parameters keep training during the round, so the outer parameters
-have a buffer of their own (the model's size, once more): ``pseudo_gradient`` fills the averaging
-buffer, and ``land_overlapped`` takes the outer step and merges the parameters into the new outer
-ones once the round is over.
+have a buffer of their own (the model's size, once more): ``eager_start`` fills the averaging
+buffer and moves the parameters ahead, ``land_overlapped`` takes the outer step and merges the
+parameters into the new outer ones once the round is over.
 """
 
 from __future__ import annotations
@@ -51,29 +51,35 @@ def swap_back(opt: DecentralizedOptimizer) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def pseudo_gradient(outer: list[torch.Tensor], params: list[torch.Tensor], out: list[torch.Tensor]) -> None:
-    """``out`` := ``outer`` - ``params`` (fp32; the parameters are left as they are)."""
+def eager_start(outer: list[torch.Tensor], params: list[torch.Tensor], out: list[torch.Tensor],
+                outer_opt: torch.optim.Optimizer) -> None:
+    """A round starts: ``out`` := ``outer`` - ``params`` (the pseudo-gradient to average), and
+    ``params`` := where ``outer_opt`` (Nesterov SGD, as ``DecentralizedOptimizer`` makes it) would
+    take ``outer`` if the group's average were ours: an eager update (Kale et al. 2025), so that
+    the group trains on from the new outer parameters on average, however long the round takes."""
+    group = outer_opt.param_groups[0]
+    lr, mu = group["lr"], group["momentum"]  # (nesterov = momentum > 0, no dampening or decay)
     for o, p, b in zip(outer, params, out):
-        for o_part, p_part, b_part in _pieces(o, p, b):
+        m = outer_opt.state[o].get("momentum_buffer") if o in outer_opt.state else None
+        for o_part, p_part, b_part, *m_part in _pieces(o, p, b, *([m] if m is not None else [])):
             torch.sub(o_part, p_part.to(b_part.device, torch.float32), out=b_part)
+            step = b_part * (lr * (1 + mu))  # (a piece: bounded scratch)
+            if m_part:
+                step.add_(m_part[0], alpha=lr * mu * mu)
+            p_part.copy_(torch.sub(o_part, step, out=step))
 
 
 @torch.no_grad()
-def land_overlapped(params: list[torch.Tensor], outer: list[torch.Tensor], averaged: list[torch.Tensor],
-                    mix: float, outer_step: Callable[[], None]) -> None:
-    """An overlapped round is over: ``averaged`` holds the group's mean pseudo-gradient, taken
-    against ``outer`` while ``params`` went on training. ``outer_step()`` moves ``outer`` with it;
-    ``params`` become the new outer ones plus ``mix`` times how far they are past the group's mean
-    end of the round (``outer - averaged``): the steps taken since, and this peer's own departure
-    from the mean. Streaming DiLoCo's merge, measured from that mean rather than from the new
-    outer parameters, so that the outer step's momentum is not pulled back on the next round."""
-    for p, o, a in zip(params, outer, averaged):
-        for p_part, o_part, a_part in _pieces(p, o, a):
-            p_part.sub_((o_part - a_part).to(p_part.device, p_part.dtype))
+def land_overlapped(params: list[torch.Tensor], outer: list[torch.Tensor], mix: float,
+                    outer_step: Callable[[], None]) -> None:
+    """A round started by ``eager_start`` is over: ``outer_step()`` moves ``outer`` with the
+    group's average, and ``params`` keep ``mix`` of how far they are from it (streaming DiLoCo's
+    merge, Douillard et al. 2025): this peer's departure from the group's mean, and the steps
+    taken since the round started, which the next round's pseudo-gradient then carries."""
     outer_step()
     for p, o in zip(params, outer):
         for p_part, o_part in _pieces(p, o):
-            p_part.mul_(mix).add_(o_part.to(p_part.device, p_part.dtype))
+            p_part.lerp_(o_part.to(p_part.device, p_part.dtype), 1.0 - mix)
 
 
 def outer_holders(opt: DecentralizedOptimizer) -> list[torch.Tensor]:
