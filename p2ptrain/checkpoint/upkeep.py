@@ -82,6 +82,7 @@ class StoreUpkeep:
                     continue
                 live.update(m.chunk_digest(i) for i in range(m.num_chunks))
             result.pending_removed = self._live_pending(live, pending_grace)
+            self._live_roots(live)
             for digest, path in [] if result.problems else list(self.blobs.digests()):
                 if digest in live:
                     continue
@@ -103,6 +104,18 @@ class StoreUpkeep:
                     sub.rmdir()  # only succeeds when empty
         result.kept = sort_newest_first(result.kept)
         return result
+
+    def _live_roots(self, live: set[bytes]) -> None:
+        """Add the blobs other users of the store keep (``roots/<manifest hex>``: a dataset's
+        index and shards) to ``live``: each manifest and, when it is stored, its chunks."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root / "roots") as entries:
+            for e in entries:
+                with contextlib.suppress(ValueError):
+                    mid = bytes.fromhex(e.name)
+                    live.add(mid)
+                    with contextlib.suppress(StoreError, ManifestError, CheckpointNotFound):
+                        m = self.manifest(mid)
+                        live.update(m.chunk_digest(i) for i in range(m.num_chunks))
 
     def _live_pending(self, live: set[bytes], grace: float) -> int:
         """Add the blobs of fetches touched within ``grace`` seconds to ``live``; remove older

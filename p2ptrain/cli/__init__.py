@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import ckpt_cmd, demo, dht_cmd, peer_cmd, status_cmd, swarm_cmd
+from . import ckpt_cmd, data_cmd, demo, dht_cmd, peer_cmd, status_cmd, swarm_cmd
 from .common import EXIT_USAGE, fail, setup_logging
 from .parser import CommandParser
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-json", action="store_true", help="log as JSON lines on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     ckpt_cmd.add_parser(sub)
+    data_cmd.add_parser(sub)
     demo.add_parser(sub)
     dht_cmd.add_parser(sub)
     peer_cmd.add_parser(sub)
