@@ -66,6 +66,7 @@ class PeerConfig:
     save: str | None = None  # write the final model here (safetensors), atomically
     checkpoint_every: int | None = None  # save a checkpoint every N global epochs (a few peers do)
     data_dir: str | None = None  # checkpoint store (default: $P2PTRAIN_DATA_DIR or the user's cache dir)
+    dataset: str | None = None  # train on this dataset CID (p2ptrain.data), read from the swarm
     wait_peers: int = 0  # wait for this many peers before training (a swarm started together)
     wait_timeout: float | None = 60.0  # seconds to wait for them at most (None: until they come or stop)
     bootstrap: Sequence[str | Multiaddr] = ()  # text is parsed once, by p2ptrain.DHT
@@ -96,6 +97,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
     if dht is None:
         dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host)
     opt: DecentralizedOptimizer | None = None
+    dataset = None
     try:
         model = task.make_model(seed=cfg.seed).to(device)  # the same init on every device: built on the host
         opt = DecentralizedOptimizer(
@@ -119,7 +121,13 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         if cfg.wait_peers > 1 and not _wait_for_peers(opt, cfg, on_event, stop):
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
         data_seed = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(dht.peer_id.to_bytes()[-4:], "big")
-        batches = task.batches(batch_size, seed=data_seed)
+        if cfg.dataset:
+            from .data import SwarmDataset
+
+            dataset = SwarmDataset(dht, cfg.dataset, data_dir=cfg.data_dir, server=opt.state_sync.server)
+            batches = task.record_batches(iter(dataset), batch_size)
+        else:
+            batches = task.batches(batch_size, seed=data_seed)
         t0 = time.perf_counter()
         next_report = t0 + cfg.progress_every
         steps, loss_ewma, start_epoch = 0, math.nan, opt.epoch
@@ -159,6 +167,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         on_event(done)
         return done
     finally:
+        if dataset is not None:
+            dataset.close()
         if opt is not None:
             opt.close()
         if own_dht:

@@ -14,8 +14,21 @@ import sys
 from typing import Any
 
 from dht import ConfigError
-from .common import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, add_swarm_key_arg, bootstrap_addrs, fail, joining, \
-    parse_listen, run, swarm_key_of, until
+
+from .common import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_swarm_key_arg,
+    bootstrap_addrs,
+    fail,
+    joining,
+    parse_listen,
+    run,
+    swarm_key_of,
+    until,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

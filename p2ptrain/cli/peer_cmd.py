@@ -96,6 +96,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="diloco: warm the inner lr up linearly over this peer's first N local steps (default 0)")
     p.add_argument("--seed", type=int, default=0, help="model init seed, the same on every peer (default 0)")
     p.add_argument("--data-seed", type=int, help="data order (default: different on every peer)")
+    p.add_argument("--dataset", metavar="CID", help="train on this dataset ('p2ptrain data add' printed its CID): "
+                   "shards are fetched from the peers that hold it and read about once per epoch across the swarm")
     p.add_argument("--compute-delay", type=float, default=0.0, metavar="S",
                    help="extra seconds per step, to emulate a bigger model (benchmarks)")
     p.add_argument("--delay-updates", action="store_true", help="sync: average in the background, apply one epoch late")
@@ -203,7 +205,7 @@ def _config(args: argparse.Namespace) -> Any:
         delay_updates=args.delay_updates, overlap_outer=args.overlap_outer, wait_peers=wait_peers,
         wait_timeout=wait_timeout, device=args.device,
         threads=args.threads, save=args.save,
-        checkpoint_every=args.checkpoint_every, data_dir=args.data_dir,
+        checkpoint_every=args.checkpoint_every, data_dir=args.data_dir, dataset=args.dataset,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
         trusted_writers=trusted, name=args.name, receipts_file=args.receipts_file,
     )

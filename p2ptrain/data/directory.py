@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dht import PeerID
+from dht import PeerID, pack
 
 from ..checkpoint.directory import Address, report_once
-from dht import pack
 
 VERSION = 1
 SUBKEY = "data"

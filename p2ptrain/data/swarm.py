@@ -23,8 +23,16 @@ from ..checkpoint.manifest import Manifest
 from ..checkpoint.sources import ChunkSource
 from ..checkpoint.state_server import StateServer
 from ..checkpoint.swarm import StoreSource
-from .directory import SUBKEY, MAX_ENTRY_BYTES, Member, dataset_key, entry_value, id_of_serve_key, parse_entry, \
-    serve_key
+from .directory import (
+    MAX_ENTRY_BYTES,
+    SUBKEY,
+    Member,
+    dataset_key,
+    entry_value,
+    id_of_serve_key,
+    parse_entry,
+    serve_key,
+)
 from .index import DatasetError, DatasetIndex
 from .store import DataStore
 

@@ -97,6 +97,10 @@ class Task:
     def _build_model(self) -> nn.Module:
         raise NotImplementedError
 
+    def record_batches(self, records: Iterator[Any], batch_size: int) -> Iterator[Batch]:
+        """Batches from the records of a dataset (``p2ptrain.data``), in the order they come."""
+        raise ValueError(f"task {self.name!r} cannot train from a dataset (char_lm can: text records)")
+
     def _data_digest(self) -> bytes:
         """Bytes that identify the data (hashed into :attr:`signature`)."""
         raise NotImplementedError

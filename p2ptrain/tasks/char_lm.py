@@ -20,6 +20,8 @@ import math
 import os
 import random
 import sysconfig
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -343,6 +345,19 @@ class CharLMTask(Task):
         starts = indices * ctx + self._offset(seed, epoch)
         w = self.train_data[starts[:, None] + torch.arange(ctx + 1)].long()
         return w[:, :-1], w[:, 1:]
+
+    def record_batches(self, records: Iterator[Any], batch_size: int) -> Iterator[Batch]:
+        """Consecutive windows of ``context + 1`` bytes of text records (ASCII-cleaned, as the
+        built-in corpus), ``batch_size`` windows a batch: each record is read once."""
+        width = self.config.context + 1
+        need = width * batch_size
+        buf = bytearray()
+        for rec in records:
+            buf += ascii_clean(rec.decode("utf-8", "replace")) if isinstance(rec, bytes) else bytes(rec.tolist())
+            while len(buf) >= need:
+                w = torch.frombuffer(bytearray(buf[:need]), dtype=torch.uint8).long().view(batch_size, width)
+                del buf[:need]
+                yield w[:, :-1], w[:, 1:]
 
     def _build_model(self) -> nn.Module:
         c = self.config
