@@ -235,7 +235,7 @@ def main() -> None:
     print(f"plain torch: {before['samples_per_s']:.1f} / {after['samples_per_s']:.1f} samples/s (before / after), "
           f"peak RSS {_gb(plain_rss)} GB, peak device memory {_gb(before['gpu'])} GB; model "
           f"{before['numel'] / 1e6:.1f}M parameters ({_gb(fp32)} GB fp32)")
-    print(f"{'mode':>11} {'ratio':>6} {'target':>7} {'before':>7} {'in step()':>10} {'epochs':>7} "
+    print(f"{'mode':>14} {'ratio':>6} {'target':>7} {'before':>7} {'in step()':>10} {'epochs':>7} "
           f"{'peak RSS GB':>12} {'(before)':>9} {'beyond plain / fp32':>20} {'device GB':>10}")
     rows = {}
     for mode, peers in swarms.items():
@@ -246,7 +246,7 @@ def main() -> None:
         prev_rss = BEFORE_RSS_GB[mode] if a.model == "85m" else None
         ok = "ok" if ratio >= TARGETS[mode] else "MISSED"
         rows[mode] = dict(ratio=ratio, extra_rss_over_fp32=extra, peers=peers)
-        print(f"{mode:>11} {ratio:6.2f} {'>= ' + str(TARGETS[mode]):>7} {prev if prev is not None else '-':>7} "
+        print(f"{mode:>14} {ratio:6.2f} {'>= ' + str(TARGETS[mode]):>7} {prev if prev is not None else '-':>7} "
               f"{max(e['step_fraction'] for e in peers.values()):9.0%} "
               f"{min(e['epochs'] for e in peers.values()):7d} {_gb(worst['rss']):>12} "
               f"{prev_rss if prev_rss is not None else '-':>9} {extra:20.2f} "
