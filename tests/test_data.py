@@ -214,3 +214,44 @@ def test_four_peers_train_from_a_cid_they_never_had(tmp_path, corpus):
         for p in peers:
             p.close()
         seed.close()
+
+
+def test_cli_add_serve_then_get_and_train_from_the_cid_in_other_processes(tmp_path, corpus):
+    """The README's three commands, as processes on 127.0.0.1: add and serve on one, get and
+    peer --dataset on others; a CID nobody serves is a one-line error saying what to check."""
+    import json
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "p2ptrain", "-v"]
+    seed = subprocess.Popen([*cli, "data", "add", *map(str, corpus), "--name", "corpus", "--shard-size", "65536",
+                             "--data-dir", str(tmp_path / "seed"), "--serve", "--listen", "/ip4/127.0.0.1/tcp/0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        cid = seed.stdout.readline().strip()
+        addr = ""
+        while not addr:
+            line = seed.stderr.readline()
+            assert line, "the seed exited before serving"
+            if line.startswith("serving "):
+                addr = line.split(" at ", 1)[1].strip()
+        got = subprocess.run([*cli, "data", "get", cid, "--bootstrap", addr, "--data-dir", str(tmp_path / "g")],
+                             capture_output=True, text=True, timeout=60)
+        assert got.returncode == 0 and got.stdout.strip() == cid, got.stderr
+        ok = subprocess.run([*cli, "data", "verify", cid, "--data-dir", str(tmp_path / "g")], capture_output=True,
+                            text=True, timeout=30)
+        assert ok.returncode == 0, ok.stderr
+        peer = subprocess.run([*cli, "peer", "--example", "char_lm", "--dataset", cid, "--bootstrap", addr,
+                               "--epochs", "2", "--target-batch-size", "64", "--wait-peers", "1", "--json",
+                               "--threads", "1", "--data-dir", str(tmp_path / "p"), "--listen",
+                               "/ip4/127.0.0.1/tcp/0"], capture_output=True, text=True, timeout=90)
+        assert peer.returncode == 0, peer.stderr[-2000:]
+        done = json.loads(peer.stdout.strip().splitlines()[-1])
+        assert done["event"] == "done" and done["epoch"] == 2 and done["steps"] > 0
+        unknown = "bafkr4i" + "a" * 52
+        bad = subprocess.run([sys.executable, "-m", "p2ptrain", "data", "get", unknown, "--bootstrap", addr,
+                              "--data-dir", str(tmp_path / "g")], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "no peer announces dataset" in bad.stderr
+    finally:
+        seed.terminate()
+        seed.wait(10)

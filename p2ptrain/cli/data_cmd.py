@@ -20,6 +20,8 @@ from .common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    LISTEN_DEFAULT,
+    LISTEN_HELP,
     add_swarm_key_arg,
     bootstrap_addrs,
     fail,
@@ -54,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--row", type=int, default=512, help="tokens per record of a 1-D token file (default 512)")
     a.add_argument("--key-file", metavar="PATH", help="Ed25519 key that signs the index (default: a fresh one)")
     a.add_argument("--serve", action="store_true", help="stay up serving the dataset to the swarm until Ctrl+C")
-    a.add_argument("--listen", metavar="HOST:PORT", default="0.0.0.0:0", help="with --serve (default 0.0.0.0:0)")
+    a.add_argument("--listen", metavar="MULTIADDR", default=LISTEN_DEFAULT, help="with --serve: " + LISTEN_HELP)
     a.set_defaults(data_func=_add)
 
     a = actions.add_parser("ls", parents=[common], help="list the datasets held")
@@ -232,7 +234,8 @@ def _get(args: argparse.Namespace) -> int:
         with joining(boot, 30.0):
             await node.start(boot)
         try:
-            return await until(stop, asyncio.wait_for(fetch_all(), args.timeout)) or EXIT_INTERRUPTED
+            code = await until(stop, asyncio.wait_for(fetch_all(), args.timeout))
+            return EXIT_INTERRUPTED if code is None else code  # (None: Ctrl+C; a later get resumes)
         except DatasetError as e:
             return fail(str(e))
         except TimeoutError:
