@@ -209,7 +209,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 def _get(args: argparse.Namespace) -> int:
     from ..data.index import parse_dataset_id
-    from ..data.swarm import fetch_index, fetch_shard, members
+    from ..data.swarm import fetch_index, fetch_shards
 
     dataset_id = parse_dataset_id(args.id)
     store = _store(args)
@@ -220,10 +220,7 @@ def _get(args: argparse.Namespace) -> int:
     async def fetch_all() -> int:
         index = await fetch_index(node, store, dataset_id)
         todo = [i for i, h in enumerate(await asyncio.to_thread(store.held, index)) if not h]
-        if todo:
-            peers = await members(node, dataset_id, len(index.shards))
-            for i in todo:
-                await fetch_shard(node, store, index, i, peers)
+        await fetch_shards(node, store, index, todo)
         print(index.cid)
         print(f"dataset {index.name!r}: {len(index.shards)} shards held ({len(todo)} fetched now)", file=sys.stderr)
         return EXIT_OK

@@ -23,7 +23,7 @@ from dht import Identity
 from ..checkpoint.blobs import CorruptBlobError, MissingBlobError, StoreError, fsync_dir
 from ..checkpoint.cid import cid as make_cid
 from ..checkpoint.info import CheckpointNotFound
-from ..checkpoint.manifest import DEFAULT_CHUNK_SIZE, Manifest, ManifestError, build_snapshot, restore
+from ..checkpoint.manifest import DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE, Manifest, ManifestError, build_snapshot, restore
 from ..checkpoint.store import CheckpointStore
 from .index import SHARD_KIND, DatasetError, DatasetIndex, ShardRef, check_shard, parse_dataset_id
 from .records import DEFAULT_ROW, DEFAULT_SHARD_BYTES, detect_format, shards_of
@@ -47,9 +47,13 @@ class DataStore:
     # ------------------------------------------------------------------ writing
 
     def add(self, paths: list[str | os.PathLike[str]], name: str, identity: Identity, *,
-            shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_size: int = DEFAULT_CHUNK_SIZE,
+            shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_size: int | None = None,
             row: int = DEFAULT_ROW) -> DatasetIndex:
-        """Cut ``paths`` into shards (``records``), store them and a signed index; the index."""
+        """Cut ``paths`` into shards (``records``), store them and a signed index; the index.
+        ``chunk_size`` (default: an eighth of a shard, 4 MiB at most) is the unit of verification
+        and of the split between providers: a shard of several chunks comes from several peers."""
+        if chunk_size is None:
+            chunk_size = max(MIN_CHUNK_SIZE, min(DEFAULT_CHUNK_SIZE, shard_bytes // 8))
         fmt = detect_format([Path(p) for p in paths])
         refs = []
         for tensor, count in shards_of(paths, fmt, shard_bytes, row):

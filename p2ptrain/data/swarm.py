@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 
-from dht import DHTError, DHTNode, InvalidRecord, TaskGroup, wait_event
+from dht import DHTError, DHTNode, InvalidRecord, TaskGroup, cancel_all, wait_event
 
 from ..checkpoint.cid import cid as make_cid
 from ..checkpoint.errors import StateTransferError
@@ -115,6 +115,28 @@ async def fetch_shard(node: DHTNode, store: DataStore, index: DatasetIndex, i: i
     for p in result.corrupt:
         log.warning("peer %s sent corrupt bytes of dataset %s (shard %d): dropped it", p.short(), index.cid, i)
     return dict(result.contributors)
+
+
+async def fetch_shards(node: DHTNode, store: DataStore, index: DatasetIndex, shards: list[int], *,
+                       parallel: int = 4, timeout: float = 120.0) -> dict:
+    """Fetch ``shards`` (those not held), ``parallel`` at a time, each from every peer that holds
+    it; returns ``{peer: chunks}`` over all of them. The first failure is raised."""
+    providers = await members(node, index.id, len(index.shards))
+    todo = [i for i in shards if not await asyncio.to_thread(store.has_shard, index.shards[i])]
+    slots = asyncio.Semaphore(parallel)
+    totals: dict = {}
+
+    async def one(i: int) -> None:
+        async with slots:
+            for p, n in (await fetch_shard(node, store, index, i, providers, timeout=timeout)).items():
+                totals[p] = totals.get(p, 0) + n
+
+    tasks = [asyncio.ensure_future(one(i)) for i in todo]
+    try:
+        await asyncio.gather(*tasks)  # the first failure, as is (not an ExceptionGroup)
+    finally:
+        await cancel_all(tasks)
+    return totals
 
 
 class DataService:
