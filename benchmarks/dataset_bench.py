@@ -9,7 +9,8 @@ each capped at R = ``--rate-mb`` MB/s (``StateServer(rate=...)``, as an uplink w
 announce it in a fresh DHT. A fetcher process joins and fetches every shard into an empty store
 (``fetch_shards``: 4 shards at a time, each from every provider, each chunk verified and written
 as it lands). Printed per K: the aggregate rate (size / fetch time, the index fetch and DHT
-lookups excluded), K*R, their ratio (target >= 0.8) and the chunks each provider delivered.
+lookups excluded), K*R, their ratio (target >= 0.8) and the chunks each provider delivered;
+then the same fetch from max(K) uncapped providers: the fetcher's own ceiling on this machine.
 
 Coverage: ``--peers`` trainers (background DHT peers in this process, each with its own store)
 read ``--epochs`` epochs of a dataset one seed peer added; per epoch, how many shards were read
@@ -213,6 +214,10 @@ def main() -> None:
             flag = "" if ev["verified"] else "  (NOT verified)"
             print(f"  {k:>2}  {ev['seconds']:8.2f}  {agg:14.1f}  {kr:6.0f}  {agg / kr:5.2f}  {chunks}{flag}",
                   flush=True)
+        k = max(args.providers)
+        ev = fetch_round(k, 0, store_dir, index.id, root)  # rate 0: uncapped
+        print(f"  context: the fetcher's own ceiling here, K = {k} without caps: "
+              f"{ev['bytes'] / MB / ev['seconds']:.0f} MB/s (K*R above it cannot be reached)", flush=True)
         small = os.path.join(root, "small.txt")
         write_corpus(small, 2, seed=1)
         print(f"\ncoverage: {args.peers} trainers read {args.epochs} epochs of a 2 MB dataset (64 KiB shards)")

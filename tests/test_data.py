@@ -124,7 +124,7 @@ async def test_corrupted_shard_is_refused_and_fetched_from_an_honest_peer(tmp_pa
         held = [True] * len(index.shards)
         await mallory.store_owned(dataset_key(index.id), SUBKEY, entry_value(
             (mallory.multiaddrs[0].host, mallory.multiaddrs[0].port), held, False), time.time() + 60)
-        async with _served(DataService(a, sa, index)):
+        async with DataService(a, sa, index):
             assert await fetch_index(b, sb, index.id) == index
             everyone = await members(b, index.id, len(index.shards))
             only_mallory = [x for x in everyone if x.peer == mallory.peer_id]
@@ -142,18 +142,6 @@ async def test_unknown_cid_and_gone_providers_say_what_to_do(tmp_path, nodes):
         (b,) = await nodes(1)
         with pytest.raises(DataUnavailable, match="no peer announces dataset .* check the CID"):
             await fetch_index(b, DataStore(tmp_path / "b"), b"\x01" * 32, timeout=5)
-
-
-class _served:
-    def __init__(self, svc: DataService):
-        self.svc = svc
-
-    async def __aenter__(self) -> DataService:
-        await self.svc.start()
-        return self.svc
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.svc.close()
 
 
 def test_four_peers_train_from_a_cid_they_never_had(tmp_path, corpus):

@@ -173,7 +173,7 @@ def choose_latest(records: Iterable[CheckpointRecord | None]) -> CheckpointRecor
     return best
 
 
-def _address(raw: Any) -> Address | None | bool:
+def parse_address(raw: Any) -> Address | None | bool:
     """A dialable (host, port), None when absent, False when malformed."""
     if raw is None:
         return None
@@ -187,7 +187,7 @@ def parse_provider(owner: PeerID, value: Any, run_id: str, manifest_id: bytes) -
     """The provider in ``owner``'s entry under :func:`providers_key`, or None (reported once) unless
     it is well-formed and carries a valid record of that run and manifest."""
     entry = _entry(value)
-    addr = _address(entry.get("a")) if entry is not None else False
+    addr = parse_address(entry.get("a")) if entry is not None else False
     if entry is None or addr is False:
         _report(owner, value, "malformed provider entry")
         return None

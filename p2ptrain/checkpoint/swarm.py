@@ -75,7 +75,8 @@ class CheckpointUnavailable(StateTransferError):
 # ---------------------------------------------------------------------------------- DHT rounds
 
 
-def _addr(node: DHTNode) -> tuple[str, int] | None:
+def dial_address(node: DHTNode) -> tuple[str, int] | None:
+    """Where others dial ``node`` (its first multiaddr); None for a client-mode node."""
     if node.client_mode or not node.multiaddrs:
         return None
     a = node.multiaddrs[0]
@@ -87,7 +88,7 @@ async def announce(node: DHTNode, store: CheckpointStore, info: CheckpointInfo, 
     newest checkpoint of the run, that record as its "latest" entry. One round, no republishing
     (:class:`CheckpointService` does that). A client-mode node serves nothing and announces
     nothing."""
-    if _addr(node) is None:
+    if dial_address(node) is None:
         return
     await _announce_provider(node, info.record, ttl)
     await _announce_latest(node, store, info.record.run_id, ttl)
@@ -95,7 +96,7 @@ async def announce(node: DHTNode, store: CheckpointStore, info: CheckpointInfo, 
 
 async def _announce_provider(node: DHTNode, record: CheckpointRecord, ttl: float) -> None:
     await node.store_owned(providers_key(record.run_id, record.manifest_id), PROVIDER_SUBKEY,
-                           provider_value(_addr(node), record), time.time() + ttl)
+                           provider_value(dial_address(node), record), time.time() + ttl)
 
 
 async def _announce_latest(node: DHTNode, store: CheckpointStore, run_id: str, ttl: float) -> None:
@@ -431,7 +432,7 @@ class CheckpointService:
             self._wake.clear()
 
     async def _announce_all(self) -> None:
-        if _addr(self.node) is None:
+        if dial_address(self.node) is None:
             return
         infos = await asyncio.to_thread(self.store.list, self.run_id)
         per_run: dict[str, int] = {}

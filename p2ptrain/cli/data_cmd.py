@@ -140,7 +140,7 @@ def _serve(args: argparse.Namespace, store: Any, index: Any) -> int:
         with joining(boot, 30.0):
             await node.start(boot)
         try:
-            async with _service(DataService(node, store, index)):
+            async with DataService(node, store, index):
                 for a in node.multiaddrs:
                     print(f"serving {index.cid} at {a}", file=sys.stderr, flush=True)
                 await stop.wait()
@@ -149,18 +149,6 @@ def _serve(args: argparse.Namespace, store: Any, index: Any) -> int:
         return EXIT_OK
 
     return run(session)
-
-
-class _service:
-    def __init__(self, svc: Any):
-        self.svc = svc
-
-    async def __aenter__(self) -> Any:
-        await self.svc.start()
-        return self.svc
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.svc.close()
 
 
 def _ls(args: argparse.Namespace) -> int:

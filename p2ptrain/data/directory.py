@@ -14,7 +14,7 @@ from typing import Any
 
 from dht import PeerID, pack
 
-from ..checkpoint.directory import Address, report_once
+from ..checkpoint.directory import Address, parse_address, report_once
 
 VERSION = 1
 SUBKEY = "data"
@@ -66,13 +66,10 @@ def parse_entry(owner: PeerID, value: Any, num_shards: int) -> Member | None:
     """The member in ``owner``'s entry, or None (logged once) when it is malformed."""
     ok = isinstance(value, dict) and value.get("v") == VERSION and isinstance(value.get("h"), bytes) \
         and len(value["h"]) == -(-num_shards // 8) and isinstance(value.get("t"), bool)
-    addr = value.get("a") if ok else None
-    if ok and addr is not None:
-        ok = isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str) and 0 < len(addr[0]) <= 255 \
-            and type(addr[1]) is int and 0 < addr[1] < 65536
-    if not ok:
+    addr = parse_address(value.get("a")) if ok else False
+    if addr is False:
         report_once(owner.short(), pack(value), "malformed dataset entry")
         return None
     bits = value["h"]
     held = frozenset(i for i in range(num_shards) if bits[i // 8] >> (i % 8) & 1)
-    return Member(owner, (addr[0], addr[1]) if addr is not None else None, held, value["t"])
+    return Member(owner, addr, held, value["t"])  # type: ignore[arg-type]

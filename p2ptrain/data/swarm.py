@@ -22,7 +22,8 @@ from ..checkpoint.fetch import fetch_state
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.sources import ChunkSource
 from ..checkpoint.state_server import StateServer
-from ..checkpoint.swarm import StoreSource
+from ..checkpoint.directory import parse_address
+from ..checkpoint.swarm import StoreSource, dial_address
 from .directory import (
     MAX_ENTRY_BYTES,
     SUBKEY,
@@ -45,13 +46,6 @@ class DataUnavailable(DatasetError):
     """No peer could supply what was asked (nobody announces it, or every provider failed)."""
 
 
-def _addr(node: DHTNode) -> tuple[str, int] | None:
-    if node.client_mode or not node.multiaddrs:
-        return None
-    a = node.multiaddrs[0]
-    return a.host, a.port
-
-
 async def members(node: DHTNode, dataset_id: bytes, num_shards: int) -> list[Member]:
     """Every peer's valid entry for the dataset (this one included)."""
     read = await node.get_owned(dataset_key(dataset_id), SUBKEY, max_size=MAX_ENTRY_BYTES)
@@ -67,8 +61,8 @@ async def fetch_index(node: DHTNode, store: DataStore, dataset_id: bytes, *, tim
         pass
     name = make_cid(dataset_id)
     read = await node.get_owned(dataset_key(dataset_id), SUBKEY, max_size=MAX_ENTRY_BYTES)
-    wire = [(p, _entry_addr(e.value)) for p, e in read.values.items() if p != node.peer_id]
-    wire = [(p, a) for p, a in wire if a is not None]
+    wire = [(p, a) for p, e in read.values.items()
+            if p != node.peer_id and isinstance(e.value, dict) and (a := parse_address(e.value.get("a")))]
     if not wire:
         raise DataUnavailable(f"no peer announces dataset {name}: check the CID and that a peer holding it runs "
                               "('p2ptrain data add' on one, then 'p2ptrain peer --dataset CID' or 'data get' there)")
@@ -80,13 +74,6 @@ async def fetch_index(node: DHTNode, store: DataStore, dataset_id: bytes, *, tim
     index = DatasetIndex.from_manifest(result.manifest, dataset_id)
     await asyncio.to_thread(store.put_index, index)
     return index
-
-
-def _entry_addr(value: object) -> tuple[str, int] | None:
-    a = value.get("a") if isinstance(value, dict) else None
-    if isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and type(a[1]) is int:
-        return a[0], a[1]
-    return None
 
 
 async def fetch_shard(node: DHTNode, store: DataStore, index: DatasetIndex, i: int, providers: list[Member], *,
@@ -160,6 +147,13 @@ class DataService:
         self._closed = False
         self.announced = 0
 
+    async def __aenter__(self) -> DataService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def start(self) -> None:
         if self._server is None:
             self._server = StateServer(self.node.host)
@@ -190,7 +184,7 @@ class DataService:
     async def _announce(self) -> None:
         held = await asyncio.to_thread(self.store.held, self.index)
         await self.node.store_owned(dataset_key(self.index.id), SUBKEY,
-                                    entry_value(_addr(self.node), held, self.training), time.time() + self.ttl)
+                                    entry_value(dial_address(self.node), held, self.training), time.time() + self.ttl)
         self.announced += 1
 
     async def _run(self) -> None:
