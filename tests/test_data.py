@@ -67,6 +67,27 @@ def test_add_index_records_verify_gc(tmp_path, corpus):
     assert removed > len(index.shards) and freed > 0 and store.list() == []
 
 
+def test_token_arrays_are_records_of_rows(tmp_path):
+    from dht import Identity
+    from p2ptrain.checkpoint.safetensors_io import write_safetensors
+
+    stream = torch.arange(10_000, dtype=torch.int32)  # 1-D: cut into rows of 100, the tail dropped
+    grid = torch.arange(3000, dtype=torch.int32).view(30, 100)
+    write_safetensors(tmp_path / "a.safetensors", {"tokens": stream})
+    write_safetensors(tmp_path / "b.safetensors", {"ids": grid})
+    store = DataStore(tmp_path / "s")
+    index = store.add([tmp_path / "a.safetensors", tmp_path / "b.safetensors"], "tok", Identity(),
+                      shard_bytes=8000, row=100)
+    assert index.format == "tokens" and index.records == 130 and len(index.shards) == 7  # 20 rows a shard
+    rows = [r for i in range(len(index.shards)) for r in records_of("tokens", store.load_shard(index, i))]
+    assert torch.equal(torch.stack(rows), torch.cat([stream.view(100, 100), grid]))
+    write_safetensors(tmp_path / "c.safetensors", {"x": torch.zeros(4, 7, dtype=torch.int32)})
+    with pytest.raises(DatasetError, match="one row shape"):
+        store.add([tmp_path / "a.safetensors", tmp_path / "c.safetensors"], "bad", Identity(), row=100)
+    with pytest.raises(DatasetError, match="mixing"):
+        store.add([tmp_path / "a.safetensors", tmp_path / "x.txt"], "bad", Identity())
+
+
 def test_forged_index_is_refused(tmp_path, corpus):
     from dht import Identity
 
@@ -243,3 +264,29 @@ def test_cli_add_serve_then_get_and_train_from_the_cid_in_other_processes(tmp_pa
     finally:
         seed.terminate()
         seed.wait(10)
+
+
+def test_a_peer_leaving_mid_epoch_hands_its_shards_over(tmp_path, corpus):
+    seed = DHT([], listen=("127.0.0.1", 0), config=FAST)
+    peers, sets = [], []
+    try:
+        store = DataStore(tmp_path / "seed")
+        index = add(store, corpus, seed.node.identity)
+        seed.run(DataService(seed.node, store, index).start(), timeout=10)
+        peers = [DHT([seed.multiaddrs[0]], listen=("127.0.0.1", 0), config=FAST) for _ in range(2)]
+        sets = [SwarmDataset(p, index.id, data_dir=tmp_path / f"p{k}", refresh=0, timeout=30)
+                for k, p in enumerate(peers)]
+        a, b = sets
+        mine = a.assignment(0)
+        assert 0 < len(mine) < len(index.shards)  # b holds the rest
+        order = a.epoch_shards(0)
+        first = next(order)
+        b.close()  # leaves: withdraws from the trainers at once
+        rest = list(order)
+        assert first == mine[0] and sorted([first, *rest]) == list(range(len(index.shards)))
+    finally:
+        for d in sets:
+            d.close()
+        for p in peers:
+            p.close()
+        seed.close()
