@@ -2,6 +2,7 @@
 
     python examples/char_lm.py                   # the first peer: prints the address to join
     python examples/char_lm.py --bootstrap /ip4/127.0.0.1/tcp/PORT/p2p/12D3KooW...   # more peers
+    python examples/char_lm.py --dataset bafkr4i... --bootstrap ...   # train on a 'p2ptrain data add' CID
 
 The text is the documentation that ships with Python itself (nothing is downloaded), so every
 peer builds the same corpus. By default each peer takes ``--local-steps`` AdamW steps on its own,
@@ -38,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="inner learning rate (default: the task's)")
     p.add_argument("--seed", type=int, default=0, help="model init seed: the same on every peer")
     p.add_argument("--data-seed", type=int, default=None, help="data order (default: different on every peer)")
+    p.add_argument("--dataset", metavar="CID", help="train on this dataset ('p2ptrain data add' printed its CID), "
+                   "its shards fetched from the peers that hold it; default: the built-in corpus")
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 when several peers share a machine)")
     p.add_argument("--device", default="cpu", help="where the model trains: cpu (default), cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
@@ -87,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     addrs = [str(a) for a in dht.multiaddrs]  # every address others can dial this peer at
     say({"event": "started", "peer_id": str(dht.peer_id), "addr": addrs[0], "addrs": addrs, "epoch": opt.epoch})
     seed = args.data_seed if args.data_seed is not None else int(time.time_ns() % 2**31)
-    batches = task.batches(args.batch_size, seed=seed)
+    dataset = None
+    if args.dataset:  # each epoch, the swarm reads every shard about once between its peers
+        from p2ptrain.data import SwarmDataset
+
+        dataset = SwarmDataset(dht, args.dataset, server=opt.state_sync.server)  # one state server per host
+        batches = task.record_batches(iter(dataset), args.batch_size)
+    else:
+        batches = task.batches(args.batch_size, seed=seed)
     t0 = time.perf_counter()
     epoch = opt.epoch
     try:
@@ -109,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: leaving the swarm", file=sys.stderr)
     finally:
+        if dataset is not None:
+            dataset.close()
         opt.close()
         dht.close()
     val = task.evaluate(model)

@@ -34,8 +34,9 @@ class SwarmDataset(IterableDataset):
 
     ``dht``: a started :class:`p2ptrain.DHT` (its loop runs the network side). ``data_dir``:
     the store shards are cached in (default: the checkpoint store's). ``server``: the host's
-    state server when one runs (a trainer's). ``epochs``: stop after that many (None: forever).
-    ``refresh``: seconds between re-reads of the live trainers within an epoch.
+    state server when one runs (``opt.state_sync.server`` of a ``DecentralizedOptimizer`` on the
+    same DHT: a host answers state requests through one server, so pass it). ``epochs``: stop
+    after that many (None: forever). ``refresh``: seconds between re-reads of the live trainers within an epoch.
     Iterate in one worker (``num_workers=0``): the DHT is this process's. ``close()`` leaves.
     """
 
