@@ -514,10 +514,10 @@ async def test_hostile_owner_reply_rejected(swarm):
         def bad_finalize(self, ci, out_wire=None):
             if self.rank == 1:
                 self.acc.fill_(float("nan"))
-                a, b = self.chunks[ci]
-                self.flat[a:b].fill_(float("nan"))
+                a, b = (i - self.start for i in self.chunks[ci])
+                self.own[a:b].fill_(float("nan"))
                 self.count[ci] = 1  # skip the division; encode raw NaN
-                return memoryview(self.flat[a:b].numpy()).cast("B")
+                return memoryview(self.own[a:b].numpy()).cast("B")
             return orig(self, ci, out_wire)
 
         ShardReducer.finalize = bad_finalize

@@ -16,12 +16,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2ptrain.averaging import sender
+from p2ptrain.averaging import Averager, averager, context
 from p2ptrain.averaging.group import Group
-from p2ptrain.averaging.round_types import AllReduceConfig
+from p2ptrain.averaging.robust import aggregate
+from p2ptrain.averaging.round_types import AllReduceConfig, AllReduceResult
+from p2ptrain.optim.memory import flat_views
 from p2ptrain.compression import CODECS, Codec, CompressionError, get_codec, kernels
 from p2ptrain.compression.device import Transfer
-from test_allreduce import data, run_all, swarm  # noqa: F401 - swarm is a fixture
+from test_allreduce import DiesMidRound, data, run_all, swarm  # noqa: F401 - swarm is a fixture
+from test_averager import nodes  # noqa: F401 - a fixture
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DEVICE_CODECS = ["none", "fp16", "bf16", "int8"]
@@ -231,38 +234,142 @@ def test_transfer_on_the_cpu_is_plain_copies():
     assert host.data_ptr() == out.data_ptr() and torch.equal(host.view(torch.float32), src)
 
 
-@pytest.mark.usefixtures("loop_errors")
-@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
-async def test_a_round_whose_sender_takes_the_device_paths_gives_the_same_results(swarm, monkeypatch, codec):  # noqa: F811
-    """Forced on for CPU tensors, the sender's staged path (a ``flat`` on a device: chunks encoded
-    and replies decoded by the codecs' device paths) gives every member the normal round's values
-    bit for bit, and it did encode and decode there."""
-    calls = []
+def forced(monkeypatch, on: bool) -> None:
+    """Rounds over CPU tensors take the device path (``context.staged``) or not."""
+    monkeypatch.setattr(context, "staged", lambda flat: on)
+
+
+def spy_device_calls(monkeypatch) -> list[str]:
+    calls: list[str] = []
     for name in ("device_encode", "device_decode"):
         def spy(self, *args, _f=getattr(Codec, name), _name=name, **kw):
             calls.append(_name)
             return _f(self, *args, **kw)
         monkeypatch.setattr(Codec, name, spy)
+    return calls
+
+
+@pytest.mark.usefixtures("loop_errors")
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+async def test_a_round_whose_members_take_the_device_path_gives_the_same_results(swarm, monkeypatch, codec):  # noqa: F811
+    """Forced on for CPU tensors, the device path (a ``flat`` on a device: what we send encoded and
+    replies decoded by the codecs' device paths, our own shard reduced in a host copy and written
+    back) gives every member the normal round's values bit for bit, and it did run there."""
+    calls = spy_device_calls(monkeypatch)
     async with asyncio.timeout(20):
         # two members: one contribution per owner, so no arrival order changes a sum's rounding
         group, _h, services = await swarm.group(2, config=AllReduceConfig(chunk_numel=4096))
         xs, ws = data(2, 2 * 10_007 + 5)
-        got = {}
-        for staged in (False, True):
-            monkeypatch.setattr(sender, "staged", lambda flat, _s=staged: _s)
+        got, pooled = {}, {}
+        for on in (False, True):
+            forced(monkeypatch, on)
             calls.clear()
             flats = [x.clone() for x in xs]
-            g = Group(group.group_id + bytes([staged]), group.members)
+            g = Group(group.group_id + bytes([on]), group.members)
             assert all(r.ok and not r.failed for r in await run_all(g, services, flats, ws, codec))
-            assert {"device_encode", "device_decode"} <= set(calls) if staged else not calls
-            got[staged] = flats
+            assert {"device_encode", "device_decode"} <= set(calls) if on else not calls
+            got[on] = flats
+            pooled[on] = [len(s._wires) for s in services]
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got[False], got[True]))
+        assert pooled[True] == pooled[False]  # (the device path's wire buffers are pinned: not pooled)
+
+
+@pytest.mark.usefixtures("loop_errors")
+async def test_a_robust_round_on_the_device_path_gives_the_same_results_and_survives_a_death(swarm, monkeypatch):  # noqa: F811
+    """Under a robust rule (rows combined in rank order: any arrival order gives the same bits),
+    with the audit of the others' replies: the device path gives the normal path's bits; with a
+    member that dies midway, the survivors hold exactly the rule over what their results report."""
+    cn = 1024
+    cfg = AllReduceConfig(chunk_numel=cn, timeout=10.0, join_timeout=2.0, stall_timeout=1.0)
+    async with asyncio.timeout(40):
+        group, _h, services = await swarm.group(3, config=cfg)
+        xs, ws = data(3, 3 * 4 * cn + 77, seed=3)
+        got = {}
+        for on in (False, True):
+            forced(monkeypatch, on)
+            flats = [x.clone() for x in xs]
+            g = Group(group.group_id + bytes([on]), group.members)
+            assert all(r.ok and not r.failed for r in await run_all(g, services, flats, ws, aggregation="median"))
+            got[on] = flats
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got[False], got[True]))
+
+        group, _h, services = await swarm.group(3, config=cfg, service_cls={2: DiesMidRound})  # (device path)
+        ones = [1.0] * 3  # (equal weights: no cap changes what the rule sees)
+        flats = [x.clone() for x in xs]
+        results = await asyncio.gather(*(s.run(group, r, flats[r], 1.0, aggregation="median")
+                                         for r, s in enumerate(services)), return_exceptions=True)
+        for r in (0, 1):
+            res = results[r]
+            # (2 dies sending, or later: then the audit finds it gone and recomputes its shard without it)
+            assert isinstance(res, AllReduceResult) and 2 in res.failed and set(res.not_averaged) <= {2}, res
+            want = xs[r].clone()
+            for sh in res.shards:
+                for a in range(sh.start, sh.start + sh.averaged, cn):
+                    b, ci = min(a + cn, sh.end), (a - sh.start) // cn
+                    ranks = sorted(set(sh.contributors) | {k for k, d in sh.partial.items() if d > ci})
+                    want[a:b] = aggregate("median", torch.stack([xs[k][a:b] for k in ranks]), torch.tensor(ones)[ranks])
+            assert torch.equal(bits(flats[r]), bits(want))
+            assert res.shards[0].partial.get(2, 0) <= 2 and 2 not in res.shards[0].contributors
+
+
+@pytest.mark.usefixtures("loop_errors")
+async def test_an_averager_averages_views_of_one_buffer_in_place_on_the_device_path(nodes, monkeypatch):  # noqa: F811
+    """The optimizer's buffers (``flat_views``: views of one buffer on the parameters' device)
+    are averaged in that buffer, slice by slice, on the device path: no host staging of values."""
+    forced(monkeypatch, True)
+    calls = spy_device_calls(monkeypatch)
+    monkeypatch.setattr(averager, "copy_slice", lambda *a, **k: pytest.fail("staged through the host"))
+    peers = await nodes(2)
+    gen = torch.Generator().manual_seed(2)
+    sets = [flat_views([torch.empty(20, 30), torch.empty(100)]) for _ in peers]
+    for views in sets:
+        for v in views:
+            v.copy_(torch.randn(v.shape, generator=gen))
+    want = [(a + b) / 2 for a, b in zip(*sets)]
+    avgs = [Averager(nd, "device", views, slice_numel=256, matchmaking_timeout=5.0) for nd, views in zip(peers, sets)]
+    try:
+        async with asyncio.timeout(30):
+            assert all(a._flat is not None and a._flat.data_ptr() == v[0].data_ptr() for a, v in zip(avgs, sets))
+            results = await asyncio.gather(*(a.step(expected=2) for a in avgs))
+        assert all(r.averaged and len(r.allreduces) == 3 for r in results)  # 700 values in slices of 256
+        assert {"device_encode", "device_decode"} <= set(calls)
+        for views in sets:
+            for v, w in zip(views, want):
+                torch.testing.assert_close(v, w, rtol=0, atol=1e-6)
+    finally:
+        await asyncio.gather(*(a.close() for a in avgs))
 
 
 # ---------------------------------------------------------------------------- on a device
 
 DEVICE = torch.device(os.environ.get("P2PTRAIN_TEST_DEVICE", "cuda"))
 needs_device = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_device
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("loop_errors")
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_a_round_over_device_tensors_gives_the_cpu_rounds_bits(swarm, monkeypatch, codec):  # noqa: F811
+    """Members whose ``flat`` is on the device end with a CPU round's bits, through pinned wire
+    buffers where the device is CUDA."""
+    made = []
+
+    def spy(nbytes, _f=context.host_buffer):
+        made.append(_f(nbytes))
+        return made[-1]
+    monkeypatch.setattr(context, "host_buffer", spy)
+    async with asyncio.timeout(40):
+        group, _h, services = await swarm.group(2, config=AllReduceConfig(chunk_numel=1 << 16))
+        xs, ws = data(2, 3 * (1 << 16) + 5)
+        want = [x.clone() for x in xs]
+        assert all(r.ok for r in await run_all(group, services, want, ws, codec))
+        flats = [x.to(DEVICE) for x in xs]
+        forced(monkeypatch, True)  # (staged on CUDA anyway; on the CPU with P2PTRAIN_TEST_DEVICE=cpu)
+        g = Group(group.group_id + b"d", group.members)
+        assert all(r.ok and not r.failed for r in await run_all(g, services, flats, ws, codec))
+        assert all(torch.equal(bits(f.cpu()), bits(w)) for f, w in zip(flats, want))
+        assert (codec == "none" or made) and all(t.is_pinned() == (DEVICE.type == "cuda") for t in made)
 
 
 @needs_device

@@ -52,7 +52,7 @@ def _reducer(flat, codec, gcodec, n_expected, absmax, start=0, end=None, cn=256,
     end = flat.numel() if end is None else end
     chunks = [(a, min(a + cn, end)) for a in range(start, end, cn)]
     strategy = choose_strategy(codec, gcodec, agg, absmax)
-    return ShardReducer(flat, 0, n_expected + 1, start, end, chunks, cn, weight, codec, gcodec,
+    return ShardReducer(flat[start:end], None, 0, n_expected + 1, start, end, chunks, cn, weight, codec, gcodec,
                         codec._meta(_EMPTY), agg, absmax, strategy, n_expected,
                         lambda n: torch.empty(n), lambda n: torch.empty(n, dtype=torch.uint8))
 

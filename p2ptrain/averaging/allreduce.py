@@ -274,8 +274,9 @@ class AllReduceService:
                   codec: Codec | str = "none", *, gather_codec: Codec | str | None = None,
                   timeout: float | None = None, config: AllReduceConfig | None = None,
                   aggregation: str = "mean") -> AllReduceResult:
-        """Average ``flat`` (a flat contiguous CPU float32 tensor, overwritten with the result) with
-        the other members of ``group``, weighted by ``weight``. ``codec`` compresses the reduce phase;
+        """Average ``flat`` (a flat contiguous float32 tensor, overwritten with the result) with
+        the other members of ``group``, weighted by ``weight``. On a device, only wire bytes and
+        our own shard cross to the host (:func:`.context.staged`). ``codec`` compresses the reduce phase;
         ``gather_codec`` the returned averages (default: the same codec, but ``fp16`` for ``topk``,
         whose sparsification of an average would lose most of it). Never raises because of what a
         peer did: failures are in the result. ``aggregation``: ``mean`` (streaming, the default)
@@ -302,9 +303,9 @@ class AllReduceService:
             gather_codec = get_codec(gather_codec)
         gather_codec = base_codec(gather_codec)  # stateless: no error feedback on averages
         check_codec(aggregation, base_codec(codec).name)
-        if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.float32 and flat.device.type == "cpu"
-                and flat.dim() == 1 and flat.is_contiguous()):
-            raise ValueError("flat must be a 1-D contiguous CPU float32 tensor")
+        if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.float32 and flat.dim() == 1
+                and flat.is_contiguous()):
+            raise ValueError("flat must be a 1-D contiguous float32 tensor")
         if cfg.timeout is None:
             payload = round_payload(flat.numel(), cfg.chunk_numel, codec, gather_codec)
             cfg = dataclasses.replace(cfg, timeout=self.link.deadline(ROUND, payload))

@@ -241,7 +241,8 @@ class _Chunk:
         return (*head, self.off, self.stride), self.size
 
     def reply(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.a : self.b][self.off :: self.stride]
+        """The values of ``flat`` audited, on the host (no copy where ``flat`` is there)."""
+        return flat[self.a : self.b][self.off :: self.stride].cpu()
 
 
 class _Audit:

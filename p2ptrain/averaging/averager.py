@@ -68,11 +68,12 @@ class Averager:
 
     A round averages the tensors, read as one flat vector, a slice of ``slice_numel`` values at
     a time (one all-reduce per slice within the group matchmaking formed). Tensors that are
-    consecutive views of one contiguous fp32 CPU buffer (see :func:`shared_flat`) are averaged in
-    that buffer, with no copy. Others may live on any device and have any float dtype: each slice
-    is copied into a host fp32 staging buffer and written back, so the host holds one slice, never
-    a copy of everything. Peers meet only with the same ``slice_numel`` (it shapes the rounds)
-    and ``tag`` (anything else the caller's peers must agree on), both part of the schema.
+    consecutive views of one contiguous fp32 buffer (see :func:`shared_flat`) are averaged in
+    that buffer, with no copy (on a device too: only wire bytes and our shard cross to the host).
+    Others may live on any device and have any float dtype: each slice is copied into a host fp32
+    staging buffer and written back, so the host holds one slice, never a copy of everything.
+    Peers meet only with the same ``slice_numel`` (it shapes the rounds) and ``tag`` (anything
+    else the caller's peers must agree on), both part of the schema.
     """
 
     def __init__(
@@ -233,18 +234,19 @@ class Averager:
 
 
 def shared_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The one fp32 CPU buffer ``tensors`` are consecutive contiguous views of, from the first
-    tensor's start to the last one's end, as a 1-D tensor; None if they are laid out otherwise."""
+    """The one fp32 buffer (on any device) ``tensors`` are consecutive contiguous views of, from the
+    first tensor's start to the last one's end, as a 1-D tensor; None if they are laid out otherwise."""
     first = tensors[0]
     storage = first.untyped_storage()
     ptr = first.data_ptr()
     for t in tensors:
-        if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+        if not (t.dtype == torch.float32 and t.device == first.device and t.is_contiguous()
                 and t.untyped_storage().data_ptr() == storage.data_ptr() and t.data_ptr() == ptr):
             return None
         ptr += t.numel() * 4
     numel = (ptr - first.data_ptr()) // 4
-    return torch.empty(0, dtype=torch.float32).set_(storage, first.storage_offset(), (numel,)).detach()
+    out = torch.empty(0, dtype=torch.float32, device=first.device)
+    return out.set_(storage, first.storage_offset(), (numel,)).detach()
 
 
 def copy_slice(tensors: Sequence[torch.Tensor], start: int, end: int, buf: torch.Tensor, *,

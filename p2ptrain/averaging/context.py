@@ -16,6 +16,7 @@ import torch
 from dht import Stream
 
 from ..compression import Codec
+from ..compression.device import host_buffer
 from .group import Group, counted_weight, partition, weight_cap
 from .ledger import chunks as _chunks
 from .round_types import AllReduceConfig, RoundResources, base_codec, codec_id
@@ -23,11 +24,18 @@ from .round_types import AllReduceConfig, RoundResources, base_codec, codec_id
 if TYPE_CHECKING:
     from .ledger import Ledger
 
-__all__ = ["RoundContext", "retrieve"]
+__all__ = ["RoundContext", "retrieve", "staged"]
 
 log = logging.getLogger("p2ptrain.allreduce")
 
 _EMPTY = torch.empty(0, dtype=torch.float32)
+
+
+def staged(flat: torch.Tensor) -> bool:
+    """Whether a round over ``flat`` takes the device path: where ``flat`` is not on the CPU, what
+    we send is encoded and replies decoded on the device (:mod:`.sender`) and our own shard is
+    reduced in a host copy (:mod:`.owner`). (Tests force it on for CPU tensors: the same results.)"""
+    return flat.device.type != "cpu"
 
 
 def retrieve(fut: asyncio.Future | None) -> None:
@@ -49,6 +57,9 @@ class RoundContext:
         # None: ``run`` did not check ``flat``: the encodes of what we send check it, and our own
         # shard is checked where it is first read (see :mod:`.reducer`)
         self.input_checked = absmax is not None
+        self.staged = staged(flat)
+        # wire buffers: pinned (torch caches them) where bytes cross from a device, else the service's
+        self.take_wire: Callable[[int], torch.Tensor] = host_buffer if self.staged else res.take_wire
         self.rmeta, self.gmeta = base_codec(codec)._meta(_EMPTY), gcodec._meta(_EMPTY)
         self.n = n = flat.numel()
         self.size = group.size
@@ -116,7 +127,7 @@ class RoundContext:
         from the service's pool and back to it after the round; None where the codec has no use."""
         if not (base_codec(codec).uses_out and numel):
             return [None, None]
-        pair = [self.res.take_wire(self.enc_nbytes(codec, numel)) for _ in range(2)]
+        pair = [self.take_wire(self.enc_nbytes(codec, numel)) for _ in range(2)]
         self.wires += pair
         self.buffer_bytes += sum(t.numel() for t in pair)
         return pair

@@ -15,6 +15,9 @@ to decode or could overflow the sum, too little or too much data, not a member, 
 is dropped: chunks it sent before the violation stay in the average (each was validated), nothing
 after; it gets no reply and is listed in ``failed``. Owners stop waiting for senders that have
 not opened their stream after ``join_timeout`` and for any sender at ``reduce_fraction * timeout``.
+
+A ``flat`` on a device: our shard is copied to the host once, reduced there as on the CPU, and
+each finalized chunk written back to the device.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dht import DHTError, Stream, wait_event
 
 from ..compression import CompressionError
+from ..compression.device import host_buffer
 from .context import RoundContext, log, retrieve
 from .group import counted_weight, weight_cap
 from .protocol import Reader, check_header, pack_summary
@@ -59,9 +65,13 @@ class Owner:
         self.changed = asyncio.Event()
         self.reduce_closed = False
         self.strategy = choose_strategy(ctx.codec, ctx.gcodec, ctx.agg, absmax)
+        own, dest = ctx.flat[s:e], None
+        if ctx.staged:  # a device flat: our shard is reduced in a host copy, written back chunk by chunk
+            own, dest = host_buffer(4 * (e - s)).view(torch.float32).copy_(own), own
+            ctx.buffer_bytes += 4 * (e - s)
         self.reducer = ShardReducer(
-            ctx.flat, ctx.rank, ctx.size, s, e, ctx.my_chunks, ctx.cn, ctx.weight, ctx.codec, ctx.gcodec,
-            ctx.rmeta, ctx.agg, absmax, self.strategy, len(self.expected), ctx.res.take_scratch, ctx.res.take_wire)
+            own, dest, ctx.rank, ctx.size, s, e, ctx.my_chunks, ctx.cn, ctx.weight, ctx.codec, ctx.gcodec,
+            ctx.rmeta, ctx.agg, absmax, self.strategy, len(self.expected), ctx.res.take_scratch, ctx.take_wire)
         ctx.buffer_bytes += self.reducer.buffer_bytes
         ctx.wires += self.reducer.wires
         self.combined = 0  # robust: chunks of our shard combined so far (a prefix)

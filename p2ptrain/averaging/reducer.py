@@ -79,15 +79,17 @@ def own_error(own: float, a: int, b: int, grow: float = 0.0) -> str:
 
 
 class ShardReducer:
-    """The reduction of our shard ``flat[start:end]`` (split in ``chunks``) in a group of ``size``,
-    our own weight ``weight``; ``n_expected`` senders may contribute. ``take_scratch`` and
+    """The reduction of our shard ``flat[start:end]`` (split in ``chunks``, in absolute indices) in a
+    group of ``size``, our own weight ``weight``; ``n_expected`` senders may contribute. ``own``
+    holds the shard's values on the CPU (a view of ``flat``, or a host copy of a device ``flat``'s
+    shard, then ``dest``: each finalized chunk is written back there). ``take_scratch`` and
     ``take_wire`` lend kept buffers (``wires`` and ``acc`` go back to the lender after the round)."""
 
-    def __init__(self, flat: torch.Tensor, rank: int, size: int, start: int, end: int,
+    def __init__(self, own: torch.Tensor, dest: torch.Tensor | None, rank: int, size: int, start: int, end: int,
                  chunks: list[tuple[int, int]], chunk_numel: int, weight: float, codec: Codec, gcodec: Codec,
                  rmeta: dict, aggregation: str, absmax: float | None, strategy: Strategy, n_expected: int,
                  take_scratch: Callable[[int], torch.Tensor], take_wire: Callable[[int], torch.Tensor]):
-        self.flat, self.rank, self.size, self.start, self.chunks = flat, rank, size, start, chunks
+        self.own, self.dest, self.rank, self.size, self.start, self.chunks = own, dest, rank, size, start, chunks
         self.weight, self.codec, self.gcodec, self.rmeta, self.agg = weight, codec, gcodec, rmeta, aggregation
         self.input_checked = absmax is not None
         self.strategy = strategy
@@ -98,7 +100,7 @@ class ShardReducer:
         self.replies: dict[int, torch.Tensor] | None = None  # fused_reply: replies made early
         numel, nc = end - start, len(chunks)
         if self.in_place:
-            self.acc = flat[start:end]
+            self.acc = own
         else:
             self.acc = take_scratch(numel)
             self.buffer_bytes += numel * 4
@@ -160,9 +162,10 @@ class ShardReducer:
                                                      self.reply_wire[ci * self.reply_stride :
                                                                      (ci + 1) * self.reply_stride])
         elif measure:
-            own = self.adder.decode_add_base(meta, buf, acc, ratio, self.flat[a:b])
+            own = self.adder.decode_add_base(meta, buf, acc, ratio, self.own[a - self.start : b - self.start])
         else:
-            self.adder.decode_add(meta, buf, acc, ratio, base=self.flat[a:b] if self.count[ci] == 1 else None)
+            base = self.own[a - self.start : b - self.start] if self.count[ci] == 1 else None
+            self.adder.decode_add(meta, buf, acc, ratio, base=base)
         if measure:
             if not own + grow <= SUM_LIMIT:  # (NaN compares false)
                 raise InputRefused(own_error(own, a, b, grow))
@@ -193,7 +196,7 @@ class ShardReducer:
             return None  # only our own values: count stays 1, finalize keeps them exactly
         a, b = self.chunks[ci]
         slot = self.slots[ci % ROBUST_WINDOW, :, : b - a]
-        slot[self.rank].copy_(self.flat[a:b])
+        slot[self.rank].copy_(self.own[a - self.start : b - self.start])
         weights = dict(senders)
         rows = sorted(list(weights) + [self.rank])
         x = slot if len(rows) == self.size else slot[rows]
@@ -206,13 +209,21 @@ class ShardReducer:
     def finalize(self, ci: int, out_wire: torch.Tensor | None = None) -> memoryview:
         """Chunk ``ci``'s reply (wire bytes in the gather codec); our own ``flat`` then holds exactly
         what the others decode. Raises CompressionError (the average does not encode) or InputRefused."""
+        reply = self._reply(ci, out_wire)
+        if self.dest is not None and self.count[ci] > 1:  # (a chunk of only our values is there already)
+            a, b = self.chunks[ci][0] - self.start, self.chunks[ci][1] - self.start
+            self.dest[a:b].copy_(self.own[a:b])
+        return reply
+
+    def _reply(self, ci: int, out_wire: torch.Tensor | None) -> memoryview:
+        """``finalize``'s reply, the final values in ``own``."""
         if self.replies:
             wire = self.replies.pop(ci, None)
             if wire is not None:  # encoded with the chunk's last contribution (``accumulate``)
                 return memoryview(wire.numpy())
         a, b = self.chunks[ci]
         x = self.acc[a - self.start : b - self.start]
-        out = self.flat[a:b]
+        out = self.own[a - self.start : b - self.start]
         scale = 1.0
         if self.count[ci] == 1:
             x = out  # only our own contribution: keep the exact local values

@@ -119,8 +119,9 @@ class Round:
 
     def kept_buffers(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """What the service may keep for its next rounds once this one is over: the shard
-        accumulator it lent (None where we summed in ``flat``) and the wire buffers."""
+        accumulator it lent (None where we summed in ``flat``) and the wire buffers (none of a device
+        ``flat``'s: those are pinned, from torch's cache)."""
         acc = None
         if self.owner is not None and not self.owner.reducer.in_place:
             acc = self.owner.reducer.acc
-        return acc, self.ctx.wires
+        return acc, [] if self.ctx.staged else self.ctx.wires

@@ -13,7 +13,7 @@ Hot path: for ``none`` we send views of ``flat`` (``run`` checked it is finite: 
 ``none`` replies are checked and copied into ``flat`` in one pass, and where ``flat`` outgrows the
 last-level cache replies are written around it (streaming stores: no read before write).
 
-A ``flat`` on a device (``staged``): chunks are encoded on the device and replies decoded onto it
+A ``flat`` on a device (``ctx.staged``): chunks are encoded on the device and replies decoded onto it
 by the codecs' device paths, so only wire bytes cross between the device and the host.
 """
 
@@ -35,18 +35,11 @@ from .ledger import chunks as _chunks
 from .protocol import MAX_SUMMARY, PREFIX, PROTOCOL, Reader, parse_summary
 from .round_types import Drop, InputRefused, PartialResult, ShardResult
 
-__all__ = ["Sender", "staged"]
+__all__ = ["Sender"]
 
 
 def _no_gone(j: int) -> None:
     pass
-
-
-def staged(flat: torch.Tensor) -> bool:
-    """Whether a sender encodes ``flat``'s chunks and decodes their replies with the codecs' device
-    paths (``Codec.device_encode`` / ``device_decode``): where ``flat`` is not on the CPU. (Tests
-    force it on for CPU tensors: the same bytes and results.)"""
-    return flat.device.type != "cpu"
 
 
 class Sender:
@@ -58,7 +51,7 @@ class Sender:
         self.gone = gone
         codec, gcodec = ctx.codec, ctx.gcodec
         dev = ctx.flat.device.type
-        self.staged = staged(ctx.flat)
+        self.staged = ctx.staged
         self.enc_staged = self.staged and dev in codec.devices  # (else ``encode``: error feedback)
         self.dec_staged = self.staged and dev in gcodec.devices
         # ``none`` on float32 (no error feedback): a chunk's wire bytes are its values, and ``run``
