@@ -111,61 +111,30 @@ def main() -> None:
         fetches.append(rec)
         return res
 
-    builds: list[float] = []
-    orig_build = ss.build_snapshot
+    builds: list[float] = []  # seconds each manifest took to hash from the live tensors
+    from p2ptrain.checkpoint.live import LiveSource
 
-    build_parts: list[dict] = []
-    import p2ptrain.checkpoint.manifest as mf
+    orig_describe = LiveSource.describe
 
-    orig_hash = mf.hash_chunks
-
-    def hash_chunks(*args, **kwargs):
+    def describe(self, meta):  # runs in the executor thread, taking the state lock per chunk
         t0 = time.perf_counter()
         try:
-            return orig_hash(*args, **kwargs)
-        finally:
-            if build_parts:
-                build_parts[-1]["hash"] = time.perf_counter() - t0
-
-    mf.hash_chunks = hash_chunks
-
-    class TimedLock:
-        def __init__(self, lock):
-            self.lock = lock
-
-        def __enter__(self):
-            t0 = time.perf_counter()
-            self.lock.__enter__()
-            build_parts[-1]["lock_wait"] = time.perf_counter() - t0
-            self.t_held = time.perf_counter()
-
-        def __exit__(self, *exc):
-            build_parts[-1]["held"] = time.perf_counter() - self.t_held
-            return self.lock.__exit__(*exc)
-
-    def build_snapshot(*args, **kwargs):  # runs in the executor thread, with the state lock held
-        t0 = time.perf_counter()
-        build_parts.append({})
-        if kwargs.get("lock") is not None:
-            kwargs["lock"] = TimedLock(kwargs["lock"])
-        try:
-            return orig_build(*args, **kwargs)
+            return orig_describe(self, meta)
         finally:
             builds.append(time.perf_counter() - t0)
+
+    LiveSource.describe = describe
 
     async def refresh(self):
         t0 = time.perf_counter()
         n = len(builds)
         before = self.server.latest(self.key)
-        await orig_refresh(self)  # publishes a new snapshot when the state changed
+        await orig_refresh(self)  # describes the live state when it changed
         m = self.server.latest(self.key)
         if m is not None and m is not before:
             emit({"event": "served", "epoch": m.meta.get("epoch"), "manifest": m.id.hex(),
                   "seconds": time.perf_counter() - t0, "build": builds[n] if len(builds) > n else None,
-                  "build_parts": build_parts[n] if len(build_parts) > n else None,
-                  "reused": self.buffers.reused, "fresh": self.buffers.fresh, "rss": rss_mb()})
-
-    ss.build_snapshot = build_snapshot
+                  "held": self.held_bytes, "rss": rss_mb()})
 
     ss.StateSync.fetch = fetch
 

@@ -270,15 +270,13 @@ def main() -> None:
     if served:
         sv = [s["seconds"] for s in served]
         bv = [s["build"] for s in served if s.get("build") is not None]
-        print(f"  provider snapshots on request: {len(sv)}, request -> snapshot ready median "
-              f"{statistics.median(sv):.3f} s (max {max(sv):.3f}); of which build_snapshot "
-              f"(copy + hash of {nbytes / MiB:.0f} MiB) median {statistics.median(bv) if bv else float('nan'):.3f} s")
+        print(f"  provider manifests on request: {len(sv)}, request -> manifest ready median "
+              f"{statistics.median(sv):.3f} s (max {max(sv):.3f}); of which hashing the live state "
+              f"({nbytes / MiB:.0f} MiB) median {statistics.median(bv) if bv else float('nan'):.3f} s")
         for s in served:
-            parts = s.get("build_parts") or {}
             print(f"    {s['peer']} epoch {s['epoch']}: request -> ready {s['seconds']:.3f} s, "
-                  f"build {s.get('build') or 0:.3f} s"
-                  f" (buffers so far: {s.get('reused')} reused, {s.get('fresh')} fresh)"
-                  + "".join(f", {k} {v:.3f} s" if isinstance(v, float) else f", {k} {v}" for k, v in parts.items()))
+                  f"hash {s.get('build') or 0:.3f} s, state copies held for downloads {s.get('held', 0) / MiB:.0f} MiB, "
+                  f"RSS {s.get('rss', 0):.0f} MB")
     if joins:
         ctor = [j["timeline"]["ctor"] for j in joins]
         ret = [j["timeline"]["to_step_return"] for j in joins]

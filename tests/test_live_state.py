@@ -4,6 +4,8 @@ while nobody downloads, one while a download straddles a change, and every downl
 from __future__ import annotations
 
 import asyncio
+import threading
+import types
 
 import pytest
 import torch
@@ -144,3 +146,71 @@ def test_the_state_lock_runs_its_hook_inside_and_releases_when_the_hook_fails():
         with lock:
             pass
     assert not lock.locked()
+
+
+async def test_a_download_from_two_providers_that_keep_stepping_gets_one_verified_version(hosts):
+    """The trainers step between every chunk sent, streams of one chunk each (gaps between them):
+    the joiner still gets the version of its manifest, from both, and each provider copies it once."""
+    trainers = [Trainer(), Trainer()]
+    served = [await serving(hosts, t) for t in trainers]
+    loop = asyncio.get_running_loop()
+    steps, waiting, stop, started = [0], [], threading.Event(), threading.Event()
+
+    def wake() -> None:
+        while waiting:
+            f = waiting.pop()
+            if not f.done():
+                f.set_result(None)
+
+    def step_on() -> None:
+        started.wait(20)
+        while not stop.is_set():
+            for t in trainers:
+                t.change()
+            steps[0] += 1
+            loop.call_soon_threadsafe(wake)
+
+    async def gate(key: str, index: int) -> None:  # a chunk goes out only after a step since the last one
+        started.set()
+        waiting.append(loop.create_future())
+        await waiting[-1]
+
+    for sync, _ in served:
+        sync.server._before_chunk = gate  # type: ignore[method-assign]
+    stepper = threading.Thread(target=step_on, daemon=True)
+    stepper.start()
+    try:
+        async with asyncio.timeout(40):
+            me = await hosts()
+            result = await fetch_state(me, "run/state", [p for _, p in served], timeout=30,
+                                       segment_bytes=1 << 20)
+    finally:
+        stop.set(), started.set()
+        await asyncio.to_thread(stepper.join, 10)
+    try:
+        assert len(result.contributors) == 2 and steps[0] >= result.manifest.num_chunks
+        state = result.restore()
+        assert torch.equal(state["w"], torch.arange(N, dtype=torch.float32)) and float(state["opt"]["step"]) == 7.0
+        for (sync, _), t in zip(served, trainers):
+            assert float(t.step) == 7.0 + steps[0]  # they moved on meanwhile
+            assert sync.held_bytes <= result.manifest.total_size  # one copy of the version served, at most
+    finally:
+        for sync, _ in served:
+            await sync.close()
+
+
+def test_each_chunk_read_renews_the_lease_so_a_slow_reader_keeps_its_version(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(live, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    trainer = Trainer()
+    src = LiveSource(trainer.lock.raw, lambda: trainer.state()[1], lambda: trainer.version, chunk_size=1 << 20)
+    trainer.lock.before_change = lambda: (src.preserve(), src.expire())  # (as StateSync's hook)
+    src.lease()  # a peer got the manifest
+    src.describe({})
+    for i in range(4):  # each read follows the previous one within the lease, none within the first
+        clock[0] += 0.9 * live.LEASE
+        trainer.change()  # between two requests: no stream reads it now
+        assert src.manifest.verify_chunk(i, memoryview(src.read(i << 20, (i + 1) << 20).numpy()))
+    clock[0] += live.LEASE  # the reader is gone: the copy goes at the next change
+    trainer.change()
+    assert src.held_bytes == 0 and not src.readable

@@ -3,19 +3,21 @@
 A ``LiveSource`` describes one version of the state (the manifest is hashed from the live
 tensors, a chunk at a time) and reads each chunk from them when a peer asks, under the trainer's
 lock, as long as the version is unchanged. When the trainer is about to change the state (it takes
-the lock: ``preserve_served``) while a peer downloads that version, or may be about to (it asked for
-the manifest within ``LEASE`` seconds), the source copies the whole version into one buffer first and
-serves the rest from it; the copy goes once no stream reads it and the lease ran out. So a peer
-holds no state copy at all while nobody downloads, and one while a download straddles an update.
+the lock: ``preserve``) while a peer downloads that version (a stream reads it, or a peer got its
+manifest or a chunk within ``LEASE`` seconds: the gaps between a fetcher's segment requests), the
+source copies the whole version into one buffer first and serves the rest from it; the copy goes
+once no stream reads it and the lease ran out. So a peer holds no state copy at all while nobody
+downloads, and one per version whose download straddles an update, however long it takes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import mmap
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,8 +28,8 @@ from ..gil import short_gil_waits
 from .manifest import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_TOTAL, HASH_THREADS, Manifest, StateTooLarge, layout
 from .tree import flatten, tensor_specs
 
-#: seconds a manifest handed out keeps its version readable across updates (the fetcher's first
-#: chunk requests follow the manifest within round trips; a lease longer than that only holds memory)
+#: seconds a manifest or chunk handed out keeps its version readable across updates (a fetcher's
+#: next chunk request follows within round trips; a lease longer than that only holds memory)
 LEASE = 10.0
 
 
@@ -57,7 +59,8 @@ class LiveSource:
         self._starts = [e.offset for e in entries]
         self._copy: torch.Tensor | None = None  # the preserved version, once the state changed
         self._gone = False
-        self._users = 0
+        self._users = 0  # streams reading (event loop) and the hashing (a worker thread)
+        self._users_lock = threading.Lock()
         self._leased_until = 0.0
         self.manifest: Manifest | None = None
 
@@ -66,10 +69,14 @@ class LiveSource:
     def describe(self, meta: dict) -> Manifest:
         """Hash every chunk (reading the live tensors) into this version's manifest."""
         n = -(-self.total // self.chunk_size)
+        scratch = threading.local()  # one chunk buffer per hashing thread
 
         def one(i: int) -> bytes:
             a = i * self.chunk_size
-            return blake3.blake3(self.read(a, min(self.total, a + self.chunk_size)).numpy()).digest()
+            b = min(self.total, a + self.chunk_size)
+            if getattr(scratch, "buf", None) is None:
+                scratch.buf = _mapped(self.chunk_size)
+            return blake3.blake3(self.read(a, b, scratch.buf[: b - a]).numpy()).digest()
 
         self.acquire()  # an update while we hash preserves the version instead of changing it under us
         try:
@@ -87,25 +94,33 @@ class LiveSource:
 
     # ------------------------------------------------------------------ reading
 
-    def read(self, a: int, b: int) -> torch.Tensor:
-        """Bytes ``a:b`` of this version (uint8, CPU); StateMoved once it changed unpreserved."""
+    def read(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Bytes ``a:b`` of this version (uint8, CPU; read into ``out`` when it is read live);
+        StateMoved once it changed unpreserved."""
         with self._lock:
             if self._copy is not None:
-                return self._copy[a:b]
-            if self._gone or self._version_now() != self.version:
+                data = self._copy[a:b]
+            elif self._gone or self._version_now() != self.version:
                 self._gone = True
                 raise StateMoved("the state moved on since its manifest")
-            return self._read_live(a, b)
+            else:
+                data = self._read_live(a, b, out)
+        self.lease()  # the reader's next request keeps the version, whatever changes meanwhile
+        return data
 
-    def _read_live(self, a: int, b: int) -> torch.Tensor:
-        out = torch.zeros(b - a, dtype=torch.uint8)  # (alignment padding stays zero)
+    def _read_live(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = _mapped(b - a) if out is None else out
+        done = a  # bytes before it are written; gaps (alignment padding) are zeros
         i = max(0, bisect.bisect_right(self._starts, a) - 1)
         while i < len(self.entries) and self.entries[i].offset < b:
             e, src = self.entries[i], self._bytes[i]
             lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
             if src is not None and lo < hi:
+                out[done - a : lo - a].zero_()
                 out[lo - a : hi - a].copy_(src[lo - e.offset : hi - e.offset])
+                done = hi
             i += 1
+        out[done - a :].zero_()
         return out
 
     async def chunk(self, index: int) -> memoryview:
@@ -118,17 +133,20 @@ class LiveSource:
 
     @property
     def busy(self) -> bool:
-        return self._users > 0
+        """Whether a peer reads this version or holds a lease on it (it is kept across updates)."""
+        return self.readable and (self._users > 0 or time.monotonic() < self._leased_until)
 
     def acquire(self) -> bool:
         """Count a reader (a stream, or the hashing); False once the version is gone."""
-        if self._gone and self._copy is None:
-            return False
-        self._users += 1
-        return True
+        with self._users_lock:
+            if not self.readable:
+                return False
+            self._users += 1
+            return True
 
     def release(self) -> None:
-        self._users -= 1
+        with self._users_lock:
+            self._users -= 1
 
     def lease(self, seconds: float | None = None) -> None:
         """Keep the version readable across updates for ``seconds`` (default ``LEASE``: a peer has
@@ -147,7 +165,7 @@ class LiveSource:
             return
         if self._version_now() != self.version:
             self._gone = True
-        elif self.busy or time.monotonic() < self._leased_until:
+        elif self.busy:
             self._copy = self._read_live(0, self.total)
             self._bytes = []  # (the live tensors are not ours to keep alive)
         else:
@@ -155,14 +173,26 @@ class LiveSource:
 
     def expire(self) -> None:
         """Drop the preserved copy once nothing reads it and its lease ran out."""
-        if self._copy is not None and not self.busy and time.monotonic() >= self._leased_until:
+        if self._copy is not None and not self.busy:
             self._copy = None
             self._gone = True
+
+    @property
+    def readable(self) -> bool:
+        """Whether this version can still be read: from its copy, or live while unchanged (read
+        outside the lock, a hint: ``read`` decides)."""
+        return self._copy is not None or (not self._gone and self._version_now() == self.version)
 
     @property
     def held_bytes(self) -> int:
         """Bytes of the preserved copy (0 while served live)."""
         return self._copy.numel() if self._copy is not None else 0
+
+
+def _mapped(n: int) -> torch.Tensor:
+    """``n`` bytes of fresh anonymous memory, unmapped when the tensor goes: chunk-sized buffers from
+    malloc would stay in its arenas after a download (its mmap threshold rises past them)."""
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -173,15 +203,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def preserve_all(sources: Sequence[LiveSource]) -> None:
-    """Before the state changes (lock held): each source copies its version if it must."""
-    for s in sources:
-        s.preserve()
-
-
 class StateLock:
     """A trainer's state lock whose every acquisition first runs ``before_change`` (lock held),
-    which preserves the versions peers are downloading (``preserve_all``). Readers of the state
+    which preserves the versions peers are downloading (``LiveSource.preserve``). Readers of the state
     that change nothing take ``raw``, the plain lock underneath."""
 
     def __init__(self) -> None:

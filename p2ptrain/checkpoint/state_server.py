@@ -43,8 +43,9 @@ class StateServer:
     """Serves the snapshots published on this host, per key, to any peer that asks.
 
     Keeps the latest ``keep`` snapshots per key (default 2: the latest, plus the previous one so
-    downloads that started before a ``publish`` can finish). Chunk streams already running keep
-    their snapshot alive until they finish, whatever is published meanwhile.
+    downloads that started before a ``publish`` can finish), and older live sources that a peer is
+    still downloading. Chunk streams already running keep their snapshot alive until they finish,
+    whatever is published meanwhile.
     ``publish`` must be called on the host's event loop (from the training thread, use
     ``loop.call_soon_threadsafe(server.publish, key, manifest, buffer)``).
 
@@ -123,7 +124,8 @@ class StateServer:
         check_key(key)
         old = self._snapshots.get(key, [])
         snaps = [source, *(s for s in old if s.manifest.id != source.manifest.id)]
-        self._snapshots[key] = snaps[: self.keep]
+        # past ``keep``, a live version a peer is still downloading stays (its next segment request finds it)
+        self._snapshots[key] = snaps[: self.keep] + [s for s in snaps[self.keep:] if isinstance(s, LiveSource) and s.busy]
         evict(s for s in old if s not in self._snapshots[key])
 
     def provide(self, key: str, refresh: Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]) -> None:

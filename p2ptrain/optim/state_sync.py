@@ -27,7 +27,7 @@ from ..checkpoint import FetchResult, Manifest, StateServer, StateTransferError,
 from ..checkpoint.manifest import layout
 from ..checkpoint.placement import Placement, tensors_under
 from ..checkpoint.tree import flatten, tensor_specs
-from ..checkpoint.live import LiveSource, StateLock
+from ..checkpoint.live import LiveSource, StateLock, StateMoved
 from .progress import PeerReport
 
 log = logging.getLogger("p2ptrain.optim.state")
@@ -67,7 +67,9 @@ class StateSync:
         self.settle_timeout = settle_timeout
         self._version = version or (lambda: self._state()[0])
         self._served: tuple[int, Any] | None = None  # (epoch, version) of the source served
-        self._live: tuple[LiveSource, ...] = ()  # the sources served (two at most), the latest last
+        # the versions served that a peer may still read (the latest last): the trainer preserves them
+        self._live: tuple[LiveSource, ...] = ()
+        self._live_lock = threading.Lock()  # (``_live`` changes on the event loop and the trainer's thread)
         self.server = StateServer(host)
         #: bytes of our own state as ``update_size`` last measured it (0: not yet): what a state load moves
         self.size = 0
@@ -78,9 +80,10 @@ class StateSync:
 
     async def close(self) -> None:
         await self.server.close()
-        for src in self._live:
-            src.evict()
-        self._live = ()
+        with self._live_lock:
+            for src in self._live:
+                src.evict()
+            self._live = ()
 
     def state_bytes(self) -> int:
         """The size of the state now (call with the lock held)."""
@@ -99,10 +102,13 @@ class StateSync:
         return sum(src.held_bytes for src in self._live)
 
     def _before_change(self) -> None:
-        """(The lock held, the state about to change.) Preserve the versions peers download."""
-        for src in self._live:
-            src.preserve()
-            src.expire()
+        """(The lock held, the state about to change.) Preserve the versions peers download; forget
+        those nobody can read any more."""
+        with self._live_lock:
+            for src in self._live:
+                src.preserve()
+                src.expire()
+            self._live = tuple(s for s in self._live if s.readable)
 
     async def _refresh(self) -> None:
         """Serve the state as it is now if it changed since the last source (a peer asked)."""
@@ -121,16 +127,22 @@ class StateSync:
                 seen["epoch"], state = self._state()
                 return state
 
-            src = LiveSource(self._raw, read, self._version)
-            src.lease()
-            src.describe({"epoch": seen["epoch"]})
-            return (seen["epoch"], src.version), src
+            for _ in range(3):
+                src = LiveSource(self._raw, read, self._version)
+                src.lease()
+                with self._live_lock:  # from now on a change preserves it: the hashing reads one version
+                    self._live = (*self._live, src)
+                try:
+                    src.describe({"epoch": seen["epoch"]})
+                except StateMoved:  # (it changed before we listed it)
+                    continue
+                return (seen["epoch"], src.version), src
+            raise StateMoved("the state changed under every attempt to describe it")
 
         result = await loop.run_in_executor(None, take)
         if result is None:
             return
         self._served, src = result
-        self._live = (*self._live[-1:], src)
         self.server.publish_source(self.key, src)
         # the previous version goes unless a download still reads it
         self.server.drop_idle(self.key)
