@@ -275,7 +275,8 @@ def main() -> None:
               f"({nbytes / MiB:.0f} MiB) median {statistics.median(bv) if bv else float('nan'):.3f} s")
         for s in served:
             print(f"    {s['peer']} epoch {s['epoch']}: request -> ready {s['seconds']:.3f} s, "
-                  f"hash {s.get('build') or 0:.3f} s, state copies held for downloads {s.get('held', 0) / MiB:.0f} MiB, "
+                  f"hash {s.get('build') or 0:.3f} s, "
+                  f"state copies held for downloads {s.get('held', 0) / MiB:.0f} MiB, "
                   f"RSS {s.get('rss', 0):.0f} MB")
     if joins:
         ctor = [j["timeline"]["ctor"] for j in joins]

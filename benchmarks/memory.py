@@ -102,10 +102,10 @@ def child_peer(a: argparse.Namespace) -> None:
     model = _model(a.model)
     dht = DHT([a.bootstrap] if a.bootstrap else [], listen=("127.0.0.1", 0))
     _emit(event="started", multiaddrs=[str(m) for m in dht.multiaddrs])
-    kw = dict(mode=a.mode.split("-")[0], **VARIANTS[a.mode], batch_size_per_step=a.batch, target_batch_size=2 * a.every * a.batch,
-              local_steps=a.every, matchmaking_timeout=30.0)
-    opt = DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dht=dht, run_id=f"mem-{a.model}",
-                                 model=model, **kw)
+    kw = dict(mode=a.mode.split("-")[0], **VARIANTS[a.mode], batch_size_per_step=a.batch,
+              target_batch_size=2 * a.every * a.batch, local_steps=a.every, matchmaking_timeout=30.0)
+    opt = DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), dht=dht,
+                                 run_id=f"mem-{a.model}", model=model, **kw)
     phases = {"start": peak_rss()}
     opt.wait_for_peers(2, timeout=120)
     _reset_peak()
@@ -186,9 +186,9 @@ def main() -> None:
             r = measure(a, model, mode)
             target = TARGETS.get(mode)
             ok = "" if target is None else "ok" if r["ratio"] <= target else "MISSED"
+            shown = f"<= {target}" if target else "-"
             print(f"{model:>6} {mode:>7} {r['numel'] / 1e6:7.1f}M {_gb(r['plain']):>11} {_gb(r['worst']['peak']):>10} "
-                  f"{r['ratio']:19.2f} {'<= ' + str(target) if target else '-':>7} {ok}  ({time.monotonic() - t0:.0f} s)",
-                  flush=True)
+                  f"{r['ratio']:19.2f} {shown:>7} {ok}  ({time.monotonic() - t0:.0f} s)", flush=True)
             fp32 = 4 * r["numel"]
             for name, e in sorted(r["peers"].items()):
                 phases = ", ".join(f"{k} {(v - r['plain']) / fp32:+.2f}" for k, v in e["phases"].items())

@@ -24,6 +24,7 @@ from typing import Any
 import blake3
 import torch
 
+from ..errors import P2PTrainError
 from ..gil import short_gil_waits
 from .manifest import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_TOTAL, HASH_THREADS, Manifest, StateTooLarge, layout
 from .tree import flatten, tensor_specs
@@ -33,7 +34,7 @@ from .tree import flatten, tensor_specs
 LEASE = 10.0
 
 
-class StateMoved(LookupError):
+class StateMoved(P2PTrainError, LookupError):
     """The version a source describes changed and was not preserved."""
 
 

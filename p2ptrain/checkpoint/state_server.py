@@ -125,7 +125,8 @@ class StateServer:
         old = self._snapshots.get(key, [])
         snaps = [source, *(s for s in old if s.manifest.id != source.manifest.id)]
         # past ``keep``, a live version a peer is still downloading stays (its next segment request finds it)
-        self._snapshots[key] = snaps[: self.keep] + [s for s in snaps[self.keep:] if isinstance(s, LiveSource) and s.busy]
+        self._snapshots[key] = snaps[: self.keep] + [s for s in snaps[self.keep:]
+                                                     if isinstance(s, LiveSource) and s.busy]
         evict(s for s in old if s not in self._snapshots[key])
 
     def provide(self, key: str, refresh: Callable[[], Awaitable[tuple[Manifest, torch.Tensor] | None]]) -> None:
