@@ -110,7 +110,7 @@ class LiveSource:
         return data
 
     def _read_live(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = _mapped(b - a) if out is None else out
+        out = torch.empty(b - a, dtype=torch.uint8) if out is None else out
         done = a  # bytes before it are written; gaps (alignment padding) are zeros
         i = max(0, bisect.bisect_right(self._starts, a) - 1)
         while i < len(self.entries) and self.entries[i].offset < b:
@@ -191,8 +191,8 @@ class LiveSource:
 
 
 def _mapped(n: int) -> torch.Tensor:
-    """``n`` bytes of fresh anonymous memory, unmapped when the tensor goes: chunk-sized buffers from
-    malloc would stay in its arenas after a download (its mmap threshold rises past them)."""
+    """``n`` bytes of fresh anonymous memory, unmapped when the tensor goes: chunk-sized buffers
+    malloc'd on short-lived hashing threads stay in their arenas (its mmap threshold rises past them)."""
     return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
 
 
