@@ -59,6 +59,7 @@ def memory_report(opt: DecentralizedOptimizer) -> dict[str, int]:
         "outer parameters": size(opt._outer),
         "outer optimizer state": size(_tensors(opt.outer_optimizer.state)) if opt.outer_optimizer else 0,
         "averaging buffer": size(opt._buffers),
+        "outer parameters during a round": size(opt._holders),  # (0 where they are the model's own)
         "all-reduce scratch and wire pools": size([*service._scratch, *service._wires]),
         "state copies for downloads": opt.state_sync.held_bytes,
     }
