@@ -688,6 +688,29 @@ async def test_wire_buffers_are_reused_between_rounds(swarm, codec):
         assert kept[0] == kept[1] == kept[2]
 
 
+async def test_kept_buffers_go_once_the_service_is_idle(swarm):
+    """The buffers a service keeps for its next round go back to the system after ``pool_idle``
+    seconds without one; a round before then pushes the deadline back."""
+    async with asyncio.timeout(20):
+        numel = 1 << 18
+        group, _h, services = await swarm.group(2, config=AllReduceConfig(chunk_numel=1 << 14))
+        xs, ws = data(2, numel, seed=12)
+        services[0].pool_idle = 3600.0
+        services[1].pool_idle = 0.0
+        released = asyncio.Event()
+        release = services[1]._release_idle
+
+        def watched() -> None:
+            release()
+            released.set()
+
+        services[1]._release_idle = watched  # type: ignore[method-assign]
+        assert (await run_all(group, services, [x.clone() for x in xs], ws, "fp16"))[0].ok
+        await released.wait()
+        assert services[1]._wires == [] and services[1]._scratch == []
+        assert services[0]._wires and services[0]._idle is not None  # an hour to go
+
+
 async def test_codec_work_stays_on_the_loop_without_a_spare_cpu(swarm, monkeypatch):
     """Offloading codec work to the worker thread needs ``offload_min_cpus`` CPUs; with fewer it
     runs inline (no thread hand-offs), with enough it goes to the worker."""

@@ -42,6 +42,9 @@ __all__ = ["MAX_WAITING_PER_PEER", "AllReduceService"]
 
 log = logging.getLogger("p2ptrain.allreduce")
 
+#: default seconds without a round before an all-reduce service lets its kept buffers go
+POOL_IDLE = 60.0
+
 #: streams one peer may have waiting for rounds that have not started here (see _on_stream)
 MAX_WAITING_PER_PEER = 4
 
@@ -81,6 +84,9 @@ class AllReduceService:
         # fault per 4 KiB on first touch (~40k faults, a measurable share of a round's CPU time).
         self._scratch: list[torch.Tensor] = []  # (at most one)
         self._wires: list[torch.Tensor] = []  # encoded-chunk buffers kept the same way
+        #: seconds without a round after which the kept buffers go back to the system
+        self.pool_idle = POOL_IDLE
+        self._idle: asyncio.TimerHandle | None = None
         # lent to every round; the extension points call through, so a subclass or an instance
         # that replaces one of the methods (p2ptrain.testing.hostile) reaches every round
         self.resources = RoundResources(
@@ -141,6 +147,9 @@ class AllReduceService:
                 if base is not None:
                     self._scratch = [base]
                 self._wires = (self._wires + wires)[-self._WIRES_KEPT:]
+                if self._idle is not None:
+                    self._idle.cancel()
+                self._idle = asyncio.get_running_loop().call_later(self.pool_idle, self._release_idle)
         if not rnd.ctx.offload:
             put()
             return
@@ -149,6 +158,12 @@ class AllReduceService:
         except RuntimeError:  # executor shut down
             return
         fut.add_done_callback(put)
+
+    def _release_idle(self) -> None:
+        """No round for ``pool_idle`` seconds: let the kept buffers go (a round in flight keeps them)."""
+        self._idle = None
+        if not self._rounds:
+            self._scratch, self._wires = [], []
 
     async def start(self) -> None:
         self.resources.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce")
@@ -174,7 +189,9 @@ class AllReduceService:
         await self._tasks.close()
         if self.resources.executor is not None:
             self.resources.executor.shutdown(wait=True, cancel_futures=True)
-        self._scratch = []
+        if self._idle is not None:
+            self._idle.cancel()
+        self._scratch, self._wires = [], []
         self._ledgers.clear()
         self._ledger_bufs = []
 
