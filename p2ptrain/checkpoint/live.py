@@ -18,15 +18,13 @@ import mmap
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import blake3
 import torch
 
 from ..errors import P2PTrainError
 from ..gil import short_gil_waits
-from .manifest import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_TOTAL, HASH_THREADS, Manifest, StateTooLarge, layout
+from .manifest import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_TOTAL, Manifest, StateTooLarge, hash_pieces, layout
 from .tree import flatten, tensor_specs
 
 #: seconds a manifest or chunk handed out keeps its version readable across updates (a fetcher's
@@ -72,21 +70,17 @@ class LiveSource:
         n = -(-self.total // self.chunk_size)
         scratch = threading.local()  # one chunk buffer per hashing thread
 
-        def one(i: int) -> bytes:
+        def piece(i: int) -> Any:
             a = i * self.chunk_size
             b = min(self.total, a + self.chunk_size)
             if getattr(scratch, "buf", None) is None:
                 scratch.buf = _mapped(self.chunk_size)
-            return blake3.blake3(self.read(a, b, scratch.buf[: b - a]).numpy()).digest()
+            return self.read(a, b, scratch.buf[: b - a]).numpy()
 
         self.acquire()  # an update while we hash preserves the version instead of changing it under us
         try:
             with short_gil_waits():
-                if n < 2 * HASH_THREADS:
-                    digests = b"".join(map(one, range(n)))
-                else:
-                    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="p2ptrain-hash") as pool:
-                        digests = b"".join(pool.map(one, range(n)))
+                digests = hash_pieces(n, piece)
         finally:
             self.release()
         self.manifest = Manifest(self.skeleton, tuple(self.entries), self.chunk_size, digests, dict(meta),

@@ -13,6 +13,7 @@ be canonical (re-encoding gives the same bytes), so equal ids mean equal manifes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 
@@ -240,22 +241,26 @@ HASH_THREADS = 4
 
 
 def hash_chunks(buffer: torch.Tensor, chunk_size: int) -> bytes:
-    """Concatenated blake3 digests of ``buffer`` cut into ``chunk_size`` pieces.
+    """Concatenated blake3 digests of ``buffer`` cut into ``chunk_size`` pieces."""
+    view = memoryview(_byte_view(buffer).numpy())
+    return hash_pieces(-(-len(view) // chunk_size), lambda i: view[i * chunk_size : (i + 1) * chunk_size])
+
+
+def hash_pieces(n: int, piece: Callable[[int], Any]) -> bytes:
+    """Concatenated blake3 digests of ``piece(0)`` .. ``piece(n - 1)`` (buffers; called from
+    several threads at once).
 
     blake3 drops the GIL while it hashes a chunk, but must take it back before the next one; in a
     peer whose event loop and training threads keep the GIL busy, each take waits up to the switch
     interval (5 ms), so chunks in a row cost several times the hashing itself. Several threads
     overlap those waits."""
-    view = memoryview(_byte_view(buffer).numpy())
-    starts = range(0, len(view), chunk_size)
+    def one(i: int) -> bytes:
+        return blake3.blake3(piece(i)).digest()
 
-    def one(a: int) -> bytes:
-        return blake3.blake3(view[a : a + chunk_size]).digest()
-
-    if len(starts) < 2 * HASH_THREADS:
-        return b"".join(map(one, starts))
+    if n < 2 * HASH_THREADS:
+        return b"".join(map(one, range(n)))
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="p2ptrain-hash") as pool:
-        return b"".join(pool.map(one, starts))
+        return b"".join(pool.map(one, range(n)))
 
 
 def build_snapshot(

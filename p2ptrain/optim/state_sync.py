@@ -57,7 +57,6 @@ class StateSync:
         self.host = host
         self.key = key
         self._state = state
-        self._lock = lock
         self._raw: threading.Lock = lock.raw if isinstance(lock, StateLock) else lock
         if isinstance(lock, StateLock):
             lock.before_change = self._before_change
@@ -170,7 +169,7 @@ class StateSync:
         """Download the state most of ``providers`` hold, from all of them at once.
 
         Its epoch label is a claim too: it must lie between ``at_least`` and the epoch the
-        providers report (already judged, see ``claims``; providers snapshot when asked, so a
+        providers report (already judged, see ``claims``; providers describe their state when asked, so a
         label past that is checked against ``newest()``, the newest epoch believed now), and with
         ``strict`` a strict majority of
         two or more providers must name its manifest. Else StateTransferError, naming them.
@@ -196,7 +195,7 @@ class StateSync:
                 return Placement(m, {})
             return placement
 
-        # providers snapshot lazily when asked: give the manifest request time for that
+        # providers describe their state when asked: give the manifest request time for that
         extra = {} if max_total is None else {"max_total": max_total}
         result = await fetch_state(self.host, self.key, wire, timeout=timeout, rpc_timeout=min(timeout, 30.0),
                                    place=place if into else None, **extra)
