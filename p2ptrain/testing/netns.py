@@ -133,16 +133,24 @@ _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
 
 
+def _scaled(text: object, units: dict[str, float], default: str) -> float | None:
+    """``<number><unit>`` (``unit`` one of ``units``, ``default`` when absent) as a number in the
+    base unit; None when ``text`` is not of that form."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or (unit and unit not in units):
+        return None
+    return float(m.group(1)) * units[unit or default]
+
+
 def parse_rate(rate: str) -> float:
     """Bits per second from a tc-style rate: ``"1gbit"`` -> 1e9. Like tc, ``bps`` means *bytes*/s.
 
     Why parse at all: tbf's burst and queue sizes and netem's packet limit derive from the rate,
     and the figure goes to tc as plain ``<n>bit`` so both sides agree on what was meant."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(rate))
-    unit = m.group(2).lower() if m else ""
-    if not m or (unit and unit not in _RATE_UNITS):
+    bps = _scaled(rate, _RATE_UNITS, "bit")
+    if bps is None:
         raise TestbedError(f"bad rate {rate!r}: expected a number and one of {', '.join(_RATE_UNITS)}, e.g. '1gbit'")
-    bps = float(m.group(1)) * _RATE_UNITS[unit or "bit"]
     if not 8e3 <= bps <= 1e12:
         raise TestbedError(f"rate {rate!r} out of range (8kbit .. 1tbit)")
     return bps
@@ -153,11 +161,10 @@ def parse_time(value: str | float) -> float:
     if isinstance(value, (int, float)):
         sec = float(value)
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        unit = m.group(2).lower() if m else ""
-        if not m or (unit and unit not in _TIME_UNITS):
+        scaled = _scaled(value, _TIME_UNITS, "s")
+        if scaled is None:
             raise TestbedError(f"bad time {value!r}: expected e.g. '1ms', '250us', '0.1s'")
-        sec = float(m.group(1)) * _TIME_UNITS[unit or "s"]
+        sec = scaled
     if not 0 <= sec <= 60:
         raise TestbedError(f"time {value!r} out of range (0 .. 60 s)")
     return sec
