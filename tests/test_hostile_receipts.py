@@ -102,7 +102,7 @@ async def test_an_inflated_or_equivocating_receipt_gains_nothing(swarm):
             return build_receipt(result.allreduce, run, result.round_id, ids[4].peer_id, 1004.0)
     book = Book()
     MODES["receipt_inflate"].run(book)
-    step = StepResult("e1", 5, list(results[4].members), allreduce=results[4])
+    step = StepResult("e1", 5, list(results[4].members), allreduces=[results[4]])
     lie = sign(book._receipt(step, RUN, 0.0), ids[4])
     assert lie.receipt.lines[4].samples == 1000
     rows = by_peer(leaderboard(honest[:4] + [lie]))
@@ -171,7 +171,7 @@ async def test_receipts_in_the_dht_and_on_disk_credit_a_peer_that_left(swarm, tm
         for book, r in zip(books, results):
             if book is not books[0]:  # peer 0 keeps its receipts in its file only, then leaves
                 await book.start()
-            book.record(StepResult("e1", 3, list(r.members), bytes_sent=r.bytes_sent, allreduce=r), RUN, 1.5)
+            book.record(StepResult("e1", 3, list(r.members), bytes_sent=r.bytes_sent, allreduces=[r]), RUN, 1.5)
         for book in books[1:]:
             await book.publish()
         await nodes[0].close()

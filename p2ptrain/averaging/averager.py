@@ -55,8 +55,12 @@ class StepResult:
     weight_total: float = 0.0
     failed: dict[int, str] = field(default_factory=dict)
     not_averaged: list[int] = field(default_factory=list)  # ranks whose shard kept local values
-    allreduce: AllReduceResult | None = None  # the first slice's (see ``allreduces``)
     allreduces: list[AllReduceResult] = field(default_factory=list)  # one per slice of the round
+
+    @property
+    def allreduce(self) -> AllReduceResult | None:
+        """The first slice's all-reduce (the group, ranks and weights every slice shares)."""
+        return self.allreduces[0] if self.allreduces else None
 
     @property
     def averaged(self) -> bool:
@@ -183,15 +187,13 @@ class Averager:
             on_group()
         results = await self._slices(group, group.rank_of(self.dht.peer_id), weight, lock, on_write)
         t2 = time.perf_counter()
-        first = results[0]
         return StepResult(
             rid, group.size, members,
             bytes_sent=sum(r.bytes_sent for r in results), bytes_received=sum(r.bytes_received for r in results),
             matchmaking_s=t1 - t0, allreduce_s=t2 - t1, total_s=t2 - t0,
             weight_total=min(r.weight_total for r in results),
             failed={k: v for r in results for k, v in r.failed.items()},
-            not_averaged=sorted({o for r in results for o in r.not_averaged}), allreduce=first,
-            allreduces=results,
+            not_averaged=sorted({o for r in results for o in r.not_averaged}), allreduces=results,
         )
 
     async def _slices(self, group: Group, rank: int, weight: float, lock: AbstractContextManager | None,
