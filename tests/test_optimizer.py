@@ -735,3 +735,25 @@ def test_sync_accumulates_in_the_buffer_it_averages(swarm):
     finally:
         for o in opts:
             o.close()
+
+
+def test_diloco_inner_steps_do_not_copy_a_state_a_peer_downloads(swarm):
+    """The served diloco state is the outer parameters and optimizer: inner steps leave it alone,
+    so a peer reading it costs no copy until the outer step changes it."""
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), dht=swarm(), run_id="dl-serve",
+                                 mode="diloco", local_steps=4, batch_size_per_step=16)
+    gen = torch.Generator().manual_seed(3)
+    try:
+        opt._loop.run(opt.state_sync._refresh())  # a peer asked for the manifest: its version is leased
+        assert len(opt.state_sync._live) == 1
+        for _ in range(3):
+            loss_of(model, batch(gen)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.epoch == 0 and opt.memory_report()["state copies for downloads"] == 0
+        loss_of(model, batch(gen)).backward()
+        opt.step()  # the outer step changes the state: the leased version is preserved
+        assert opt.epoch == 1 and opt.memory_report()["state copies for downloads"] > 0
+    finally:
+        opt.close()

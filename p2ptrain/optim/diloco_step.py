@@ -47,7 +47,9 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     peer is ready to average (a slow peer joins with the samples it has)."""
     overlap = opt.overlap_outer
     opt._inner_steps += 1
-    with opt._state_lock:
+    # an inner step changes the parameters, not the shared state (outer parameters and optimizer):
+    # the plain lock, so that a peer downloading our state does not make us copy it
+    with opt._state_lock.raw:
         warmed_step(opt.inner, opt._inner_steps, opt.inner_warmup_steps)
     opt.stats.overlapped_steps += opt._pending is not None
     opt._local_steps_done += 1
