@@ -131,4 +131,5 @@ def maybe_checkpoint(opt: DecentralizedOptimizer) -> None:
     live = [p.peer for p in (*view.peers, *view.behind) if not p.client]
     # forward passes change buffers outside the state lock: copy them here, in the training thread
     extra = [t.detach().to("cpu", copy=True) for t in opt._model_extra()]
-    ck.maybe_save(opt._applied, live, lambda: opt._checkpoint_state(extra), opt._state_lock)
+    # (the save only reads the state: the plain lock, which makes no copy for peers downloading it)
+    ck.maybe_save(opt._applied, live, lambda: opt._checkpoint_state(extra), opt._state_lock.raw)
