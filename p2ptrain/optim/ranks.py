@@ -1,0 +1,142 @@
+"""The ranks of one peer: a ``torch.distributed`` process group (a torchrun job) that is one peer.
+
+Rank 0 of the group is the peer's *leader*: it runs the DHT node, the averager, state sync,
+checkpoints and the progress record (counting every rank's samples). The other ranks run no DHT
+node; they follow the leader through the collectives of :class:`PeerRanks`, which are all
+leader-to-all (``broadcast``, ``decide``) or symmetric (``sum``, ``all_reduce_mean``), so every
+rank must call them in the same order. A collective that fails (a rank died) raises
+:class:`RankFailure`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+__all__ = ["LEADER", "PeerRanks", "RankFailure"]
+
+#: the rank that runs the peer's DHT node and averages with the swarm
+LEADER = 0
+#: the longest decision ``decide`` carries (a round's outcome, an epoch: a few hundred bytes)
+MAX_DECISION = 1 << 20
+
+
+class RankFailure(RuntimeError):
+    """A collective between the ranks of this peer failed: a rank died or left; the peer must leave."""
+
+
+class PeerRanks:
+    """The process group of one peer's ranks, with the few collectives the optimizer needs.
+
+    ``group``: the process group (``None``: the default one, which must be initialised).
+    Collectives run on ``device``: the current CUDA device under NCCL, else the CPU; tensors
+    elsewhere are staged through it."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group first "
+                               "(torchrun does not do it for you)")
+        self.group = group
+        self.rank: int = dist.get_rank(group)
+        self.world_size: int = dist.get_world_size(group)
+        #: this rank's global rank of the leader (``src`` of broadcasts in a sub-group)
+        self._src = dist.get_global_rank(group, LEADER) if group is not None else LEADER
+        backend = dist.get_backend(group)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                       else torch.device("cpu"))
+
+    @classmethod
+    def detect(cls, process_group: dist.ProcessGroup | None = None) -> PeerRanks | None:
+        """The ranks of ``process_group`` (default: the initialised default group), or None when
+        there is none, or it has one rank (a plain single-process peer)."""
+        if process_group is None and not (dist.is_available() and dist.is_initialized()):
+            return None
+        ranks = cls(process_group)
+        return ranks if ranks.world_size > 1 else None
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank runs the peer's DHT node and averages with the swarm."""
+        return self.rank == LEADER
+
+    def __repr__(self) -> str:
+        return f"PeerRanks(rank={self.rank}, world_size={self.world_size}, device={self.device})"
+
+    # ---- collectives (every rank calls each, in the same order)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The leader's values of ``tensors`` into every rank's, in place: one collective per
+        dtype and device (flattened), not one per tensor."""
+        buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            buckets.setdefault((t.dtype, t.device), []).append(t)
+        for group in buckets.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group]) if len(group) > 1 else \
+                group[0].detach().reshape(-1).clone()
+            self.broadcast_flat(flat)
+            offset = 0
+            for t in group:
+                n = t.numel()
+                t.detach().copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+
+    def broadcast_flat(self, flat: torch.Tensor) -> None:
+        """The leader's ``flat`` (one contiguous tensor, a flat buffer or shard) into every rank's, in place."""
+        if not flat.is_contiguous():
+            raise ValueError("broadcast_flat needs a contiguous tensor")
+        work = flat if flat.device == self.device else flat.to(self.device)
+        self._run(dist.broadcast, work, src=self._src, group=self.group)
+        if work is not flat:
+            flat.copy_(work)
+
+    def decide(self, decision: Any = None) -> Any:
+        """The leader's ``decision`` (anything msgpack encodes: numbers, strings, lists, dicts)
+        on every rank; the other ranks pass nothing."""
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        payload = b""
+        if self.is_leader:
+            payload = msgpack.packb(decision, use_bin_type=True)
+            if len(payload) > MAX_DECISION:
+                raise ValueError(f"a decision of {len(payload)} bytes is over the {MAX_DECISION} bytes of decide()")
+            size[0] = len(payload)
+        self._run(dist.broadcast, size, src=self._src, group=self.group)
+        n = int(size.item())
+        if not 0 <= n <= MAX_DECISION:
+            raise RankFailure(f"the leader announced a decision of {n} bytes")
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.is_leader
+               else torch.empty(n, dtype=torch.uint8))
+        if n:
+            work = buf.to(self.device)
+            self._run(dist.broadcast, work, src=self._src, group=self.group)
+            buf = work.cpu()
+        return msgpack.unpackb(buf.numpy().tobytes(), raw=False) if n else decision
+
+    def sum(self, value: int) -> int:
+        """The sum of every rank's ``value`` (sample counts), on every rank."""
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        self._run(dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self.group)
+        return int(t.item())
+
+    def all_reduce_mean(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every rank's ``tensors`` replaced by their mean over the ranks, in place."""
+        for t in tensors:
+            work = t.detach() if t.device == self.device and t.is_contiguous() else t.detach().contiguous().to(self.device)
+            self._run(dist.all_reduce, work, op=dist.ReduceOp.SUM, group=self.group)
+            work.div_(self.world_size)
+            if work is not t:
+                t.detach().copy_(work)
+
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
+        self._run(dist.barrier, group=self.group)
+
+    @staticmethod
+    def _run(collective: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            collective(*args, **kwargs)
+        except RuntimeError as e:  # (gloo, nccl and their DistError subclasses)
+            raise RankFailure(f"a rank of this peer failed ({type(e).__name__}: {e})") from e
