@@ -28,6 +28,7 @@ from dht import Multiaddr
 
 from .background import DHT
 from .optim import DecentralizedOptimizer
+from .optim.ranks import PeerRanks, ddp, rank_device, rank_seed, stopping
 
 log = logging.getLogger("p2ptrain.run")
 
@@ -91,15 +92,20 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
+    ranks = PeerRanks.detect()  # a torchrun job: its ranks are one peer, rank 0 its leader
+    leads = ranks is None or ranks.is_leader
+    if ranks is not None:
+        device = rank_device(device)
     task = get_task(cfg.task, **cfg.task_options)
     batch_size = cfg.batch_size or task.default_batch_size
     own_dht = dht is None
-    if dht is None:
+    if dht is None and leads:
         dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host)
     opt: DecentralizedOptimizer | None = None
     dataset = None
     try:
         model = task.make_model(seed=cfg.seed).to(device)  # the same init on every device: built on the host
+        trained = model if ranks is None else ddp(model, device)  # (what the loss runs; DDP averages the ranks')
         opt = DecentralizedOptimizer(
             task.make_optimizer(model.parameters(), lr=cfg.lr), dht=dht, run_id=cfg.run_id or task.signature,
             target_batch_size=cfg.target_batch_size, batch_size_per_step=batch_size, mode=cfg.mode,
@@ -111,16 +117,20 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers, name=cfg.name,
             receipts_file=cfg.receipts_file,
         )
-        if stop.is_set():  # asked to stop while joining (e.g. Ctrl+C during the state download)
+        if stopping(stop, ranks):  # asked to stop while joining (e.g. Ctrl+C during the state download)
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
-        on_event({"event": "started", "peer_id": str(dht.peer_id),
-                  "multiaddrs": [str(a) for a in dht.multiaddrs], "run_id": opt.run_id, "epoch": opt.epoch,
-                  "state_loads": opt.stats.state_loads, "resumed_epoch": opt.stats.resumed_epoch,
-                  "params_digest": _digest(model),
-                  "config": {k: v for k, v in asdict(cfg).items() if k != "bootstrap"}})
+        if dht is not None:
+            on_event({"event": "started", "peer_id": str(dht.peer_id),
+                      "multiaddrs": [str(a) for a in dht.multiaddrs], "run_id": opt.run_id, "epoch": opt.epoch,
+                      "state_loads": opt.stats.state_loads, "resumed_epoch": opt.stats.resumed_epoch,
+                      "params_digest": _digest(model), "ranks": 1 if ranks is None else ranks.world_size,
+                      "config": {k: v for k, v in asdict(cfg).items() if k != "bootstrap"}})
         if cfg.wait_peers > 1 and not _wait_for_peers(opt, cfg, on_event, stop):
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
-        data_seed = cfg.data_seed if cfg.data_seed is not None else int.from_bytes(dht.peer_id.to_bytes()[-4:], "big")
+        data_seed = cfg.data_seed if cfg.data_seed is not None or not leads else \
+            int.from_bytes(dht.peer_id.to_bytes()[-4:], "big")
+        if ranks is not None:  # the leader's, made different on every rank
+            data_seed = rank_seed(ranks.decide(data_seed if leads else None), ranks.rank)
         if cfg.dataset:
             from .data import SwarmDataset
 
@@ -133,19 +143,21 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         steps, loss_ewma, start_epoch = 0, math.nan, opt.epoch
         seen = _round_counters(opt.stats)
         model.train()
-        while opt.epoch < cfg.epochs and not stop.is_set():
+        while opt.epoch < cfg.epochs and not stopping(stop, ranks):
             if cfg.max_steps is not None and steps >= cfg.max_steps:
                 break
             x, y = next(batches)
             if device.type != "cpu":
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = task.loss(model, (x, y))
+            loss = task.loss(trained, (x, y))
             loss.backward()
             if cfg.compute_delay > 0:
                 time.sleep(cfg.compute_delay)
             opt.step()
             opt.zero_grad()
             steps += 1
+            if not leads:
+                continue
             if on_round is not None and _round_counters(opt.stats) != seen:
                 on_round(_round_record(opt, seen))
                 seen = _round_counters(opt.stats)
@@ -159,6 +171,11 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         opt.finish_round()  # (overlapped rounds: the last one in, the model the swarm's outer parameters)
         model.eval()
         metrics = task.evaluate(model)
+        if not leads:
+            done = {"event": "done", "rank": ranks.rank, "epoch": opt.epoch, "metrics": metrics, "steps": steps,
+                    "params_digest": _digest(model)}
+            on_event(done)
+            return done
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
                 "stopped": stop.is_set(), "epochs_trained": opt.epoch - start_epoch,
                 "params_digest": _digest(model)}
@@ -171,7 +188,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             dataset.close()
         if opt is not None:
             opt.close()
-        if own_dht:
+        if own_dht and dht is not None:
             dht.close()
 
 
@@ -182,10 +199,11 @@ def _wait_for_peers(opt: DecentralizedOptimizer, cfg: PeerConfig, on_event: Call
     t0 = time.monotonic()
     deadline = None if cfg.wait_timeout is None else t0 + cfg.wait_timeout
     step = 0.0  # the first look is immediate: its event says at once that the peer waits
-    while not stop.is_set():
-        count = opt.wait_for_peers(cfg.wait_peers, timeout=step)
+    while not stopping(stop, opt.ranks):
+        count = opt.wait_for_peers(cfg.wait_peers, timeout=step)  # (the leader's count on every rank)
         now = time.monotonic()
-        if count >= cfg.wait_peers or (deadline is not None and now >= deadline):
+        over = count >= cfg.wait_peers or (deadline is not None and now >= deadline)
+        if over if opt.ranks is None else opt.ranks.decide(over):
             return True
         on_event({"event": "waiting", "peers": count, "want": cfg.wait_peers, "seconds": round(now - t0, 1),
                   "timeout": cfg.wait_timeout})

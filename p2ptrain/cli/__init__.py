@@ -58,6 +58,7 @@ def logging_options(args: argparse.Namespace) -> tuple[int, bool]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # (a --nproc-per-node peer runs it again)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "config"):  # peer, swarm: flags > $P2PTRAIN_* > --config file > defaults
             from ..config import apply_config
 
-            apply_config(args, build_parser, sys.argv[1:] if argv is None else argv)
+            apply_config(args, build_parser, args.argv)
         return args.func(args)
     except ConfigError as e:
         return fail(str(e), EXIT_USAGE)

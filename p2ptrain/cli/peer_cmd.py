@@ -20,6 +20,7 @@ from .common import (ANNOUNCE_HELP, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXI
                      split_relayed, swarm_key_of)
 from .ckpt_cmd import add_trusted_writers, trusted_writers_of
 from .relay_opts import add_relay_args, relay_vias, start_relaying
+from .torchrun import add_ranks_args, check_ranks_args, close_worker, init_worker, is_worker, launch
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -119,6 +120,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", metavar="DIR",
                    help="checkpoint store: resume from the newest checkpoint (here or in the swarm) when no live "
                    "peer is ahead (default: $P2PTRAIN_DATA_DIR, else ~/.cache/p2ptrain, used with --checkpoint-every)")
+    add_ranks_args(p)
 
 
 def training_argv(args: argparse.Namespace) -> list[str]:
@@ -160,6 +162,7 @@ def check_training_args(args: argparse.Namespace) -> None:
         raise ConfigError("--compute-delay cannot be negative")
     if args.wait_peers is not None and args.wait_peers < 0:
         raise ConfigError("--wait-peers cannot be negative (1 trains at once)")
+    check_ranks_args(args)
     from ..optim.options import OptionError, check_options  # (the optimizer's checks, without torch)
 
     given = {"run_id": args.run_id, "batch_size_per_step": args.batch_size}
@@ -212,7 +215,8 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 #: options each peer picks for itself: a joining peer need not repeat them
-_PER_PEER = {"data_seed", "threads", "device", "save", "data_dir", "compute_delay", "wait_peers", "checkpoint_every"}
+_PER_PEER = {"data_seed", "threads", "device", "save", "data_dir", "compute_delay", "wait_peers", "checkpoint_every",
+             "nproc_per_node", "max_restarts"}
 
 
 def join_flags(args: argparse.Namespace) -> list[str]:
@@ -292,6 +296,8 @@ def main(args: argparse.Namespace) -> int:
     _share_swarm_key(args)
     if args.script:
         return _run_script(args.script, args.script_args, cfg.bootstrap)
+    if args.nproc_per_node > 1 and not is_worker():
+        return launch(args)
     from ..metrics import PeerMetrics, RoundLog
 
     round_log = RoundLog.open(args.round_log) if args.round_log else None  # ConfigError when it cannot
@@ -369,13 +375,18 @@ def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> 
 
     stop = threading.Event()
     t0 = time.monotonic()
+    ranks = init_worker(args.device) if is_worker() else None  # (a rank of a --nproc-per-node peer)
+    if ranks is not None and not ranks.is_leader:  # only the leader speaks; the others say where they ended
+        on_event = (lambda e: e["event"] == "done" and show(e)) if args.json else (lambda e: None)  # noqa: E731
     try:
         with interrupts(stop.set, "stopping after the current step (Ctrl+C again to exit at once)..."):
-            dht = _start_dht(args, cfg)
+            dht = _start_dht(args, cfg) if ranks is None or ranks.is_leader else None
             try:
                 done = run_peer(cfg, on_event, stop, dht=dht, on_round=on_round if round_hooks else None)
             finally:
-                dht.close()
+                if dht is not None:
+                    dht.close()
+                close_worker()
     except SwarmKeyMismatch as e:  # refused by the swarm: the settings must change, not a retry
         return fail(str(e), EXIT_USAGE)
     except (DHTError, ConfigError) as e:

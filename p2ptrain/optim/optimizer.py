@@ -49,6 +49,7 @@ from .diloco_step import diloco_step, finish_overlapped, outer_step
 from .memory import flat_views
 from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
+from .ranks import PeerRanks, RankFailure, lead
 from .rounds import average, expected_peers, maybe_average_state
 from .shared_state import apply_shared_state, checkpoint_state, make_checkpointer, model_extra, shared_state
 from .state_sync import StateSync
@@ -113,7 +114,21 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     ``receipts``: after each gradient round sign a receipt of what the group credited each member
     with and publish it in the DHT (``p2ptrain status --leaderboard``; :mod:`p2ptrain.contrib`),
     with ``name`` announced beside our PeerID; ``receipts_file``: also append them there.
+
+    ``process_group``: in a torchrun job, the ranks that form this one peer (default: the
+    initialised default group, if any). Rank 0 is the peer's leader, which alone runs the DHT
+    node and averages with the swarm; on the other ranks this constructor makes a
+    :class:`~p2ptrain.optim.follower.RankFollower` (see :mod:`~p2ptrain.optim.ranks`).
     """
+
+    def __new__(cls, *args: Any, process_group: Any = None, **kwargs: Any) -> DecentralizedOptimizer:
+        if cls is DecentralizedOptimizer:
+            ranks = PeerRanks.detect(process_group)
+            if ranks is not None and not ranks.is_leader:
+                from .follower import RankFollower
+
+                cls = RankFollower
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -151,6 +166,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         receipts: bool = True,
         name: str | None = None,
         receipts_file: str | Path | None = None,
+        process_group: Any = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -169,13 +185,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         )
         if dht is not None and initial_peers:
             raise ValueError("pass either dht= or initial_peers=, not both")
-        # torch.optim.Optimizer's own bookkeeping, without copying the inner param groups
-        self.defaults = optimizer.defaults
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
+        self._torch_bookkeeping(optimizer)
 
         self.inner = optimizer
         self.run_id = run_id
@@ -206,6 +216,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self._state_names, self._extra_keys = module_names(model, self.params,
                                                                "params" if mode == "sync" else "outer")
 
+        self.ranks = PeerRanks.detect(process_group)
+        self._ranks_seen = (-1, -1)  # (version, epoch) the other ranks last received
         self._owns_dht = dht is None
         self.dht = dht if dht is not None else DHT(initial_peers)
         self._loop = self.dht.loop
@@ -294,6 +306,17 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self.dht.close()
             raise
         catch_up_at_start(self)
+        if self.ranks is not None:
+            lead(self, force=True)
+
+    def _torch_bookkeeping(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch.optim.Optimizer's own bookkeeping, without copying the inner param groups."""
+        self.defaults = optimizer.defaults
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
 
     async def _start(self) -> None:
         await self.averager.start()
@@ -316,7 +339,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             view = self._loop.run(self.tracker.wait_fresh(min(max(remaining, 0.0), 0.5)))
             count = view.num_peers + len(view.behind)
             if count >= n or remaining <= 0:
-                return count
+                return count if self.ranks is None else self.ranks.decide(count)
 
     # ------------------------------------------------------------------ torch.optim.Optimizer face
 
@@ -365,6 +388,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self.scheduler.load_state_dict(state_dict["scheduler"])
             self._version += 1
         self.tracker.report(self.epoch, self.local_samples, self._sps)
+        if self.ranks is not None:
+            lead(self, force=True)
 
     # ------------------------------------------------------------------ the step
 
@@ -381,6 +406,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         bs = self.batch_size_per_step if batch_size is None else int(batch_size)
         if bs < 1:
             raise ValueError("batch_size must be positive")
+        try:
+            self._step(bs)
+        except RankFailure:
+            self.close()  # a rank of ours died: the whole peer leaves the swarm
+            raise
+        return loss
+
+    def _step(self, bs: int) -> None:
+        if self.ranks is not None:  # the peer's batch: every rank's
+            bs = self.ranks.sum(bs)
         self._sps = self._rate.tick(bs, self._paused, time.perf_counter())
         self._paused = 0.0
         self.stats.local_sps = self._sps
@@ -389,7 +424,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             sync_step(self, bs)
         else:
             diloco_step(self, bs)
-        return loss
+        if self.ranks is not None:  # what the step changed, to the other ranks
+            lead(self)
 
     # ---- the steps' stages: methods, so that instrumented subclasses (benchmarks/) can wrap them
     # and tests can call them with a stand-in for the optimizer
@@ -465,6 +501,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         in the model, as a blocking round leaves it (before evaluating or saving it)."""
         if self.overlap_outer:
             finish_overlapped(self)
+            if self.ranks is not None:
+                lead(self, force=True)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this optimizer holds, by buffer kind (see :mod:`~p2ptrain.optim.memory`)."""

@@ -140,3 +140,57 @@ class PeerRanks:
             collective(*args, **kwargs)
         except RuntimeError as e:  # (gloo, nccl and their DistError subclasses)
             raise RankFailure(f"a rank of this peer failed ({type(e).__name__}: {e})") from e
+
+
+# ---- the in-peer step protocol: after each step (and at start) the leader tells the other ranks
+# where the peer stands, and sends the parameters whenever the swarm changed them
+
+def lead(opt: Any, force: bool = False) -> None:
+    """(the leader, after a step) Broadcast the epoch and learning rates, and the parameters when
+    a round, a state load or a merge changed them (``force``: always)."""
+    seen = (opt._version, opt.epoch)
+    changed = force or seen != opt._ranks_seen
+    opt.ranks.decide({"epoch": opt.epoch, "params": changed, "lr": [g["lr"] for g in opt.inner.param_groups]})
+    if changed:
+        opt.ranks.broadcast(opt.params)
+        opt._ranks_seen = seen
+
+
+def follow(opt: Any) -> None:
+    """(another rank, after a step) Take what the leader's ``lead`` sends."""
+    decision = opt.ranks.decide()
+    opt.epoch = int(decision["epoch"])
+    for group, lr in zip(opt.inner.param_groups, decision["lr"], strict=True):
+        group["lr"] = lr
+    if decision["params"]:
+        opt.ranks.broadcast(opt.params)
+
+
+# ---- for a training loop whose ranks are one peer (p2ptrain.run)
+
+def stopping(stop: Any, ranks: PeerRanks | None) -> bool:
+    """Whether to stop (``stop``: a threading.Event), as the leader sees it on every rank: a
+    signal reaches the ranks at different steps, and they must stop at the same one."""
+    return stop.is_set() if ranks is None else bool(ranks.decide(stop.is_set()))
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's device for ``device``: ``cuda`` without an index is the CUDA device of the
+    local rank (ranks share them round-robin when there are fewer)."""
+    import os
+
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A data seed of its own for every rank of a peer whose leader drew ``seed``."""
+    return (int(seed) + rank * 0x9E3779B1) % (1 << 32)
+
+
+def ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` in DistributedDataParallel on ``device`` (its gradients averaged over the ranks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
