@@ -13,6 +13,9 @@ class DHTConfig:
     k: int = 20
     alpha: int = 3
     rpc_timeout: float = 2.0
+    #: a lookup also asks the next contact once a query runs past its peer's adaptive timeout
+    #: (from measured round trips, ``dht.latency``): never sooner than this, nor later than rpc_timeout
+    hedge_floor: float = 0.05
     bootstrap_timeout: float = 10.0
     refresh_interval: float = 600.0  # buckets not looked up for this long get a random lookup
     republish_interval: float = 600.0  # stored records are re-replicated to the k closest this often

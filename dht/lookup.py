@@ -18,6 +18,7 @@ from .config import DHTConfig
 from .connection import Connection
 from .errors import DHTError, InvalidRecord, ProtocolError
 from .identity import PeerID
+from .latency import RttEstimator
 from .owned import OwnedRead, owned_values
 from .protocol import decode_contacts
 from .routing import Contact, Lookup, RoutingTable, key_id
@@ -46,6 +47,12 @@ class LookupResult:
     closest: list[Contact] = field(default_factory=list)
 
 
+def _late_outcome(task: asyncio.Task) -> None:
+    """Read the outcome of a query its lookup stopped waiting for; only a bug is worth a log line."""
+    if not task.cancelled() and not isinstance(exc := task.exception(), (DHTError, type(None))):
+        log.error("a late lookup query failed", exc_info=exc)
+
+
 def key_bytes(key: str | bytes) -> bytes:
     return key.encode() if isinstance(key, str) else bytes(key)
 
@@ -61,13 +68,17 @@ class Lookups:
     _verified: VerifiedOwners
     _learn: Callable[[Connection], None]
     _tasks: TaskGroup
+    _rtt: RttEstimator
 
     async def _call(self, contact: Contact, method: str, args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         try:
             result = await self.host.call(contact.peer_id, contact.addr, method, args, self.config.rpc_timeout)
         except DHTError:
             self.routing.mark_failed(contact.peer_id, contact.addr)
             raise
+        self._rtt.observe(contact.peer_id, loop.time() - t0)
         conn = self.host.connection(contact.peer_id)
         if conn is not None:  # its address as the connection shows it, not as whoever named it said
             self._learn(conn)
@@ -85,6 +96,11 @@ class Lookups:
                 if not latest:
                     return result
         pending: dict[asyncio.Task, Contact] = {}
+        # Queries not yet past their adaptive timeout -> when they will be. One past it leaves the
+        # lookup's window (the next contact is asked instead) but its reply still counts if it
+        # comes before the lookup ends: a slow peer costs a hedge, not its full RPC timeout.
+        due: dict[asyncio.Task, float] = {}
+        loop = asyncio.get_running_loop()
         found_from = 0
         try:
             while True:
@@ -92,12 +108,21 @@ class Lookups:
                     if self._tasks.closed:  # a closed node reaches no one
                         lookup.on_failure(contact)
                     else:
-                        pending[self._tasks.spawn(self._call(contact, method, arg), awaited=True)] = contact
+                        task = self._tasks.spawn(self._call(contact, method, arg), awaited=True)
+                        pending[task] = contact
+                        due[task] = loop.time() + self._rtt.timeout(contact.peer_id)
                 if not pending or lookup.finished:
                     break
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                wait = max(0.0, min(due.values()) - loop.time()) if due else None
+                done, _ = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                now = loop.time()
+                for task in [t for t, at in due.items() if at <= now and t not in done]:
+                    del due[task]
+                    self._rtt.timed_out(pending[task].peer_id)
+                    lookup.on_failure(pending[task])
                 for task in done:
                     contact = pending.pop(task)
+                    due.pop(task, None)
                     try:
                         reply = task.result()
                         if want_records:
@@ -120,7 +145,10 @@ class Lookups:
                     lookup.stop()
         finally:
             for task in pending:
-                task.cancel()
+                if task in due:
+                    task.cancel()
+                else:  # a late query runs on: its failure still counts against the peer
+                    task.add_done_callback(_late_outcome)
         result.closest = lookup.result()
         result.queried = lookup.queried
         self.routing.touch(target, time.monotonic())

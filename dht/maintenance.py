@@ -40,6 +40,7 @@ class Maintenance:
     _originated: dict[tuple[bytes, bytes | None], Record]
     _received_at: dict[bytes, float]  # key -> when a peer last replicated it to us
     _next_republish: float
+    _republish_started: float  # monotonic time our last republish round began
     _cache_saved: set[str]
     _cache_saved_at: float | None
     _cache_warned: bool
@@ -105,8 +106,11 @@ class Maintenance:
         is skipped: that peer has just sent it to the other k-1 closest too, so each key is
         republished by about one holder per period instead of by all k of them.
         """
-        now = time.time()
-        recent = time.monotonic() - self.config.republish_interval
+        now, started = time.time(), time.monotonic()
+        # Skipped: keys received since our previous round began (or within a period), so that a round
+        # that overran its period under load does not make every holder republish every key.
+        recent = min(started - self.config.republish_interval, self._republish_started)
+        self._republish_started = started
         self._received_at = {k: t for k, t in self._received_at.items() if t > recent}
         for name, rec in list(self._originated.items()):
             if rec.expiration <= now:

@@ -26,6 +26,7 @@ from .bootstrap import DialPlan
 from .config import DHTConfig
 from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable
 from .identity import Identity
+from .latency import RttEstimator
 from .limits import Limits
 from .lookup import Lookups, key_bytes
 from .maintenance import Maintenance
@@ -87,11 +88,13 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             max_bytes_per_source=self.config.max_bytes_per_source,
         )
         self._verified = VerifiedOwners()
+        self._rtt = RttEstimator(min(self.config.hedge_floor, self.config.rpc_timeout), self.config.rpc_timeout)
         self._originated: dict[tuple[bytes, bytes | None], Record] = {}
         self._tasks = TaskGroup("dht node", log=log)  # maintenance, lookups' queries, liveness checks
         self._rng = random.Random()
         self._received_at: dict[bytes, float] = {}  # key -> when a peer last replicated it to us
         self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
+        self._republish_started = time.monotonic()
         self._started = False
         self._joined = False  # start() succeeded and close() has not run: the routing table is worth saving
         self._cache_saved: set[str] = set()

@@ -21,7 +21,7 @@ DHT_OWN = {
     "benchmarks/dht_bench.py", "benchmarks/flood.py", "benchmarks/store_flood.py",
     *(f"tests/test_{name}.py" for name in (
         "bootstrap", "flood", "frames", "fuzz_handlers", "hostile_records", "hostile_streams", "identity",
-        "interfaces", "multiaddr", "mux", "node", "noise", "owned", "pool_decrypt", "private_swarm", "relay",
+        "interfaces", "latency", "multiaddr", "mux", "node", "noise", "owned", "pool_decrypt", "private_swarm", "relay",
         "routing", "sealer", "storage", "swarm_processes", "transport", "wire",
     )),
 }

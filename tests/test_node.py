@@ -233,3 +233,49 @@ async def test_forged_record_in_a_reply_cannot_shadow_the_owners(swarm):
     for reader in nodes[3:]:
         got = await reader.get(key, latest=True)
         assert got is not None and got.value == {"epoch": 1}
+
+
+async def test_a_latest_lookup_does_not_wait_out_a_silent_peers_rpc_timeout(swarm):
+    """A peer that never answers find_value costs a lookup its adaptive timeout (measured round
+    trips, at least ``hedge_floor``), not the RPC timeout: the next contact is asked meanwhile."""
+    config = DHTConfig(rpc_timeout=6.0, bootstrap_timeout=2.0, maintenance_period=60.0, hedge_floor=0.05)
+    make, nodes = swarm
+    await make(6, config)
+    asked = asyncio.Event()
+
+    async def silent(conn, args):
+        asked.set()
+        await asyncio.Event().wait()  # never answers; cancelled when the connection closes
+
+    mute = DHTNode(config=config)
+    mute._rpc_find_value = silent  # type: ignore[method-assign]
+    nodes.append(mute)
+    await mute.start(nodes[0].multiaddrs)
+    reader = nodes[2]
+    assert await nodes[1].store("hedged", 5, time.time() + 60) >= 2
+    assert mute.peer_id in reader.routing  # so that the lookup asks it
+    t0 = time.monotonic()
+    result = await reader.lookup_value("hedged", latest=True)
+    elapsed = time.monotonic() - t0
+    assert asked.is_set() and [r.value for r in result.records] == [b"\x05"]
+    assert reader._rtt.timeout(mute.peer_id) < config.rpc_timeout / 4
+    assert elapsed < config.rpc_timeout / 3, elapsed
+
+
+async def test_republish_skips_keys_received_since_an_overrunning_rounds_start():
+    """A round that took longer than the period must not make every holder republish every key:
+    a key received since our previous round began was spread by its sender this cycle."""
+    node = DHTNode(config=DHTConfig(republish_interval=0.1))  # not started: replication is stubbed
+    for key in (b"fresh", b"stale"):
+        node.storage.store(Record(key, None, b"\x01", time.time() + 60), time.time())
+    sent: list[bytes] = []
+
+    async def replicate(records, closest=None):
+        sent.append(records[0].key)
+        return 1
+
+    node._replicate = replicate  # type: ignore[method-assign]
+    node._republish_started = time.monotonic() - 10.0  # our last round began 10 periods ago...
+    node._received_at = {b"fresh": time.monotonic() - 5.0, b"stale": time.monotonic() - 11.0}
+    await node.republish()  # ...so "fresh", received since, is not ours to spread
+    assert sent == [b"stale"]
