@@ -252,9 +252,12 @@ class Lookup:
     def next_queries(self) -> list[Contact]:
         if self._stopped:
             return []
-        queries = []
-        for peer in self._window():
-            if self._in_flight >= self.alpha:
+        queries, window = [], self._window()
+        # Kademlia's last round: once the alpha closest known have answered, the rest of the k
+        # closest are asked at once rather than alpha at a time (a round trip each)
+        limit = self.k if all(self._state[p] == _RESPONDED for p in window[: self.alpha]) else self.alpha
+        for peer in window:
+            if self._in_flight >= limit:
                 break
             if self._state[peer] == _NEW:
                 self._state[peer] = _IN_FLIGHT

@@ -243,3 +243,18 @@ def test_lookup_bookkeeping():
 def test_lookup_with_no_contacts_is_finished():
     lookup = Lookup(123, [])
     assert lookup.finished and lookup.result() == [] and lookup.next_queries() == []
+
+
+def test_lookup_asks_the_rest_of_the_window_at_once_after_the_closest_answered():
+    """Kademlia's last round: alpha at a time while closer peers turn up, then the rest of the k
+    closest in one round trip instead of one per alpha of them."""
+    peers = sorted(_PEERS[:12], key=node_id_of)  # target 0: the first is the closest
+    lookup = Lookup(0, [contact(p) for p in peers[1:9]], k=8, alpha=2)
+    first = lookup.next_queries()
+    assert [c.peer_id for c in first] == peers[1:3]
+    lookup.on_response(first[0], [contact(peers[0])])  # a closer peer: keep going alpha at a time
+    assert [c.peer_id for c in lookup.next_queries()] == [peers[0]]
+    lookup.on_response(first[1], [])
+    assert [c.peer_id for c in lookup.next_queries()] == [peers[3]]  # peers[0] has not answered yet
+    lookup.on_response(contact(peers[0]), [])
+    assert [c.peer_id for c in lookup.next_queries()] == peers[4:8]  # the two closest answered
