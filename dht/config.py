@@ -33,3 +33,6 @@ class DHTConfig:
     peer_cache: str | Path | None = None
     peer_cache_size: int = MAX_PEERS
     peer_cache_interval: float = 30.0  # at most one rewrite this often (and one on close)
+    #: relays a node that is not reachable (``DHTNode(reachable=False)``) reserves a slot at,
+    #: chosen among the public peers of its routing table
+    relays: int = 2

@@ -19,8 +19,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .aio import wait_event
-from .errors import HandshakeError, PeerUnreachable, ProtocolError, RPCTimeout
+from .errors import HandshakeError, MultiaddrError, PeerUnreachable, ProtocolError, RPCTimeout
 from .identity import PeerID
+from .multiaddr import Multiaddr, parse_circuits
 from .mux import _HS_LEN, Frame, HandshakeMessage, Mux, Opening
 from .noise import SwarmKeyMismatch, XXHandshake
 from .pacing import SMALL_FRAME_COST, RequestPacer
@@ -56,6 +57,8 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         self.remote_host: str | None = None
         self.remote_port: int | None = None  # the socket's (ephemeral) port, for log lines
         self.remote_listen_port: int | None = None
+        #: the peer's circuit addresses, as it announced them (handshake, then ``host.addrs`` pushes)
+        self.remote_relays: tuple[Multiaddr, ...] = ()
         self.remote_window = host.stream_window  # the peer's receive window per stream
         self.max_data_body = LEGACY_FRAME_BODY  # largest stream data frame the peer accepts
         self.ready: asyncio.Future[Connection] = host.loop.create_future()
@@ -114,7 +117,7 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
             self.initiator,
             prologue=host.prologue,
             expected_peer=self.expected_peer,
-            local_payload={"port": host.listen_port, "window": host.stream_window, "frame": MAX_FRAME_BODY},
+            local_payload={**host.advertised(), "window": host.stream_window, "frame": MAX_FRAME_BODY},
             static=host.static_key,
             psk=host.swarm_key.secret if host.swarm_key is not None else None,
         )
@@ -192,6 +195,7 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         self.remote_peer = hs.remote_peer
         port = hs.remote_payload.get("port")
         self.remote_listen_port = port if isinstance(port, int) and 0 < port < 65536 else None
+        self.set_remote_relays(hs.remote_payload.get("relays", []))
         window = hs.remote_payload.get("window")
         if isinstance(window, int) and 0 < window < 2**32:
             self.remote_window = window
@@ -414,6 +418,14 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
 
     def forget_stream(self, ident: int) -> None:
         self.streams.forget(ident)
+
+    def set_remote_relays(self, obj: object) -> None:
+        """Take the peer's announced circuit addresses (untrusted: malformed ones are ignored)."""
+        assert self.remote_peer is not None
+        try:
+            self.remote_relays = parse_circuits(obj, self.remote_peer)
+        except MultiaddrError as e:
+            log.info("ignoring the relay addresses %s announced: %s", self.remote_peer, e)
 
     @property
     def established(self) -> bool:

@@ -74,7 +74,8 @@ class Lookups:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
-            result = await self.host.call(contact.peer_id, contact.addr, method, args, self.config.rpc_timeout)
+            result = await self.host.call(contact.peer_id, contact.addr, method, args, self.config.rpc_timeout,
+                                          relays=contact.relays)
         except DHTError:
             self.routing.mark_failed(contact.peer_id, contact.addr)
             raise
@@ -193,7 +194,7 @@ class Lookups:
         if closest is None:
             closest = await self._lookup_nodes(key_id(key))
         else:
-            closest = [c for c in closest if c.peer_id != self.peer_id and c.addr is not None][: self.config.k]
+            closest = [c for c in closest if c.peer_id != self.peer_id and c.dialable][: self.config.k]
         wire = [r.to_wire() for r in records]
 
         async def send(contact: Contact) -> bool:
@@ -220,7 +221,8 @@ class Lookups:
         ``closest``: the holders that answered. Unmerged: a peer's newest is chosen by the caller."""
 
         async def ask(contact: Contact) -> list[Record]:
-            reply = await self.host.call(contact.peer_id, contact.addr, "find_value", key, timeout)
+            reply = await self.host.call(contact.peer_id, contact.addr, "find_value", key, timeout,
+                                         relays=contact.relays)
             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
                 raise ProtocolError("malformed find_value reply")
             return self._valid_records(reply[0][:MAX_REPLY_RECORDS], key)

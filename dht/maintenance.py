@@ -51,10 +51,15 @@ class Maintenance:
     # ------------------------------------------------------------------ routing table
 
     def _learn(self, conn: Connection) -> None:
-        """Add the peer behind ``conn`` to the routing table if it accepts inbound connections."""
-        if conn.remote_peer is None or conn.remote_listen_port is None or conn.remote_host is None:
+        """Add the peer behind ``conn`` to the routing table if it can be reached: at its listen port
+        (a direct connection) or through the relays it announced."""
+        if conn.remote_peer is None:
             return
-        self._add_contact(Contact(conn.remote_peer, (conn.remote_host, conn.remote_listen_port)))
+        direct = conn.remote_host is not None and conn.remote_listen_port is not None
+        contact = Contact(conn.remote_peer, (conn.remote_host, conn.remote_listen_port) if direct else None,
+                          relays=conn.remote_relays)
+        if contact.dialable:
+            self._add_contact(contact)
 
     def _add_contact(self, contact: Contact) -> None:
         if contact.peer_id == self.peer_id:
@@ -67,7 +72,8 @@ class Maintenance:
         """A full bucket met a new peer: keep the old one if it still answers (Kademlia favours
         long-lived peers), else evict it and let the newcomer in from the replacement cache."""
         try:
-            await self.host.call(contact.peer_id, contact.addr, "ping", None, self.config.rpc_timeout)
+            await self.host.call(contact.peer_id, contact.addr, "ping", None, self.config.rpc_timeout,
+                                 relays=contact.relays)
             self.routing.update(contact, time.monotonic())
         except DHTError:
             self.routing.remove(contact.peer_id)

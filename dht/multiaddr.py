@@ -119,6 +119,29 @@ class Multiaddr:
         return cls(proto, host, port, peer_id)
 
 
+#: circuit addresses one peer may advertise (one per relay it holds a reservation at)
+MAX_CIRCUITS = 4
+_MAX_ADDR_TEXT = 300
+
+
+def parse_circuits(obj: object, peer: PeerID, limit: int = MAX_CIRCUITS) -> tuple[Multiaddr, ...]:
+    """Validated circuit addresses of ``peer`` from untrusted input (a list of strings): each must
+    be a circuit address whose target is ``peer``; duplicates dropped, at most ``limit`` kept.
+    MultiaddrError when ``obj`` is malformed."""
+    if not isinstance(obj, list) or len(obj) > limit:
+        raise MultiaddrError(f"circuit addresses must be a list of at most {limit}")
+    out: list[Multiaddr] = []
+    for text in obj:
+        if not isinstance(text, str) or len(text) > _MAX_ADDR_TEXT:
+            raise MultiaddrError("circuit address must be a string of at most 300 characters")
+        addr = Multiaddr.parse(text)
+        if not addr.is_circuit or addr.peer_id != peer:
+            raise MultiaddrError(f"{addr} is not a circuit address of {peer}")
+        if addr not in out:
+            out.append(addr)
+    return tuple(out)
+
+
 def _check_peer_id(text: str, value: str) -> PeerID:
     try:
         return PeerID.from_base58(value)

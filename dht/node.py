@@ -34,6 +34,7 @@ from .multiaddr import Multiaddr
 from .noise import SwarmKeyMismatch
 from .peercache import load_peer_cache
 from .protocol import NodeProtocol
+from .relay import reserve_relays
 from .routing import Contact, RoutingTable, node_id_of
 from .storage import Record, RecordStore, VerifiedOwners, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
@@ -55,6 +56,8 @@ class BootstrapRefused(BootstrapError, SwarmKeyMismatch):
 
 class DHTNode(NodeProtocol, Lookups, Maintenance):
     """One Kademlia peer. ``listen=None`` runs it in client mode (no inbound connections).
+    ``reachable=False`` (behind NAT): it listens but announces no direct address, reserves at
+    ``config.relays`` relays among its peers and is a full member reached through them.
 
     ``swarm_key`` (a :class:`~dht.swarmkey.SwarmKey` or its 32 bytes) makes it a peer of that
     private swarm: it only talks to peers holding the same key.
@@ -70,13 +73,14 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         announce_host: str | None = None,
         prologue: bytes | None = None,
         swarm_key: SwarmKey | bytes | None = None,
+        reachable: bool = True,
     ):
         self.identity = identity or Identity()
         self.peer_id = self.identity.peer_id
         self.config = config or DHTConfig()
         kw = {"prologue": prologue} if prologue is not None else {}
         self.host = Host(self.identity, listen, limits=limits, announce_host=announce_host, swarm_key=swarm_key,
-                         **kw)
+                         reachable=reachable, **kw)
         self.node_id = node_id_of(self.peer_id)
         self.routing = RoutingTable(self.node_id, k=self.config.k)
         self.storage = RecordStore(
@@ -137,6 +141,8 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         try:
             if addrs:
                 await self._bootstrap(addrs)
+                if not h.reachable and not h.client_mode:
+                    await self._reserve_relays()
         except BaseException:
             await self.close()
             raise
@@ -199,6 +205,16 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         conn = await self.host.connect_addr(addr, timeout=self.config.bootstrap_timeout)
         await conn.call("ping", None, timeout=self.config.rpc_timeout)
         self._learn(conn)
+
+    async def _reserve_relays(self) -> None:
+        """Behind NAT: reserve at ``config.relays`` public peers that relay, then look ourselves up
+        again so that our closest peers learn our circuit addresses."""
+        public = sorted((c for c in self.routing if c.addr is not None), key=lambda c: c.last_seen, reverse=True)
+        got = await reserve_relays(self.host, [Multiaddr.from_host_port(*c.addr, c.peer_id) for c in public],
+                                   self.config.relays, self.config.rpc_timeout)
+        if not got:
+            log.warning("not reachable and no peer took a relay reservation: peers cannot dial this node")
+        await self._lookup_nodes(self.node_id)
 
     def _permanent_failure(self, addr: Multiaddr, error: BaseException) -> bool:
         """Failures no retry can fix: the peer is in another swarm, the address is our own, or

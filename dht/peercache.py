@@ -119,11 +119,12 @@ def _remove_stale_temps(p: Path) -> None:
 
 
 def cache_entries(contacts: Iterable[Contact], own: PeerID, limit: int = MAX_PEERS) -> list[Multiaddr]:
-    """What a node should cache: listening peers (with an address) that have not failed since they
-    last answered, most recently seen first, at most ``limit``."""
-    live = [c for c in contacts if c.addr is not None and c.failures == 0 and c.peer_id != own]
+    """What a node should cache: reachable peers (a direct address, else their first circuit
+    address) that have not failed since they last answered, most recently seen first, at most ``limit``."""
+    live = [c for c in contacts if c.dialable and c.failures == 0 and c.peer_id != own]
     live.sort(key=lambda c: c.last_seen, reverse=True)
-    return [Multiaddr.from_host_port(c.addr[0], c.addr[1], c.peer_id) for c in live[:limit]]  # type: ignore[index]
+    return [Multiaddr.from_host_port(c.addr[0], c.addr[1], c.peer_id) if c.addr is not None else c.relays[0]
+            for c in live[:limit]]
 
 
 def default_cache_name(swarm_fingerprint: str | None = None) -> str:

@@ -12,8 +12,9 @@ from typing import Any, Callable, Iterable
 
 from .config import DHTConfig
 from .connection import Connection
-from .errors import InvalidRecord, ProtocolError
+from .errors import InvalidRecord, MultiaddrError, ProtocolError
 from .identity import PeerID
+from .multiaddr import parse_circuits
 from .quota import address_group
 from .relay import relayed_via
 from .routing import Contact, RoutingTable, key_id
@@ -26,25 +27,46 @@ _REPLY_RECORD_BUDGET = MAX_MESSAGE - 64 * 1024
 
 
 def encode_contacts(contacts: Iterable[Contact]) -> list:
-    return [[c.peer_id.to_bytes(), c.addr[0], c.addr[1]] for c in contacts if c.addr is not None]
+    """``[id, host, port]`` for a direct contact; ``[id, host | None, port | None, [circuit, ...]]``
+    for one reached through relays too (older readers take the first form only)."""
+    out: list = []
+    for c in contacts:
+        if c.relays:
+            host, port = c.addr if c.addr is not None else (None, None)
+            out.append([c.peer_id.to_bytes(), host, port, [str(a) for a in c.relays]])
+        elif c.addr is not None:
+            out.append([c.peer_id.to_bytes(), c.addr[0], c.addr[1]])
+    return out
 
 
 def decode_contacts(obj: Any, limit: int) -> list[Contact]:
     """A peer list from a reply (at most ``limit``); ProtocolError when it is malformed."""
     if not isinstance(obj, list):
         raise ProtocolError("malformed peer list")
-    out = []
-    for item in obj[:limit]:
-        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], str) and isinstance(item[2], int)):
-            raise ProtocolError("malformed peer entry")
-        if not (0 < item[2] < 65536) or len(item[1]) > 255:
-            raise ProtocolError("malformed peer address")
+    return [_decode_contact(item) for item in obj[:limit]]
+
+
+def _decode_contact(item: Any) -> Contact:
+    if not (isinstance(item, list) and len(item) in (3, 4)):
+        raise ProtocolError("malformed peer entry")
+    try:
+        peer = PeerID(item[0])
+    except (ValueError, TypeError):
+        raise ProtocolError("malformed peer id") from None
+    relays: tuple = ()
+    if len(item) == 4:
         try:
-            peer = PeerID(item[0])
-        except (ValueError, TypeError):
-            raise ProtocolError("malformed peer id") from None
-        out.append(Contact(peer, (item[1], item[2])))
-    return out
+            relays = parse_circuits(item[3], peer)
+        except MultiaddrError as e:
+            raise ProtocolError(f"malformed relay addresses: {str(e)[:200]}") from None
+    host, port = item[1], item[2]
+    if relays and host is None and port is None:
+        return Contact(peer, None, relays=relays)
+    if not (isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool)):
+        raise ProtocolError("malformed peer entry")
+    if not (0 < port < 65536) or len(host) > 255:
+        raise ProtocolError("malformed peer address")
+    return Contact(peer, (host, port), relays=relays)
 
 
 def _wire_size(record: Record) -> int:

@@ -481,7 +481,7 @@ class RelayClient:
                 ttl = reply.get("ttl") if isinstance(reply, dict) else None
                 if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
                     raise ProtocolError(f"relay {relay} answered the reservation with {reply!r}")
-                self._active.add(relay)
+                self._set_active(relay, True)
                 if not first.done():
                     first.set_result(float(ttl))
                 delay = 1.0
@@ -489,7 +489,7 @@ class RelayClient:
                 # side never closes the connection the circuits need.
                 wait = min(float(ttl) / 3, self.host.limits.idle_timeout / 3)
             except DHTError as e:
-                self._active.discard(relay)
+                self._set_active(relay, False)
                 if not first.done():
                     first.set_exception(e)
                     return
@@ -498,9 +498,15 @@ class RelayClient:
             wake.clear()
             await wait_event(wake, wait)  # set when the connection to the relay closes
 
+    def _set_active(self, relay: PeerID, active: bool) -> None:
+        """Note whether ``relay`` holds a reservation for us; tell our peers when that changes."""
+        if (relay in self._active) != active:
+            (self._active.add if active else self._active.discard)(relay)
+            self.host.announce_addrs()
+
     def _on_disconnect(self, peer: PeerID) -> None:
         if peer in self._wake:
-            self._active.discard(peer)
+            self._set_active(peer, False)
             self._wake[peer].set()
 
     async def _on_stop(self, stream: Stream) -> None:
@@ -526,6 +532,20 @@ class RelayClient:
         await self._tasks.close()
         for relay in list(self._relays):
             self._forget(relay)
+
+
+async def reserve_relays(host: Host, candidates: list[Multiaddr], want: int, timeout: float = 5.0) -> list[Multiaddr]:
+    """Reserve at up to ``want`` of ``candidates`` (public peers' full addresses, tried in order,
+    those that are no relay or are full skipped); returns our circuit addresses through them."""
+    got: list[Multiaddr] = []
+    for addr in candidates:
+        if len(got) >= want:
+            break
+        try:
+            got.append(await host.reserve_relay(addr, timeout))
+        except (DHTError, ValueError) as e:
+            log.debug("no reservation at %s: %s", addr, e)
+    return got
 
 
 class CircuitTransport:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .identity import PeerID
+from .multiaddr import Multiaddr
 
 ID_BITS = 256
 
@@ -42,19 +43,31 @@ def distance(a: int, b: int) -> int:
 
 @dataclass(eq=False)
 class Contact:
-    """A peer we know of. ``addr`` None means a client-mode peer: it can call us, but not be called."""
+    """A peer we know of, reached at ``addr`` (its direct address) or else through ``relays`` (its
+    circuit addresses, ``multiaddr.parse_circuits``). Neither: a client-mode peer, it can call us
+    but not be called."""
 
     peer_id: PeerID
     addr: tuple[str, int] | None
     node_id: int = field(init=False)
     last_seen: float = 0.0
     failures: int = 0
+    relays: tuple[Multiaddr, ...] = ()
 
     def __post_init__(self) -> None:
         self.node_id = node_id_of(self.peer_id)
 
+    @property
+    def dialable(self) -> bool:
+        """Whether we can reach it: directly or through a relay."""
+        return self.addr is not None or bool(self.relays)
+
+    def same_addrs(self, other: Contact) -> bool:
+        return self.addr == other.addr and self.relays == other.relays
+
     def __repr__(self) -> str:
-        return f"Contact({self.peer_id.short()}, {self.addr})"
+        relayed = f", {len(self.relays)} relay(s)" if self.relays else ""
+        return f"Contact({self.peer_id.short()}, {self.addr}{relayed})"
 
 
 class KBucket:
@@ -113,13 +126,13 @@ class RoutingTable:
         place). Returns None otherwise.
         """
         index = self.bucket_index(contact.node_id)
-        if contact.addr is None or index >= ID_BITS:
+        if not contact.dialable or index >= ID_BITS:
             return None
         bucket = self.buckets[index]
         bucket.last_touched = now
         known = bucket.contacts.get(contact.peer_id)
         if known is not None:
-            known.addr, known.last_seen, known.failures = contact.addr, now, 0
+            known.addr, known.relays, known.last_seen, known.failures = contact.addr, contact.relays, now, 0
             bucket.contacts.move_to_end(contact.peer_id)
             return None
         contact.last_seen, contact.failures = now, 0
@@ -162,7 +175,8 @@ class RoutingTable:
         out = []
         for contact in hearsay:
             known = self.get(contact.peer_id)
-            out.append(contact if known is None or known.addr == contact.addr else Contact(contact.peer_id, known.addr))
+            out.append(contact if known is None or known.same_addrs(contact)
+                       else Contact(contact.peer_id, known.addr, relays=known.relays))
         return out
 
     def __contains__(self, peer_id: object) -> bool:
@@ -238,7 +252,7 @@ class Lookup:
 
     def _add(self, contact: Contact, depth: int) -> None:
         peer = contact.peer_id
-        if peer in self._contacts or peer == self.own_peer or contact.addr is None:
+        if peer in self._contacts or peer == self.own_peer or not contact.dialable:
             return
         self._contacts[peer] = contact
         self._state[peer] = _NEW

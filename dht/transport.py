@@ -23,15 +23,16 @@ import concurrent.futures
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any, Awaitable, Callable, Protocol
 
 from .bufpool import BufferPool
 from .connection import DEFAULT_PROLOGUE, Connection
-from .errors import HandshakeError, PeerUnreachable
+from .errors import DHTError, HandshakeError, PeerUnreachable, ProtocolError
 from .identity import Identity, PeerID
 from .interfaces import announce_hosts
 from .limits import Limits, LogThrottle
-from .multiaddr import Multiaddr
+from .multiaddr import MAX_CIRCUITS, Multiaddr
 from .noise import StaticKey
 from .rpc import RequestHandler
 from .sealer import default_threads, make_pool
@@ -48,7 +49,10 @@ _ANNOUNCE_TTL = 30.0
 #: peers whose last address a host remembers (see Host.connect)
 _SEEN_MAX = 4096
 
-__all__ = ["CIRCUIT", "Host", "PeerTransport", "register_transport"]
+__all__ = ["ADDRS_METHOD", "CIRCUIT", "Host", "PeerTransport", "register_transport"]
+
+#: a host tells the peers it is connected to that its circuit addresses changed (``{"relays": [...]}``)
+ADDRS_METHOD = "host.addrs"
 
 #: the kind of a circuit address (``/p2p/<relay>/p2p-circuit/p2p/<peer>``), dialed through a relay
 CIRCUIT = "p2p-circuit"
@@ -88,6 +92,8 @@ class Host:
     ``listen=None`` is client mode: the host dials out but accepts nothing, for peers behind NAT
     or firewalls; it can still call any method and open streams on the connections it makes.
     ``reserve_relay`` makes such a host reachable all the same, through a relay (``dht.relay``).
+    ``reachable=False``: a host behind NAT that listens (for hole punching, ``dht.holepunch``) but
+    does not announce its listen port; peers reach it through its circuit addresses.
     """
 
     def __init__(
@@ -99,8 +105,11 @@ class Host:
         limits: Limits | None = None,
         announce_host: str | None = None,
         swarm_key: SwarmKey | bytes | None = None,
+        reachable: bool = True,
     ):
         self.identity = identity
+        #: whether peers can dial our listen port (False behind NAT: we announce circuits only)
+        self.reachable = reachable and listen is not None
         self.peer_id = identity.peer_id
         self.prologue = prologue
         #: the private swarm's key (None: a public swarm); never logged, see SwarmKey.fingerprint
@@ -113,7 +122,7 @@ class Host:
         self._announce_cache: tuple[float, list[str]] | None = None  # (when, hosts) see _announced
         self.listen_port: int | None = None
         self._server: asyncio.base_events.Server | None = None
-        self._handlers: dict[str, RequestHandler] = {}
+        self._handlers: dict[str, RequestHandler] = {ADDRS_METHOD: self._on_addrs}
         self._stream_handlers: dict[str, StreamHandler] = {}
         self._conns: dict[PeerID, Connection] = {}  # the connection we use for calls to a peer
         self._all: set[Connection] = set()
@@ -172,10 +181,43 @@ class Host:
         """Full multiaddrs (with /p2p/<id>) others can dial: the direct ones first (none in client
         mode; on a wildcard listen host, one per routable interface address, see
         ``dht.interfaces``), then a circuit address per relay that holds a reservation for us."""
-        circuits = [a for t in self._transports.values() for a in t.addrs]
-        if self._server is None or self.listen_port is None:
+        circuits = self.circuit_addrs
+        if self._server is None or self.listen_port is None or not self.reachable:
             return circuits
         return [*(Multiaddr.from_host_port(h, self.listen_port, self.peer_id) for h in self._announced()), *circuits]
+
+    @property
+    def circuit_addrs(self) -> list[Multiaddr]:
+        """Our circuit addresses through relays that hold a reservation for us now."""
+        return [a for t in self._transports.values() for a in t.addrs]
+
+    def advertised(self) -> dict[str, Any]:
+        """What our handshake tells a peer of how to reach us: our listen port (None when not
+        reachable) and our circuit addresses."""
+        return {"port": self.listen_port if self.reachable else None,
+                "relays": [str(a) for a in self.circuit_addrs[:MAX_CIRCUITS]]}
+
+    def announce_addrs(self) -> None:
+        """Tell every connected peer our circuit addresses (they changed): each learns them as a
+        handshake would have told it. Fire and forget, owned by each connection."""
+        relays = self.advertised()["relays"]
+        for conn in self.connections:
+            if conn.established:
+                conn._spawn(self._push_addrs(conn, relays))
+
+    @staticmethod
+    async def _push_addrs(conn: Connection, relays: list[str]) -> None:
+        try:
+            await conn.call(ADDRS_METHOD, {"relays": relays}, timeout=5.0)
+        except DHTError as e:
+            log.debug("could not tell %s our relay addresses: %s", conn.remote_peer, e)
+
+    async def _on_addrs(self, conn: Connection, args: Any) -> None:
+        if not isinstance(args, dict):
+            raise ProtocolError(f"{ADDRS_METHOD} takes {{'relays': [...]}}")
+        conn.set_remote_relays(args.get("relays"))
+        for callback in self.on_connect:  # learn the peer again, at its new addresses
+            callback(conn)
 
     def _announced(self) -> list[str]:
         """``announce_hosts`` of our listen host, listed again at most every ``_ANNOUNCE_TTL`` s
@@ -319,14 +361,35 @@ class Host:
         return await self._dial_once(key, lambda: transport.dial(addr, timeout))
 
     async def call(self, peer: PeerID, addr: tuple[str, int] | None, method: str, args: Any = None,
-                   timeout: float = 5.0) -> Any:
-        """Call ``method`` on ``peer``, dialing ``addr`` when no connection is open."""
-        conn = self.connection(peer)
-        if conn is None:
-            if addr is None:
-                raise PeerUnreachable(f"no connection to {peer} and no address to dial")
-            conn = await self.connect(addr[0], addr[1], peer, timeout)
+                   timeout: float = 5.0, relays: Sequence[Multiaddr] = ()) -> Any:
+        """Call ``method`` on ``peer``, dialing ``addr`` when no connection is open, else (or when
+        that fails) its circuit addresses ``relays`` in turn."""
+        conn = self.connection(peer) or await self.reach(peer, addr, relays, timeout)
         return await conn.call(method, args, timeout)
+
+    async def reach(self, peer: PeerID, addr: tuple[str, int] | None, relays: Sequence[Multiaddr] = (),
+                    timeout: float = 5.0) -> Connection:
+        """A connection to ``peer``: an open one, else dialed at ``addr``, else through each of its
+        circuit addresses ``relays`` in turn, all within ``timeout``."""
+        conn = self.connection(peer)
+        if conn is not None:
+            return conn
+        deadline = time.monotonic() + timeout
+        error: DHTError = PeerUnreachable(f"no connection to {peer} and no address to dial")
+        if addr is not None:
+            try:
+                return await self.connect(addr[0], addr[1], peer, timeout)
+            except DHTError as e:
+                error = e
+        for circuit in relays:
+            left = deadline - time.monotonic()
+            if left < 0.05:
+                break
+            try:
+                return await self.connect_addr(circuit, left)
+            except DHTError as e:
+                error = e
+        raise error
 
     # ------------------------------------------------------------------ bookkeeping (from Connection)
 

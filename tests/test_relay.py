@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import dht.relay as relay_mod
-from dht.errors import HandshakeError, MultiaddrError, PeerIdMismatch, PeerUnreachable, RPCTimeout
+from dht.errors import HandshakeError, MultiaddrError, PeerIdMismatch, PeerUnreachable, ProtocolError, RPCTimeout
 from dht.identity import Identity, PeerID
 from dht.limits import Limits
 from dht.multiaddr import Multiaddr
@@ -240,6 +240,91 @@ async def test_dht_rpcs_run_over_a_circuit(world_factory) -> None:
             await service.close()
             await node.close()
             await relay.close()
+
+
+# ------------------------------------------------------------------------------ relayed DHT contacts
+
+
+def test_contacts_with_relays_round_trip_on_the_wire_and_bad_ones_are_refused() -> None:
+    from dht.protocol import decode_contacts, encode_contacts
+    from dht.routing import Contact
+
+    relay = Multiaddr.parse(f"/ip4/10.0.0.1/tcp/4001/p2p/{RELAY}")
+    other = Identity().peer_id
+    nat = Contact(TARGET, None, relays=(relay.circuit(TARGET),))
+    both = Contact(other, ("10.0.0.2", 5), relays=(relay.circuit(other),))
+    plain = Contact(RELAY, ("10.0.0.1", 4001))
+    wire = encode_contacts([nat, both, plain, Contact(Identity().peer_id, None)])
+    assert len(wire) == 3 and len(wire[2]) == 3  # a direct contact keeps the old 3-field form
+    back = decode_contacts(wire, 20)
+    assert [(c.peer_id, c.addr, c.relays) for c in back] == [(c.peer_id, c.addr, c.relays) for c in (nat, both, plain)]
+    circuit = str(relay.circuit(TARGET))
+    for bad, words in [
+        ([TARGET.to_bytes(), None, None, []], "malformed peer entry"),  # no way to reach it
+        ([TARGET.to_bytes(), None, None, [str(relay)]], "not a circuit address"),
+        ([TARGET.to_bytes(), None, None, [str(relay.circuit(other))]], "not a circuit address of"),  # someone else's
+        ([TARGET.to_bytes(), None, None, [circuit] * 5], "at most 4"),
+        ([TARGET.to_bytes(), None, None, ["/ip4/" + "1" * 400]], "at most 300"),
+        ([TARGET.to_bytes(), None, None, circuit], "must be a list"),
+        ([TARGET.to_bytes(), "h", True, [circuit]], "malformed peer entry"),
+    ]:
+        with pytest.raises(ProtocolError, match=words):
+            decode_contacts([bad], 20)
+
+
+async def test_a_peer_behind_nat_is_a_full_dht_member_reached_through_relays(world_factory) -> None:
+    """Two public nodes (both relay) and two that announce no address (``reachable=False``): the
+    NAT'd ones reserve at the public ones, are learnt as relayed contacts, answer lookups, hold
+    records, and reach each other through a relay."""
+    async with asyncio.timeout(30):
+        public = [DHTNode(), DHTNode()]
+        nat = [DHTNode(reachable=False), DHTNode(reachable=False)]
+        services = [RelayService(p.host) for p in public]
+        try:
+            await public[0].start()
+            await public[1].start([public[0].multiaddrs[0]])
+            for s in services:
+                s.start()
+            for n in nat:
+                await n.start([public[0].multiaddrs[0]])
+            for n in nat:
+                assert n.multiaddrs and all(a.is_circuit for a in n.multiaddrs)  # no direct address announced
+                assert {a.relay_id for a in n.multiaddrs} == {p.peer_id for p in public}  # config.relays = 2
+                for p in public:  # learnt with its circuit addresses, not its (useless) socket address
+                    contact = p.routing.get(n.peer_id)
+                    assert contact is not None and contact.addr is None and set(contact.relays) == set(n.multiaddrs)
+            # nat[1] stores; nat[0] reads it back: the record went to every node through relays
+            assert await nat[1].store("k", "v", time.time() + 60) == 4
+            assert nat[0].storage.get(b"k", time.time())
+            conn = nat[1].host.connection(nat[0].peer_id)
+            assert conn is not None and relayed_via(conn) in {p.peer_id for p in public}
+            found = await public[1].get("k", latest=True)
+            assert found is not None and found.value == "v"
+            # find_node replies carry the relayed contacts
+            reply = await public[1].host.call(public[0].peer_id, None, "find_node", bytes(32))
+            assert {bytes(c[0]) for c in reply if len(c) == 4} == {n.peer_id.to_bytes() for n in nat}
+        finally:
+            for s in services:
+                await s.close()
+            for n in (*nat, *public):
+                await n.close()
+
+
+async def test_peers_learn_a_relayed_hosts_circuit_addresses_as_they_change(world_factory) -> None:
+    w = await world_factory()
+    async with asyncio.timeout(20):
+        seen: asyncio.Queue[tuple] = asyncio.Queue()
+        w.dialer.on_connect.append(lambda c: seen.put_nowait(c.remote_relays) if c.remote_peer == w.nat.peer_id else 0)
+        await w.nat.connect_addr(w.dialer.listen_addrs[0])
+        assert await seen.get() == (w.circuit,)  # from the handshake
+        relay2 = await world_factory.host()
+        service2 = RelayService(relay2)
+        service2.start()
+        second = await w.nat.reserve_relay(relay2.listen_addrs[0])
+        assert set(await seen.get()) == {w.circuit, second}  # pushed once the reservation holds
+        await relay2.close()  # the connection to relay 2 ends: its reservation with it
+        assert await seen.get() == (w.circuit,)
+        await service2.close()
 
 
 async def test_a_relay_that_alters_a_byte_breaks_the_connection_instead_of_delivering_it(
