@@ -5,6 +5,7 @@ fault-tolerant butterfly all-reduce among their members.
     schema.py       tensor schema hash: peers with different models or codecs never meet
     claims.py       what a peer believes of matchmaking: registrations, the leader's group
     plan.py         matchmaking's group planning: peer order, balanced groups, settle window (sans-IO)
+    mixing.py       mixing groups: a grid of matchmaking keys, one dimension per round (sans-IO)
     mm_state.py     one matchmaking round's state at one peer
     board.py        matchmaking's DHT board: our signed entry for a round, validated reads of the others'
     join.py         matchmaking's lead/follow/join protocol (the leader closes, members join it)
@@ -29,6 +30,7 @@ from .audit import AuditConfig
 from .averager import Averager, BlockingAverager, StepResult
 from .group import Group, Member, partition
 from .matchmaking import Matchmaker
+from .mixing import GridMixer
 from .robust import AGGREGATIONS, aggregate
 from .round_types import AllReduceConfig, AllReduceResult
 from .schema import Schema, tensor_schema
@@ -41,6 +43,7 @@ __all__ = [
     "AuditConfig",
     "Averager",
     "BlockingAverager",
+    "GridMixer",
     "Group",
     "Matchmaker",
     "Member",

@@ -36,7 +36,7 @@ import torch
 
 from dht import LogThrottle, Multiaddr, PeerID
 
-from ..averaging import AllReduceConfig, Averager, StepResult
+from ..averaging import AllReduceConfig, Averager, GridMixer, StepResult
 from ..background import DHT
 from ..checkpoint.autosave import Checkpointer
 from ..checkpoint.live import StateLock
@@ -50,7 +50,7 @@ from .memory import flat_views
 from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
 from .ranks import PeerRanks, RankFailure, lead
-from .rounds import average, expected_peers, maybe_average_state
+from .rounds import Cell, average, expected_peers, maybe_average_state
 from .shared_state import apply_shared_state, checkpoint_state, make_checkpointer, model_extra, shared_state
 from .state_sync import StateSync
 from .stats import CycleRate, OptimizerStats
@@ -147,6 +147,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         compression: str | None = None,
         aggregation: str = "mean",
         target_group_size: int = 16,
+        mixing: bool = True,
         delay_updates: bool = False,
         overlap_outer: bool = False,
         scheduler: Any = None,
@@ -175,8 +176,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             run_id=run_id, target_batch_size=target_batch_size, batch_size_per_step=batch_size_per_step, mode=mode,
             local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
             inner_warmup_steps=inner_warmup_steps, compression=compression, aggregation=aggregation,
-            target_group_size=target_group_size, delay_updates=delay_updates, overlap_outer=overlap_outer,
-            matchmaking_timeout=matchmaking_timeout,
+            target_group_size=target_group_size, mixing=mixing, delay_updates=delay_updates,
+            overlap_outer=overlap_outer, matchmaking_timeout=matchmaking_timeout,
             averaging_timeout=averaging_timeout, refresh_period=refresh_period, bandwidth=bandwidth,
             load_state_timeout=load_state_timeout, average_state_every=average_state_every,
             outer_momentum_in_state=outer_momentum_in_state, checkpoint_every=checkpoint_every,
@@ -282,8 +283,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._untrained = 0  # the version of a state we did not train on: the initial one, or one loaded
         self._outer_momentum_in_state = outer_momentum_in_state
         self.average_state_every = o.state_every
-        self._state_averager: Averager | None = None
-        self._state_shapes: list[Any] = []
+        self._state_averagers: dict[str, tuple[list[Any], Averager]] = {}  # (see rounds.state_averager)
+        # the grid of mixing groups once the swarm outgrows a group, and the cell of our last round
+        self.mixer = GridMixer(self.dht.node.peer_id.to_bytes(), target_group_size) if mixing else None
+        self._cell = Cell()
         self._last_expected = 1
         self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock,
                                     settled=self._settled, settle_timeout=matchmaking_timeout,
@@ -534,8 +537,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     async def _close(self) -> None:
         if self.contribution is not None:
             await self.contribution.close()  # (publishes the receipts not yet in the DHT)
-        if self._state_averager is not None:
-            await self._state_averager.close()
+        for _, averager in self._state_averagers.values():
+            await averager.close()
         if self.checkpointer is not None:
             await self.checkpointer.close()
         await self.tracker.close()

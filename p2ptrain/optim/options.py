@@ -103,6 +103,7 @@ class TrainerOptions:
     compression: str | None = None
     aggregation: str = "mean"
     target_group_size: int = 16
+    mixing: bool = True  # a grid of groups that changes every round once the swarm outgrows a group
     delay_updates: bool = False
     overlap_outer: bool = False
     matchmaking_timeout: float = 5.0

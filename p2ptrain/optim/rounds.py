@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..averaging import Averager, StepResult
+from ..averaging.mixing import rank_in
 from .progress import SwarmView
 
 if TYPE_CHECKING:
@@ -40,14 +43,41 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
         opt._paused += time.perf_counter() - t0
         expected = opt._expected(view, epoch)
     opt._last_expected = expected
+    opt._cell = Cell()
     if expected <= 1:
         done: Future[StepResult | None] = Future()
         done.set_result(None)
         return done
     # (delayed updates overlap training with the round: snapshots do not wait for it)
     on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
-    return opt._loop.submit(opt.averager.step(weight=samples, round_id=f"e{epoch}", timeout=opt.matchmaking_timeout,
-                                              expected=expected, on_group=on_group))
+    opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch)
+    # (in a grid cell nobody knows how many will come: matchmaking settles instead)
+    step = opt.averager.step(weight=samples, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
+                             expected=None if cell.key else expected, on_group=on_group)
+    return opt._loop.submit(placed(opt, cell, step) if cell.key else step)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Where a round of ours met: the peers its grid was drawn for, the round's index and its
+    cell's key (``""``: the whole swarm under one key, no grid)."""
+
+    peers: tuple[bytes, ...] = ()
+    k: int = 0
+    key: str = ""
+
+
+def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int) -> Cell:
+    """The cell of round ``k`` in a swarm of ``peers`` (no grid without a mixer)."""
+    return Cell(peers, k, opt.mixer.key(k, peers) if opt.mixer is not None else "")
+
+
+async def placed(opt: DecentralizedOptimizer, cell: Cell, step: Awaitable[StepResult]) -> StepResult:
+    """Run a round and take our rank in its group as our coordinate along its dimension."""
+    result = await step
+    if cell.key and opt.mixer is not None:
+        opt.mixer.placed(cell.k, cell.peers, rank_in(result.members, opt.dht.node.peer_id))
+    return result
 
 
 def expected_peers(view: SwarmView, epoch: int, delay_updates: bool) -> int:
@@ -128,41 +158,63 @@ def state_round_due(every: int, epoch: int, expected: int) -> bool:
 
 
 def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
-    """Every ``average_state_every`` epochs, average the state itself, equally weighted.
+    """Every ``average_state_every`` epochs, average the state itself, equally weighted; after a
+    round in a grid cell (mixing groups), average the parameters in that cell.
 
     Gradient rounds keep a group's members bit-identical, but once the swarm splits into
     several groups (a late matchmaker, churn, more peers than ``target_group_size``) the groups
-    drift apart for good; averaging the state brings them back together.
+    drift apart; averaging the state brings them back together. In a grid the groups change
+    every round, so mixing the parameters of each round's cell pulls every peer toward one model
+    (Moshpit), and a state round walks every dimension of the grid: the whole swarm's average.
     """
-    if not state_round_due(opt.average_state_every, epoch, opt._last_expected):
+    due = state_round_due(opt.average_state_every, epoch, opt._last_expected)
+    cell = opt._cell
+    if not due and not cell.key:
         return False
     if opt.mode == "sync":
-        named = state_tensors(opt.params, opt.inner.state, True)
+        named = state_tensors(opt.params, opt.inner.state, due)
     else:
         assert opt.outer_optimizer is not None
         # DiLoCo's point is to send little: the outer parameters are what drift; the momentum
         # buffers follow them (and would double the bytes of these rounds)
-        named = state_tensors(opt._outer, opt.outer_optimizer.state, opt._outer_momentum_in_state)
+        named = state_tensors(opt._outer, opt.outer_optimizer.state, due and opt._outer_momentum_in_state)
+    averager = state_averager(opt, "state" if due else "mix", named)
+    dims = opt.mixer.shape(len(cell.peers))[0] if due and cell.key and opt.mixer is not None else 1
+    averaged = False
+    for k in range(cell.k, cell.k + dims):  # (the cell of the gradient round first)
+        here = grid_cell(opt, cell.peers, k) if cell.key else cell
+        averaged = _state_round(opt, averager, f"{'s' if due else 'm'}{epoch}{here.key}", here) or averaged
+    return averaged
+
+
+def state_averager(opt: DecentralizedOptimizer, kind: str, named: list[tuple[str, torch.Tensor]]) -> Averager:
+    """The averager of ``kind`` (``state``: state rounds, ``mix``: a cell's parameters) for ``named``,
+    made anew when the tensors' shapes change."""
     shapes = [(n, t.shape, t.dtype) for n, t in named]
-    if opt._state_averager is None or opt._state_shapes != shapes:
-        if opt._state_averager is not None:
-            opt._loop.run(opt._state_averager.close())
-        opt._state_averager = Averager(
-            opt.dht.node, f"{opt.run_id}/{opt.mode}/state", named, codec="none", aggregation=opt.aggregation,
+    held = opt._state_averagers.get(kind)
+    if held is None or held[0] != shapes:
+        if held is not None:
+            opt._loop.run(held[1].close())
+        averager = Averager(
+            opt.dht.node, f"{opt.run_id}/{opt.mode}/{kind}", named, codec="none", aggregation=opt.aggregation,
             target_group_size=opt.averager.matchmaker.target_group_size,
             matchmaking_timeout=opt.matchmaking_timeout, service=opt.averager.service,
         )
-        opt._state_shapes = shapes
+        opt._state_averagers[kind] = held = (shapes, averager)
+    return held[1]
+
+
+def _state_round(opt: DecentralizedOptimizer, averager: Averager, round_id: str, cell: Cell) -> bool:
     # Only the training thread changes the state, and it waits here for the round: the state
     # lock is taken for writing each slice of the average back, not across matchmaking and the
     # network (a snapshot for a joiner would wait for all of it).
     def written() -> None:
         opt._version += 1
 
-    future = opt._loop.submit(opt._state_averager.step(weight=1.0, round_id=f"s{epoch}",
-                                                       timeout=opt.matchmaking_timeout, expected=opt._last_expected,
-                                                       on_group=opt._settled.clear, lock=opt._state_lock,
-                                                       on_write=written))
+    step = averager.step(weight=1.0, round_id=round_id, timeout=opt.matchmaking_timeout,
+                         expected=None if cell.key else opt._last_expected, on_group=opt._settled.clear,
+                         lock=opt._state_lock, on_write=written)
+    future = opt._loop.submit(placed(opt, cell, step))
     try:
         result = round_result(opt, future)
     finally:

@@ -1,0 +1,115 @@
+"""Mixing groups: the grid's shape, a simulated swarm whose cells stay small and whose values mix to
+one average, and real peers in different groups converging without a state round."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import defaultdict
+
+import torch
+
+from p2ptrain import DecentralizedOptimizer
+from p2ptrain.averaging.mixing import GridMixer, grid_shape, rank_in, swarm_size
+from tests.test_optimizer import batch, in_threads, loss_of, make_model, swarm, train  # noqa: F401 (fixture)
+
+
+def test_grid_shape_keeps_groups_within_the_target():
+    assert grid_shape(8, 8) == (0, 8)  # one group holds everyone: no grid
+    assert grid_shape(16, 8) == (2, 4)
+    assert grid_shape(32, 8) == (2, 6)
+    assert grid_shape(64, 8) == (2, 8)
+    assert grid_shape(27, 3) == (3, 3)
+    assert grid_shape(65, 8) == (3, 5)
+    # peers that count the swarm a few peers apart draw the same grid
+    assert {swarm_size(n) for n in (52, 60, 64, 70, 90)} == {64}
+
+
+def simulate(n: int, target: int, rounds: int, seed: int = 0) -> tuple[list[float], int]:
+    """``n`` peers averaging scalars in grid cells (each cell split into groups of at most
+    ``target``, as matchmaking does): the spread after each round and the largest cell seen."""
+    rng = random.Random(seed)
+    ids = [hashlib.blake2b(f"peer{i}".encode(), digest_size=8).digest() for i in range(n)]
+    mixers = [GridMixer(me, target) for me in ids]
+    values = [rng.gauss(0, 1) for _ in range(n)]
+    spreads, largest = [], 0
+    for k in range(rounds):
+        cells: dict[str, list[int]] = defaultdict(list)
+        for i, m in enumerate(mixers):
+            cells[m.key(k, ids)].append(i)
+        largest = max(largest, *(len(c) for c in cells.values()))
+        for members in cells.values():
+            members.sort(key=lambda i: hashlib.blake2b(ids[i] + bytes([k])).digest())
+            n_groups = -(-len(members) // target)
+            for g in range(n_groups):
+                group = members[g::n_groups]
+                mean = sum(values[i] for i in group) / len(group)
+                for i in group:
+                    values[i] = mean
+                    mixers[i].placed(k, ids, rank_in([ids[j] for j in group], ids[i]))
+        spreads.append(max(values) - min(values))
+    return spreads, largest
+
+
+def test_a_full_grid_averages_the_whole_swarm_in_one_round_per_dimension():
+    spreads, largest = simulate(64, 8, 4)
+    assert largest == 8  # each round's key holds one group's worth of peers, not the swarm
+    assert spreads[0] > 0.5 and spreads[1] < 1e-12
+
+
+def test_an_uneven_swarm_still_mixes_to_one_value():
+    spreads, largest = simulate(40, 8, 8, seed=3)  # a grid of 6 x 6 drawn for 32, holding 40
+    assert largest <= 12
+    assert spreads[1] < spreads[0] and spreads[-1] < 1e-3 * spreads[0]
+
+
+def test_rank_placement_keeps_the_next_cells_full():
+    ids = [bytes([i]) * 8 for i in range(16)]
+    mixers = [GridMixer(me, 4) for me in ids]
+    first = defaultdict(list)
+    for i, m in enumerate(mixers):
+        first[m.key(0, ids)].append(i)
+    assert sorted(len(c) for c in first.values()) == [4, 4, 4, 4]
+    for members in first.values():
+        for rank, i in enumerate(members):
+            mixers[i].placed(0, ids, rank)
+    second = defaultdict(list)
+    for i, m in enumerate(mixers):
+        second[m.key(1, ids)].append(i)
+    # every cell of the next dimension draws one peer from each group of the last one
+    for members in second.values():
+        assert len({next(k for k, c in first.items() if i in c) for i in members}) == 4
+
+
+def spread(models: list[torch.nn.Module]) -> float:
+    """The largest distance between two peers' parameters relative to the mean's norm."""
+    flats = [torch.cat([p.detach().flatten() for p in m.parameters()]) for m in models]
+    mean = torch.stack(flats).mean(0)
+    return max(float((a - b).norm()) for a in flats for b in flats) / float(mean.norm())
+
+
+def test_peers_in_different_groups_converge_without_a_state_round(swarm):  # noqa: F811 (fixture)
+    """Four peers in groups of two (a 2 x 2 grid) that start apart end near one model with state
+    rounds off: each round mixes the parameters of its cell, and the cells change every round."""
+    models = [make_model(seed=i) for i in range(4)]
+    dhts = [swarm() for _ in models]
+    opts = [DecentralizedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), dht=d, run_id="mix",
+                                   target_batch_size=64, batch_size_per_step=16, target_group_size=2,
+                                   average_state_every=0, matchmaking_timeout=3.0)
+            for m, d in zip(models, dhts)]
+    try:
+        for o in opts:
+            assert o.wait_for_peers(4, timeout=20) == 4
+        before = spread(models)
+        gens = [torch.Generator().manual_seed(20 + i) for i in range(4)]
+        in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 1) for i in range(4)))
+        after_one = spread(models)
+        in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 4) for i in range(4)))
+        after = spread(models)
+        assert all(o.stats.last_group_size <= 2 for o in opts)  # groups of two: never the whole swarm
+        assert before > 0.5
+        assert after_one < 0.7 * before  # a round halves the differences between cells
+        assert after < 0.05 * before, (before, after_one, after)
+    finally:
+        for o in opts:
+            o.close()
