@@ -357,6 +357,7 @@ def _run_script(path: str, script_args: str, bootstrap: list[Multiaddr]) -> int:
 
 
 def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> int:
+    from ..optim.ranks import RankFailure
     from ..run import run_peer
 
     show = _printer(args.json, join_flags(args))
@@ -386,7 +387,7 @@ def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> 
             finally:
                 if dht is not None:
                     dht.close()
-                close_worker()
+                close_worker(ranks)
     except SwarmKeyMismatch as e:  # refused by the swarm: the settings must change, not a retry
         return fail(str(e), EXIT_USAGE)
     except (DHTError, ConfigError) as e:
@@ -395,6 +396,8 @@ def _train(args: argparse.Namespace, cfg: Any, metrics: Any, round_log: Any) -> 
         return fail(f"{e.strerror or e} (is the listen address free and valid?)")
     except ValueError as e:  # a setting the trainer refused that no check above caught
         return fail(f"cannot train with these settings: {e}", EXIT_USAGE)
+    except RankFailure as e:  # (the optimizer left the swarm already)
+        return fail(f"{e}: this peer left the swarm")
     if stop.is_set():
         print(f"left the swarm after {time.monotonic() - t0:.1f} s", file=sys.stderr)
         return EXIT_OK

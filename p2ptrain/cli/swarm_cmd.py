@@ -145,7 +145,7 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
     # --save goes to peer 0 alone: peers of a finished run hold the same model, one file is enough
     forwarded = training_argv(argparse.Namespace(**{**vars(args), "save": None})) + key_argv
     if args.threads is None:  # each peer its share of the cores: oversubscribed torch threads cost ~20x
-        forwarded += ["--threads", str(max(1, (os.cpu_count() or 1) // args.peers))]
+        forwarded += ["--threads", str(max(1, (os.cpu_count() or 1) // (args.peers * args.nproc_per_node)))]
     from . import logging_options
 
     verbose, log_json = logging_options(args)  # for the peers' logs
@@ -262,7 +262,8 @@ class _View:
         row = self.rows.setdefault(index, {})
         if event.get("event") == "started" and "peer_id" in row:
             return  # one started event per peer, whatever its process printed
-        row.update(event)
+        if not event.get("rank"):  # (another rank of a --nproc-per-node peer says only where it ended)
+            row.update(event)
         if self.as_json:
             print(json.dumps({"peer": index, **event}), flush=True)
         else:

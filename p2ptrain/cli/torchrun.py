@@ -67,7 +67,10 @@ def launch(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={args.max_restarts}",
            "-m", "p2ptrain", *argv]
-    proc = subprocess.Popen(cmd, env={**os.environ, WORKER_ENV: "1"}, start_new_session=True)
+    from ..children import die_with_parent
+
+    proc = subprocess.Popen(cmd, env={**os.environ, WORKER_ENV: "1"}, start_new_session=True,
+                            preexec_fn=die_with_parent)
 
     def forward(sig: int, _frame: Any) -> None:
         proc.send_signal(sig)
@@ -97,13 +100,31 @@ def init_worker(device: str) -> Any:
     backend = "nccl" if cuda and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "gloo"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(backend, timeout=timedelta(seconds=RANK_TIMEOUT))
+    from ..children import die_with_parent
+
+    die_with_parent()  # (torchrun killed: no rank outlives it)
+    env = os.environ
+    rank, world, timeout = int(env["RANK"]), int(env["WORLD_SIZE"]), timedelta(seconds=RANK_TIMEOUT)
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # (else rank 0 serves the store)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
+                          timeout=timeout)
+    # keys of this attempt only: after a restart the store may still hold the dead ranks' addresses
+    store = dist.PrefixStore(f"p2ptrain/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return PeerRanks.detect()
 
 
-def close_worker() -> None:
-    """Leave the process group (after training)."""
+def close_worker(ranks: Any) -> None:
+    """Leave the process group (after training), all ranks together: one destroying it while
+    another still talks to it aborts the process."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from ..optim.ranks import RankFailure
+
+    if ranks is None or not dist.is_initialized():
+        return
+    try:
+        ranks.barrier()
+    except RankFailure:
+        return  # (a rank is gone: nobody to leave with; the process exits)
+    dist.destroy_process_group()
