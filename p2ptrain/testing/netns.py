@@ -114,13 +114,17 @@ class TestbedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Host:
-    """One host of a test bed: ``ns`` is its network namespace, ``ip`` its address on the switch."""
+    """One host of a test bed: ``ns`` is its network namespace, ``ip`` its address on the switch
+    (for a host behind NAT, its router's: where others see it); ``local_ip`` is the address its
+    processes bind to (``ip`` too unless it is behind NAT); ``router_ns`` its NAT router's namespace."""
 
     index: int
     ns: str
     ip: str
     mac: str
     ifname: str = _HOST_IF
+    local_ip: str = ""
+    router_ns: str | None = None
 
     __test__ = False
 
@@ -297,6 +301,11 @@ def cleanup_stale() -> list[str]:
 # ------------------------------------------------------------------------------- the test bed
 
 
+def _wan_ns(h: Host) -> str:
+    """The namespace of the link of ``h`` into the switch: its NAT router's, or its own."""
+    return h.router_ns or h.ns
+
+
 def _teardown(procs: list[subprocess.Popen], namespaces: list[str], grace: float) -> None:
     """Stop ``procs`` (SIGTERM, then SIGKILL after ``grace`` s), then delete ``namespaces``.
 
@@ -341,6 +350,11 @@ class Testbed:
         no_inbound: indices of hosts that nobody can open a TCP connection to, as behind a NAT or
             a stateful firewall: every TCP SYN (without ACK) into them is dropped at their switch
             port, so a dial times out (it is never refused). What they dial works both ways.
+        nat: indices of hosts behind a NAT router of their own (a namespace ``<prefix>r<i>``
+            between the host, at ``local_ip`` 192.168.<i+1>.2, and the switch, at ``ip``): it
+            masquerades what the host dials and drops what nobody asked for (:mod:`.natrouter`,
+            nf_tables over netlink through pyroute2). ``nat_type``: ``"cone"`` (endpoint-independent
+            mapping, port-dependent filtering) or ``"symmetric"`` (a random port per connection).
 
     ``hosts[i]`` has ``.ns`` and ``.ip``; :meth:`popen` starts a process inside host i;
     :meth:`close` (or leaving the ``with`` block) removes everything. Construction either completes
@@ -358,7 +372,8 @@ class Testbed:
 
     def __init__(self, n_hosts: int, *, rate: str | None = "1gbit", delay: str | float | None = None,
                  loss: str | float | None = None, prefix: str | None = None, subnet: str | None = None,
-                 grace: float = 2.0, no_inbound: Iterable[int] = ()) -> None:
+                 grace: float = 2.0, no_inbound: Iterable[int] = (), nat: Iterable[int] = (),
+                 nat_type: str = "cone") -> None:
         if not 1 <= int(n_hosts) <= 250:
             raise TestbedError(f"n_hosts must be 1 .. 250, not {n_hosts}")
         self.n_hosts = int(n_hosts)
@@ -368,6 +383,11 @@ class Testbed:
         self.no_inbound = frozenset(int(i) for i in no_inbound)
         if not all(0 <= i < self.n_hosts for i in self.no_inbound):
             raise TestbedError(f"no_inbound {sorted(self.no_inbound)}: host indices must be 0 .. {self.n_hosts - 1}")
+        self.nat = frozenset(int(i) for i in nat)
+        if not all(0 <= i < self.n_hosts for i in self.nat) or nat_type not in ("cone", "symmetric"):
+            raise TestbedError(f"nat {sorted(self.nat)} {nat_type!r}: host indices 0 .. {self.n_hosts - 1}, "
+                               "type 'cone' or 'symmetric'")
+        self.nat_type = nat_type
         self.prefix = prefix or f"{NAME_ROOT}{os.getpid()}-{secrets.token_hex(2)}-"
         if not _PREFIX_RE.match(self.prefix):
             raise TestbedError(f"bad prefix {self.prefix!r}: 1-40 of [A-Za-z0-9_.-]")
@@ -378,7 +398,10 @@ class Testbed:
         self.switch_ns = f"{self.prefix}sw"
         octets = [int(o) for o in self.subnet.split(".")]
         self.hosts = [Host(i, f"{self.prefix}h{i}", f"{self.subnet}.{i + 1}",
-                           "02:{:02x}:{:02x}:{:02x}:00:{:02x}".format(*octets, i + 1)) for i in range(self.n_hosts)]
+                           "02:{:02x}:{:02x}:{:02x}:00:{:02x}".format(*octets, i + 1),
+                           local_ip=f"192.168.{i + 1}.2" if i in self.nat else f"{self.subnet}.{i + 1}",
+                           router_ns=f"{self.prefix}r{i}" if i in self.nat else None)
+                      for i in range(self.n_hosts)]
         self._procs: list[subprocess.Popen] = []
         self._namespaces: list[str] = []  # in creation order: the switch first
         self._finalizer = weakref.finalize(self, _teardown, self._procs, self._namespaces, grace)
@@ -411,13 +434,18 @@ class Testbed:
         _run(["ip", "-n", sw, "link", "set", _BRIDGE, "up"])
         for h in self.hosts:
             self._add_ns(h.ns)
+            wan = _wan_ns(h)
+            if h.router_ns is not None:
+                self._add_ns(h.router_ns)
             port = f"p{h.index}"
-            _run(["ip", "link", "add", "name", h.ifname, "address", h.mac, "netns", h.ns, "type", "veth",
+            _run(["ip", "link", "add", "name", h.ifname, "address", h.mac, "netns", wan, "type", "veth",
                   "peer", "name", port, "netns", sw])
             _run(["ip", "-n", sw, "link", "set", port, "master", _BRIDGE])
             _run(["ip", "-n", sw, "link", "set", port, "up"])
-            _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", h.ifname])
-            _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"])
+            _run(["ip", "-n", wan, "addr", "add", f"{h.ip}/24", "dev", h.ifname])
+            _run(["ip", "-n", wan, "link", "set", h.ifname, "up"])
+            if h.router_ns is not None:
+                self._nat_router(h)
             self._shape(h, port)
         if self.delay_s and not features()["netem"]:
             self._start_delay_line()
@@ -427,7 +455,22 @@ class Testbed:
             neigh = "".join(f"neigh replace {o.ip} lladdr {o.mac} dev {h.ifname} nud permanent\n"
                             for o in self.hosts if o is not h)
             if neigh:
-                _run(["ip", "-n", h.ns, "-batch", "-"], stdin=neigh)
+                _run(["ip", "-n", _wan_ns(h), "-batch", "-"], stdin=neigh)
+
+    def _nat_router(self, h: Host) -> None:
+        """The LAN between host ``h`` and its router, and the router's NAT (:mod:`.natrouter`)."""
+        r, lan = h.router_ns, h.local_ip.rsplit(".", 1)[0]
+        assert r is not None
+        _run(["ip", "link", "add", "name", h.ifname, "netns", h.ns, "type", "veth", "peer", "name", "lan0",
+              "netns", r])
+        _run(["ip", "-n", r, "addr", "add", f"{lan}.1/24", "dev", "lan0"])
+        _run(["ip", "-n", r, "link", "set", "lan0", "up"])
+        _run(["ip", "-n", h.ns, "addr", "add", f"{h.local_ip}/24", "dev", h.ifname])
+        _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"])
+        _run(["ip", "-n", h.ns, "route", "add", "default", "via", f"{lan}.1"])
+        _run(["ip", "netns", "exec", r, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        kind = ["symmetric"] if self.nat_type == "symmetric" else []
+        _run(["ip", "netns", "exec", r, sys.executable, "-m", "p2ptrain.testing.natrouter", *kind], timeout=60)
 
     def _start_delay_line(self) -> None:
         """Every frame into the switch goes through :mod:`.delayline` first: each port's ingress
@@ -468,7 +511,7 @@ class Testbed:
     def _shape(self, h: Host, port: str) -> None:
         sw = self.switch_ns
         if self.rate_bps:  # upload
-            _run(["tc", "-n", h.ns, "qdisc", "add", "dev", h.ifname, "root", *self._tbf()])
+            _run(["tc", "-n", _wan_ns(h), "qdisc", "add", "dev", h.ifname, "root", *self._tbf()])
         blocked = h.index in self.no_inbound
         netem = features()["netem"] if (self.delay_s or self.loss) else False
         if netem and not blocked:  # download: netem (delay, loss), its child tbf (rate)
@@ -527,6 +570,8 @@ class Testbed:
         if self.no_inbound:
             parts.append(f"no inbound TCP connections to host{'s' if len(self.no_inbound) > 1 else ''} "
                          f"{', '.join(map(str, sorted(self.no_inbound)))}")
+        if self.nat:
+            parts.append(f"hosts {', '.join(map(str, sorted(self.nat)))} behind {self.nat_type} NAT routers")
         return ", ".join(parts)
 
     def exec_argv(self, i: int, argv: Sequence[str]) -> list[str]:

@@ -1,0 +1,54 @@
+"""The NAT of a test bed router namespace, set up over netlink with nf_tables (pyroute2): no
+iptables or nft binary is needed, only a kernel with nf_tables and its nat and masq expressions.
+
+Run inside the router's namespace (``python -m p2ptrain.testing.natrouter [symmetric]``):
+
+* every connection the router forwards is masqueraded to the address of the link it leaves by
+  (only connections from the LAN are ever new here: nothing routes to the LAN from outside);
+* nothing is delivered to the router itself (an input chain that drops everything), so an
+  unsolicited SYN from outside is dropped, as home routers do, not answered with a reset;
+* what comes back is let in by conntrack alone: address- and port-dependent filtering.
+
+Mapping: Linux keeps a connection's source port when that tuple is free, so one inside port maps
+to one outside port whatever the destination (endpoint-independent mapping, a "port-restricted
+cone" NAT): what hole punching needs. ``symmetric`` picks a random outside port per connection
+instead (NF_NAT_RANGE_PROTO_RANDOM_FULLY), so the port a third peer observes is not the port a
+punch must reach: hole punching then fails and the relay stays the way in.
+"""
+
+from __future__ import annotations
+
+import sys
+
+TABLE = "p2pt_nat"
+_NF_DROP = 0
+_PROTO_RANDOM_FULLY = 16  # NF_NAT_RANGE_PROTO_RANDOM_FULLY
+
+
+def available() -> tuple[bool, str]:
+    """Whether NAT routers can be set up from here (pyroute2 installed), and if not why."""
+    try:
+        import pyroute2.nftables.main  # noqa: F401
+    except ImportError as e:
+        return False, f"NAT routers need pyroute2 (pip install pyroute2): {e}"
+    return True, "ok"
+
+
+def apply(symmetric: bool = False) -> None:
+    """Install the NAT in the current network namespace (root)."""
+    from pyroute2.nftables.expressions import genex
+    from pyroute2.nftables.main import NFTables
+
+    nft = NFTables(nfgen_family=2)  # ipv4
+    try:
+        nft.table("add", name=TABLE)
+        nft.chain("add", table=TABLE, name="post", hook="postrouting", type="nat", priority=100)
+        masq = [genex("masq", {"flags": _PROTO_RANDOM_FULLY} if symmetric else {})]
+        nft.rule("add", table=TABLE, chain="post", expressions=(masq,))
+        nft.chain("add", table=TABLE, name="in", hook="input", type="filter", priority=0, policy=_NF_DROP)
+    finally:
+        nft.close()
+
+
+if __name__ == "__main__":
+    apply(symmetric=sys.argv[1:] == ["symmetric"])
