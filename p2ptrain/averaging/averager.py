@@ -77,7 +77,8 @@ class Averager:
     Others may live on any device and have any float dtype: each slice is copied into a host fp32
     staging buffer and written back, so the host holds one slice, never a copy of everything.
     Peers meet only with the same ``slice_numel`` (it shapes the rounds) and ``tag`` (anything
-    else the caller's peers must agree on), both part of the schema.
+    else the caller's peers must agree on), both part of the schema, as is ``shards``: the FSDP
+    world size of a peer whose rank averages its shard of the model.
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class Averager:
         service: AllReduceService | None = None,
         slice_numel: int = SLICE_NUMEL,
         tag: str = "",
+        shards: int = 1,
     ):
         if isinstance(tensors, Mapping):
             named = list(tensors.items())
@@ -118,7 +120,8 @@ class Averager:
         # combine differently never meet, and a mismatch message names it with the codec.
         rule = codec if aggregation == "mean" else f"{codec}+{aggregation}"
         rule += f"/{tag}" if tag else ""  # (what else the peers must agree on: e.g. how rounds are timed)
-        self.schema: Schema = tensor_schema(named, rule if slice_numel == SLICE_NUMEL else f"{rule}/{slice_numel}")
+        self.schema: Schema = tensor_schema(named, rule if slice_numel == SLICE_NUMEL else f"{rule}/{slice_numel}",
+                                            shards=shards)
         self.matchmaking_timeout = matchmaking_timeout
         self.matchmaker = Matchmaker(dht, prefix, self.schema, target_group_size=target_group_size,
                                      min_group_size=min_group_size, bandwidth=bandwidth)

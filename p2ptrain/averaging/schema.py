@@ -28,6 +28,7 @@ SUMMARY_DIGESTS = 1024  # tensors published as a 4-byte digest each (locates the
 _DIGEST_SIZE = 4
 _MAX_NAME = 200  # characters of a tensor name kept in a summary
 _MAX_DIMS = 16
+MAX_SHARDS = 1 << 16  # ranks one peer's model may be sharded over
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,18 @@ class Schema:
     tensors: tuple[TensorSpec, ...]
     codec: str
     hash: str
+    #: ranks the model is sharded over (FSDP world size): each averages its own shard
+    shards: int = 1
 
     @property
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    @property
+    def key(self) -> str:
+        """The hash, with the world size of a sharded schema (``hash/k2``): what a progress record
+        publishes, so that a peer sharded otherwise can be told why it never meets us."""
+        return self.hash if self.shards == 1 else f"{self.hash}/k{self.shards}"
 
     def describe(self, limit: int = 8) -> str:
         """One line for logs: counts, codec, hash and the first ``limit`` tensors."""
@@ -94,15 +103,18 @@ class Schema:
             "count": len(self.tensors),
             "e": [[t.name[:_MAX_NAME], list(t.shape[:_MAX_DIMS]), t.dtype[:32]] for t in self.tensors[:entries]],
             "d": b"".join(t.digest() for t in self.tensors[:digests]),
+            "k": self.shards,
         }
 
 
 def tensor_schema(
     named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor] | Iterable[torch.Tensor],
     codec: str,
+    shards: int = 1,
 ) -> Schema:
     """The schema of ``named_tensors`` (pairs such as ``model.named_parameters()``, a mapping, or
-    bare tensors, which are named "0", "1", ...) compressed with ``codec``. Order matters."""
+    bare tensors, which are named "0", "1", ...) compressed with ``codec``. Order matters.
+    ``shards``: the world size of an FSDP peer whose rank's shard these tensors are."""
     if isinstance(named_tensors, Mapping):
         named_tensors = named_tensors.items()
     specs = []
@@ -116,9 +128,11 @@ def tensor_schema(
         specs.append(TensorSpec(name, tuple(int(d) for d in tensor.shape), _dtype_name(tensor.dtype)))
     if not isinstance(codec, str) or not codec:
         raise ValueError("codec must be a non-empty string such as 'fp16'")
-    payload = _canonical([SCHEMA_VERSION, codec, [s.to_wire() for s in specs]])
-    digest = hashlib.blake2b(payload, digest_size=8).hexdigest()
-    return Schema(tuple(specs), codec, digest)
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards must be an int from 1 to {MAX_SHARDS}, got {shards!r}")
+    wire = [SCHEMA_VERSION, codec, [s.to_wire() for s in specs]] + ([shards] if shards > 1 else [])
+    digest = hashlib.blake2b(_canonical(wire), digest_size=8).hexdigest()
+    return Schema(tuple(specs), codec, digest, shards)
 
 
 def parse_summary(obj: object) -> dict | None:
@@ -133,6 +147,9 @@ def parse_summary(obj: object) -> dict | None:
     for n in (numel, count):
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**62:
             return None
+    shards = obj.get("k", 1)
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        return None
     entries_raw, digests = obj.get("e", []), obj.get("d", b"")
     if not isinstance(entries_raw, list) or not isinstance(digests, bytes) or len(digests) % _DIGEST_SIZE:
         return None
@@ -150,9 +167,26 @@ def parse_summary(obj: object) -> dict | None:
         "codec": codec,
         "numel": numel,
         "count": count,
+        "shards": shards,
         "entries": entries,
         "digests": [digests[i * _DIGEST_SIZE : (i + 1) * _DIGEST_SIZE] for i in range(min(n_digests, count))],
     }
+
+
+def shards_of(key: str) -> int:
+    """The world size a :attr:`Schema.key` names (1: unsharded, or not a key)."""
+    _, _, k = key.partition("/k")
+    return int(k) if k.isdigit() and 0 < int(k) <= MAX_SHARDS else 1
+
+
+def shards_mismatch_message(theirs: int, ours: int) -> str:
+    """Why a peer whose model is sharded over ``theirs`` ranks never averages with ours."""
+    return (f"its model sharded over {_ranks(theirs)} (FSDP world size {theirs}) and ours over {_ranks(ours)} "
+            f"(world size {ours}); every peer of a run must shard its model over the same number of ranks")
+
+
+def _ranks(n: int) -> str:
+    return "1 rank (unsharded)" if n == 1 else f"{n} ranks"
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -169,6 +203,8 @@ def schema_mismatch_message(mine: Schema, other_summary: dict, *, peer: str | No
         return f"{who} {what} but published a malformed schema summary; ignoring it"
     if other["hash"] == mine.hash:
         return f"{who} {what} with the same schema ({mine.hash})"
+    if other["shards"] != mine.shards:
+        return f"{who} {what} with {shards_mismatch_message(other['shards'], mine.shards)}"
     codec = f"uses codec {other['codec']}, we use {mine.codec}" if other["codec"] != mine.codec else None
     model = _model_difference(mine, other)
     if model is None and codec is None:  # no difference we can locate from the summary

@@ -46,6 +46,7 @@ from .adopt import Schedule
 from .catch_up import catch_up_at_start, fall_behind, fetch_state, load_state_from_peers
 from .claims import EpochJudge
 from .diloco_step import diloco_step, finish_overlapped, outer_step
+from .fsdp import FsdpShard, is_sharded, rank_dht
 from .memory import flat_views
 from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
@@ -118,13 +119,17 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     ``process_group``: in a torchrun job, the ranks that form this one peer (default: the
     initialised default group, if any). Rank 0 is the peer's leader, which alone runs the DHT
     node and averages with the swarm; on the other ranks this constructor makes a
-    :class:`~p2ptrain.optim.follower.RankFollower` (see :mod:`~p2ptrain.optim.ranks`).
+    :class:`~p2ptrain.optim.follower.RankFollower` (see :mod:`~p2ptrain.optim.ranks`). With an
+    FSDP2 model (``fully_shard``) every rank averages its own shard instead (:mod:`~p2ptrain.optim.fsdp`).
     """
 
     def __new__(cls, *args: Any, process_group: Any = None, **kwargs: Any) -> DecentralizedOptimizer:
         if cls is DecentralizedOptimizer:
             ranks = PeerRanks.detect(process_group)
             if ranks is not None and not ranks.is_leader:
+    #: this rank's shard of an FSDP model (None: the optimizer trains whole tensors)
+    fsdp: FsdpShard | None = None
+
                 from .follower import RankFollower
 
                 cls = RankFollower
@@ -176,6 +181,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             run_id=run_id, target_batch_size=target_batch_size, batch_size_per_step=batch_size_per_step, mode=mode,
             local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
             inner_warmup_steps=inner_warmup_steps, compression=compression, aggregation=aggregation,
+        # FSDP: this rank trains its shards, as a member of its shard's swarm (see optim/fsdp.py)
+        self.fsdp = FsdpShard(optimizer, process_group) if is_sharded(optimizer) else None
+        if self.fsdp is not None:
+            run_id = self.fsdp.run_id(run_id)
             target_group_size=target_group_size, mixing=mixing, delay_updates=delay_updates,
             overlap_outer=overlap_outer, matchmaking_timeout=matchmaking_timeout,
             averaging_timeout=averaging_timeout, refresh_period=refresh_period, bandwidth=bandwidth,
@@ -214,13 +223,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if model is not None:
             from ..checkpoint.export import module_names
 
-            self._state_names, self._extra_keys = module_names(model, self.params,
+            self._state_names, self._extra_keys = module_names(model, self.fsdp.dparams if self.fsdp else self.params,
                                                                "params" if mode == "sync" else "outer")
 
-        self.ranks = PeerRanks.detect(process_group)
+        self.ranks = PeerRanks.detect(process_group) if self.fsdp is None else None
         self._ranks_seen = (-1, -1)  # (version, epoch) the other ranks last received
         self._owns_dht = dht is None
-        self.dht = dht if dht is not None else DHT(initial_peers)
+        self.dht = dht if dht is not None else (rank_dht(initial_peers, self.fsdp.ranks) if self.fsdp
+                                                 else DHT(initial_peers))
         self._loop = self.dht.loop
         # What we average: gradients (sync) or pseudo-gradients (diloco), fp32, back to back in one
         # buffer on the parameters' device, which the averager averages in place when it is on the
@@ -239,7 +249,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         # epoch claims are believed on evidence only (a quorum; under mean also a plausible rate)
         self._strict = self.aggregation != "mean"  # a robust rule: what a minority claims steers nothing
         self._judge = EpochJudge(strict=self._strict, live_window=max(3.0, 4 * refresh_period))
-        self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.hash,
+        self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.key,
+            shards=self.fsdp.world_size if self.fsdp else 1,
                                        self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
                                        refresh=refresh_period, judge=self._judge_claims, on_refused=self._refused,
                                        held=lambda: self._applied)
@@ -361,6 +372,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         raise RuntimeError("DecentralizedOptimizer cannot add parameter groups after it was created: "
                            "every peer must average the same tensors")
 
+        if self.fsdp is not None:
+            self.fsdp.zero_grad()
     @property
     def mismatches(self) -> dict[str, str]:
         """Peers of this run training another model: base58 peer id -> what is different."""
@@ -424,6 +437,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.stats.local_sps = self._sps
         self.stats.samples_total += bs
         if self.mode == "sync":
+        elif self.fsdp is not None:  # (and this rank's gradients onto its shards)
+            bs = self.fsdp.begin_step(bs)
             sync_step(self, bs)
         else:
             diloco_step(self, bs)

@@ -27,6 +27,8 @@ from typing import Any
 
 from dht import Contact, DHTError, DHTNode, InvalidRecord, OwnedRead, PeerID, wait_event
 
+from ..averaging.schema import shards_mismatch_message, shards_of
+
 log = logging.getLogger("p2ptrain.progress")
 
 _VERSION = 1
@@ -387,7 +389,11 @@ class ProgressTracker:
     def _mismatch(self, report: PeerReport) -> None:
         if report.peer in self.mismatched or len(self.mismatched) >= 1000:
             return
-        message = (f"peer {report.peer.short()} trains run {self.key.rsplit('/', 1)[0]!r} with a different "
+        run = self.key.rsplit('/', 1)[0]
+        theirs, ours = shards_of(report.schema), shards_of(self.schema)
+        message = (f"peer {report.peer.short()} trains run {run!r} with {shards_mismatch_message(theirs, ours)}"
+                   if theirs != ours else
+                   f"peer {report.peer.short()} trains run {run!r} with a different "
                    f"model or codec (schema {report.schema}, ours {self.schema}): it will never average "
                    "with us; give it the same model definition and compression, or another run id")
         self.mismatched[report.peer] = message

@@ -116,7 +116,8 @@ def make_checkpointer(opt: DecentralizedOptimizer, o: TrainerOptions) -> Checkpo
         opt.dht.node, opt._loop, o.run_id, CheckpointStore(o.checkpoint_dir), every=o.checkpoint_every,
         server=opt.state_sync.server, keep=o.checkpoint_keep, writers=o.checkpoint_writers,
         meta={"mode": o.mode, "schema": opt.averager.schema.hash}, on_saved=opt._checkpoint_saved,
-        labels={"state_dict": opt._state_names} if opt._state_names else None,
+        labels={**({"state_dict": opt._state_names} if opt._state_names else {}),
+                **(opt.fsdp.label() if opt.fsdp else {})} or None,
         trusted_writers=o.trusted_writers,
     )
 
