@@ -123,13 +123,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     FSDP2 model (``fully_shard``) every rank averages its own shard instead (:mod:`~p2ptrain.optim.fsdp`).
     """
 
-    def __new__(cls, *args: Any, process_group: Any = None, **kwargs: Any) -> DecentralizedOptimizer:
-        if cls is DecentralizedOptimizer:
-            ranks = PeerRanks.detect(process_group)
-            if ranks is not None and not ranks.is_leader:
     #: this rank's shard of an FSDP model (None: the optimizer trains whole tensors)
     fsdp: FsdpShard | None = None
 
+    def __new__(cls, *args: Any, process_group: Any = None, **kwargs: Any) -> DecentralizedOptimizer:
+        if cls is DecentralizedOptimizer:
+            ranks = PeerRanks.detect(process_group)
+            inner = args[0] if args else kwargs.get("optimizer")
+            if ranks is not None and not ranks.is_leader and not is_sharded(inner):
                 from .follower import RankFollower
 
                 cls = RankFollower
@@ -176,15 +177,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        # FSDP: this rank trains its shards, as a member of its shard's swarm (see optim/fsdp.py)
+        self.fsdp = FsdpShard(optimizer, process_group) if is_sharded(optimizer) else None
+        if self.fsdp is not None:
+            run_id = self.fsdp.run_id(run_id)
         peer_name = check_name(name)
         self.options = o = TrainerOptions(
             run_id=run_id, target_batch_size=target_batch_size, batch_size_per_step=batch_size_per_step, mode=mode,
             local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
             inner_warmup_steps=inner_warmup_steps, compression=compression, aggregation=aggregation,
-        # FSDP: this rank trains its shards, as a member of its shard's swarm (see optim/fsdp.py)
-        self.fsdp = FsdpShard(optimizer, process_group) if is_sharded(optimizer) else None
-        if self.fsdp is not None:
-            run_id = self.fsdp.run_id(run_id)
             target_group_size=target_group_size, mixing=mixing, delay_updates=delay_updates,
             overlap_outer=overlap_outer, matchmaking_timeout=matchmaking_timeout,
             averaging_timeout=averaging_timeout, refresh_period=refresh_period, bandwidth=bandwidth,
@@ -245,12 +246,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             target_group_size=target_group_size,
             bandwidth=bandwidth, matchmaking_timeout=matchmaking_timeout,
             allreduce_config=AllReduceConfig(timeout=averaging_timeout),
+            shards=self.fsdp.world_size if self.fsdp else 1,
         )
         # epoch claims are believed on evidence only (a quorum; under mean also a plausible rate)
         self._strict = self.aggregation != "mean"  # a robust rule: what a minority claims steers nothing
         self._judge = EpochJudge(strict=self._strict, live_window=max(3.0, 4 * refresh_period))
         self.tracker = ProgressTracker(self.dht.node, run_id, self.averager.schema.key,
-            shards=self.fsdp.world_size if self.fsdp else 1,
                                        self.target_batch_size if mode == "sync" else local_steps * batch_size_per_step,
                                        refresh=refresh_period, judge=self._judge_claims, on_refused=self._refused,
                                        held=lambda: self._applied)
@@ -367,13 +368,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+        if self.fsdp is not None:
+            self.fsdp.zero_grad()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError("DecentralizedOptimizer cannot add parameter groups after it was created: "
                            "every peer must average the same tensors")
 
-        if self.fsdp is not None:
-            self.fsdp.zero_grad()
     @property
     def mismatches(self) -> dict[str, str]:
         """Peers of this run training another model: base58 peer id -> what is different."""
@@ -432,13 +433,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def _step(self, bs: int) -> None:
         if self.ranks is not None:  # the peer's batch: every rank's
             bs = self.ranks.sum(bs)
+        elif self.fsdp is not None:  # (and this rank's gradients onto its shards)
+            bs = self.fsdp.begin_step(bs)
         self._sps = self._rate.tick(bs, self._paused, time.perf_counter())
         self._paused = 0.0
         self.stats.local_sps = self._sps
         self.stats.samples_total += bs
         if self.mode == "sync":
-        elif self.fsdp is not None:  # (and this rank's gradients onto its shards)
-            bs = self.fsdp.begin_step(bs)
             sync_step(self, bs)
         else:
             diloco_step(self, bs)
