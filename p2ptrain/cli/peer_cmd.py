@@ -244,7 +244,10 @@ def _printer(as_json: bool, join: Sequence[str] = ()):
     def show(event: dict[str, Any]) -> None:
         nonlocal waited, joinable
         if as_json:
-            print(json.dumps(event), flush=True)
+            # one write per line: the ranks of a --nproc-per-node peer share stdout, and print() under
+            # python -u writes the newline separately, so two ranks' lines could interleave
+            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.flush()
             return
         kind = event["event"]
         if kind == "started":

@@ -9,6 +9,8 @@
     catch_up.py    falling behind, loading the swarm's state, resuming from a checkpoint
     shared_state.py  the state every group member holds alike: served, saved, put in place
     stats.py       OptimizerStats
+    ranks.py       a torchrun job as one peer: PeerRanks (rank 0 leads) and the in-peer step protocol
+    follower.py    RankFollower: the optimizer of the ranks other than the leader
 
 The optimizer is imported lazily: tools that only read progress (``p2ptrain status``) need no torch.
 """

@@ -52,13 +52,8 @@ class RankFollower(DecentralizedOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:  # type: ignore[override]
-        if self._closed:
-            raise RuntimeError("this DecentralizedOptimizer is closed")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        bs = self.ranks.sum(self.batch_size_per_step if batch_size is None else int(batch_size))
+        loss, bs = self._open_step(closure, batch_size)
+        bs = self.ranks.sum(bs)
         self.stats.samples_total += bs
         if self.mode == "diloco":  # every rank takes the local step (its gradients are the peer's)
             self._inner_steps += 1

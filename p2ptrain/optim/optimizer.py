@@ -414,6 +414,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:  # type: ignore[override]
         """Account for one local batch (``batch_size`` samples, default ``batch_size_per_step``)
         whose gradients are in ``.grad``; take a global step when the swarm is ready for one."""
+        loss, bs = self._open_step(closure, batch_size)
+        try:
+            self._step(bs)
+        except RankFailure:
+            self.close()  # a rank of ours died: the whole peer leaves the swarm
+            raise
+        return loss
+
+    def _open_step(self, closure: Callable[[], Any] | None, batch_size: int | None) -> tuple[Any, int]:
+        """``step``'s start: the closure's loss and the batch's size (checked)."""
         if self._closed:
             raise RuntimeError("this DecentralizedOptimizer is closed")
         loss = None
@@ -423,12 +433,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         bs = self.batch_size_per_step if batch_size is None else int(batch_size)
         if bs < 1:
             raise ValueError("batch_size must be positive")
-        try:
-            self._step(bs)
-        except RankFailure:
-            self.close()  # a rank of ours died: the whole peer leaves the swarm
-            raise
-        return loss
+        return loss, bs
 
     def _step(self, bs: int) -> None:
         if self.ranks is not None:  # the peer's batch: every rank's

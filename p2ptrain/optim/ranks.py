@@ -17,7 +17,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-__all__ = ["LEADER", "PeerRanks", "RankFailure"]
+__all__ = ["LEADER", "PeerRanks", "RankFailure", "ddp", "follow", "lead", "rank_device", "rank_seed", "stopping"]
 
 #: the rank that runs the peer's DHT node and averages with the swarm
 LEADER = 0
@@ -124,10 +124,12 @@ class PeerRanks:
     def all_reduce_mean(self, tensors: Sequence[torch.Tensor]) -> None:
         """Every rank's ``tensors`` replaced by their mean over the ranks, in place."""
         for t in tensors:
-            work = t.detach() if t.device == self.device and t.is_contiguous() else t.detach().contiguous().to(self.device)
+            work = t.detach()
+            if work.device != self.device or not work.is_contiguous():
+                work = work.contiguous().to(self.device)
             self._run(dist.all_reduce, work, op=dist.ReduceOp.SUM, group=self.group)
             work.div_(self.world_size)
-            if work is not t:
+            if work.data_ptr() != t.data_ptr():
                 t.detach().copy_(work)
 
     def barrier(self) -> None:
