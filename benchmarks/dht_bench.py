@@ -2,7 +2,7 @@
 """p2ptrain DHT benchmark: swarm start, get latency/hops, survival of a 30% crash, transport speed.
 
     python benchmarks/dht_bench.py --nodes 64 256 [--procs P] [--gets 1000] [--json out.json]
-                                   [--hivemind-python /tmp/hmvenv/bin/python]
+                                   [--hivemind-python /tmp/hmvenv/bin/python] [--load P]
 
 For each N: N DHTNodes spread over P child processes (p2ptrain/testing/dht_swarm.py; default min(8, N/8)),
 each joining through 2 of process 0's nodes (rotating). Reported:
@@ -13,11 +13,12 @@ each joining through 2 of process 0's nodes (rotating). Reported:
   * gets from random nodes for random keys, ONE GET IN FLIGHT IN THE WHOLE SWARM (each process
     runs its share sequentially, processes one after another), so latency has no self-contention:
     p50/p99 ms, hops mean/max (LookupResult.hops; 0 = found locally) against the Kademlia bound
-    ceil(log2 N / log2 20) + 2, success rate; once with latest=False (the default get) and once with
-    latest=True (what hivemind's baseline measures);
+    ceil(log2 N / log2 20) + 2, success rate; with latest=False (the default get) and with latest=True
+    (what hivemind's baseline measures), each process running its share of both back to back, and
+    the ratio of their p99s; --load P runs P busy-looping processes alongside (a loaded box);
   * SIGKILL of ceil(30% of the processes) (process 0, the bootstrap, among them), a wait of one
     republish period (the benchmark's config sets a short one and prints it), then the same gets
-    from surviving nodes only.
+    (both kinds) from surviving nodes only, while republish rounds run.
 Then the transport: one encrypted p2ptrain stream (dht.transport.Host + open_stream) against raw
 asyncio TCP, both sender and receiver in separate processes, uvloop when available, and the ratio.
 hivemind's DHT (benchmarks/_hivemind_dht.py) runs with the same N when importable.
@@ -74,18 +75,27 @@ async def interpreter_start_s(runs: int = 3) -> float:
 
 
 async def run_gets(procs: list[SwarmProcess], alive: dict[int, list[int]], keys: dict[str, Any], n: int,
-                   latest: bool, rng: random.Random) -> dict:
-    """``n`` gets, each from a random live node (``alive``: process -> its live nodes)."""
+                   rng: random.Random, n_latest: int = 0) -> tuple[dict, dict]:
+    """``n`` plain gets and ``n_latest`` with latest=True, each from a random live node (``alive``:
+    process -> its live nodes). Each process runs its share of both kinds back to back, so that
+    the two kinds see the same load and republish rounds."""
     nodes = [(i, j) for i, js in alive.items() for j in js]
-    plan: dict[int, list] = {i: [] for i in alive}
-    for _ in range(n):
-        i, j = rng.choice(nodes)
-        plan[i].append([j, rng.choice(list(keys))])
-    results = []
-    for i in plan:  # one process at a time: one get in flight in the whole swarm
-        if plan[i]:
-            reply = await procs[i].request("get_many", gets=plan[i], latest=latest, timeout=300)
-            results += [(key, r) for (_, key), r in zip(plan[i], reply["results"])]
+    plans: list[dict[int, list]] = [{i: [] for i in alive}, {i: [] for i in alive}]
+    for latest, count in enumerate((n, n_latest)):
+        for _ in range(count):
+            i, j = rng.choice(nodes)
+            plans[latest][i].append([j, rng.choice(list(keys))])
+    results: list[list] = [[], []]
+    for i in alive:  # one process at a time: one get in flight in the whole swarm
+        for latest, plan in enumerate(plans):
+            if plan[i]:
+                reply = await procs[i].request("get_many", gets=plan[i], latest=bool(latest), timeout=300)
+                results[latest] += [(key, r) for (_, key), r in zip(plan[i], reply["results"])]
+    plain, fresh = (_get_stats(rs, keys) for rs in results)
+    return plain, fresh
+
+
+def _get_stats(results: list, keys: dict[str, Any]) -> dict:
     ok = [r for key, r in results if r["value"] == keys[key]]
     ms = [r["ms"] for _, r in results]
     hops = [r["hops"] for r in ok]
@@ -130,8 +140,7 @@ async def bench_dht(n_nodes: int, n_procs: int, n_keys: int, n_gets: int, seed: 
                         "accepted_mean": statistics.fmean(a["accepted"] for a in accepted)}
         out["hops_target"] = math.ceil(math.log2(n_nodes) / math.log2(20)) + 2
         alive = {i: list(range(s)) for i, s in enumerate(sizes)}
-        out["get"] = await run_gets(procs, alive, keys, n_gets, False, rng)
-        out["get_latest"] = await run_gets(procs, alive, keys, max(1, n_gets // 4), True, rng)
+        out["get"], out["get_latest"] = await run_gets(procs, alive, keys, n_gets, rng, max(1, n_gets // 4))
         log(f"N={n_nodes}: gets {out['get']}")
 
         # Remove exactly ceil(30%) of the nodes: SIGKILL whole processes (process 0, the bootstrap,
@@ -155,7 +164,7 @@ async def bench_dht(n_nodes: int, n_procs: int, n_keys: int, n_gets: int, seed: 
         log(f"N={n_nodes}: SIGKILLed {len(victims)} processes ({killed} nodes), stopped {target - killed} more; "
             f"waiting {wait:.0f} s (one republish period)")
         await asyncio.sleep(wait)  # time must pass: the republish period is a timer, not an event
-        after = await run_gets(procs, alive, keys, n_gets, False, rng)
+        after, out["after_kill_latest"] = await run_gets(procs, alive, keys, n_gets, rng, max(1, n_gets // 4))
         after.update(killed=target, killed_frac=target / n_nodes, sigkilled_procs=len(victims), waited_s=wait)
         out["after_kill"] = after
         return out
@@ -281,6 +290,17 @@ async def bench_throughput(mode: str, total: int) -> dict:
 # ------------------------------------------------------------------------------------- hivemind
 
 
+async def cpu_load(n: int) -> list[asyncio.subprocess.Process]:
+    """``n`` busy-looping child processes: the "loaded box" of the tail-latency figures."""
+    return [await _child(sys.executable, "-c", "while True: pass") for _ in range(n)]
+
+
+def stop_load(load: list[asyncio.subprocess.Process]) -> None:
+    for p in load:
+        if p.returncode is None:
+            p.kill()
+
+
 async def bench_hivemind(python: str, n_nodes: int, n_gets: int, timeout: float) -> dict | str:
     script = ROOT / "benchmarks" / "_hivemind_dht.py"
     check = await _child(python, "-c", "import hivemind", stdout=asyncio.subprocess.DEVNULL,
@@ -318,7 +338,7 @@ def report(runs: list[dict], tput: dict, hm: dict[int, Any]) -> None:
 
     rows = []
     for r in runs:
-        n, g, gl, a = r["nodes"], r["get"], r["get_latest"], r["after_kill"]
+        n, g, gl, a, ak = r["nodes"], r["get"], r["get_latest"], r["after_kill"], r["after_kill_latest"]
         rows += [
             (f"N={n} ({r['procs']} procs)", "start incl. / excl. interpreters (s)",
              f"{f(r['start_s'], '.2f')} / {f(r['start_excl_interp_s'], '.2f')}", "< 5 s (N=64)"),
@@ -332,10 +352,15 @@ def report(runs: list[dict], tput: dict, hm: dict[int, Any]) -> None:
             ("", "get success", f"{g['success']:.2%}", "100%"),
             ("", "get latest=True p50 / p99 ms, success",
              f"{f(gl['p50_ms'], '.2f')} / {f(gl['p99_ms'], '.2f')}, {gl['success']:.2%}", ""),
+            ("", f"p99 latest=True / plain ({r['load_procs']} busy processes alongside)",
+             f"{gl['p99_ms'] / g['p99_ms']:.1f}x", "<= 3x"),
             ("", f"after SIGKILL {a['killed']} nodes ({a['killed_frac']:.0%}), {a['waited_s']:.0f} s: success",
              f"{a['success']:.2%}", ">= 99.9%"),
             ("", "after kill: get p50 / p99 ms, hops mean/max",
              f"{f(a['p50_ms'], '.2f')} / {f(a['p99_ms'], '.2f')}, {f(a['hops_mean'], '.2f')}/{a['hops_max']}", ""),
+            ("", "after kill: latest=True p50 / p99 ms, success; p99 latest / plain",
+             f"{f(ak['p50_ms'], '.2f')} / {f(ak['p99_ms'], '.2f')}, {ak['success']:.2%}; "
+             f"{ak['p99_ms'] / a['p99_ms']:.1f}x", "<= 3x"),
         ]
         h = hm.get(n)
         if isinstance(h, dict) and h.get("start_s"):
@@ -378,11 +403,13 @@ def report(runs: list[dict], tput: dict, hm: dict[int, Any]) -> None:
 async def amain(args: argparse.Namespace) -> dict:
     runs, hm, tput = [], {}, {}
     interp = await interpreter_start_s()
+    load = await cpu_load(args.load)
     for n in args.nodes:
         procs = args.procs or max(1, min(8, n // 8))
         r = await bench_dht(n, procs, args.keys, args.gets, args.seed)
-        r["interp_s"] = interp
+        r["interp_s"], r["load_procs"] = interp, args.load
         runs.append(r)
+    stop_load(load)
     if not args.no_throughput:
         # Alternate raw and encrypted runs and keep medians: the machine is shared and noisy, and
         # a ratio is only meaningful between runs that saw the same conditions.
@@ -394,6 +421,7 @@ async def amain(args: argparse.Namespace) -> dict:
         for mode, values in trials.items():
             tput[mode] = {"gbps": statistics.median(values), "trials": values}
     if not args.no_hivemind:
+        load = await cpu_load(args.load)
         for n in args.nodes:
             log(f"hivemind N={n} ...")
             hm[n] = await bench_hivemind(args.hivemind_python, n, args.gets, args.hivemind_timeout)
@@ -402,6 +430,7 @@ async def amain(args: argparse.Namespace) -> dict:
                 print(f"hivemind: {hm[n]}")
                 if hm[n].startswith("not installed"):
                     break
+        stop_load(load)
     report(runs, tput, hm)
     return {"runs": runs, "throughput": tput, "hivemind": {str(k): v for k, v in hm.items()}}
 
@@ -416,6 +445,8 @@ def main() -> None:
     ap.add_argument("--republish", type=float, default=CONFIG["republish_interval"],
                     help="DHTConfig.republish_interval for the swarm, s (default 5)")
     ap.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    ap.add_argument("--load", type=int, default=0, metavar="P",
+                    help="busy-looping processes run alongside the DHT runs and hivemind's (default 0)")
     ap.add_argument("--tput-mib", type=int, default=1024, help="MiB per throughput run (default 1024)")
     ap.add_argument("--tput-trials", type=int, default=5, help="alternating raw/encrypted runs (default 5)")
     ap.add_argument("--no-throughput", action="store_true")
