@@ -1,13 +1,13 @@
 """Sans-IO mixing groups (Moshpit-style): which part of the swarm a peer averages with in a round.
 
-Once the swarm outgrows ``target`` peers, peers sit in a ``d``-dimensional grid of side ``s``
-(the smallest ``d`` with ``target ** d >= n``, the smallest ``s`` with ``s ** d >= n``). Round ``k``
-averages along dimension
-``k mod d``: peers that share every other coordinate meet under one matchmaking key, about ``s``
-of them, so no peer ever reads more than a cell of the swarm. After a round a peer takes its rank
-in its group as its coordinate along that dimension, so the next dimension's cells draw one peer
-from each of the last round's groups: in a full grid ``d`` rounds give every peer the exact
-average of all, and any round mixes what separate groups averaged before.
+Once the swarm outgrows ``target`` peers, peers sit in a grid of ``d`` dimensions whose sides
+are powers of two of at most ``target``, with as many cells as the swarm's size rounded to a power
+of two. Round ``k`` averages along dimension ``k mod d``: peers that share every other coordinate
+meet under one matchmaking key, one side's worth of them, so no peer ever reads more than a cell
+of the swarm. After a round a peer takes its rank in its group as its coordinate along that
+dimension, so the next dimension's cells draw one peer from each of the last round's groups: in
+a full grid ``d`` rounds give every peer the exact average of all, and any round mixes what
+separate groups averaged before.
 """
 
 from __future__ import annotations
@@ -24,20 +24,18 @@ def swarm_size(n: int) -> int:
     return 1 << round(math.log2(n))
 
 
-def grid_shape(n: int, target: int) -> tuple[int, int]:
-    """``(dims, side)`` of the grid for a swarm of ``n`` peers and groups of about ``target``;
-    ``(0, n)`` while one group holds everyone."""
+def grid_shape(n: int, target: int) -> tuple[int, ...]:
+    """The sides of the grid for a swarm of ``n`` peers (a power of two) and groups of at most
+    ``target``: powers of two, as even as can be, whose product is ``n``; ``()`` while one group
+    holds everyone."""
     if target < 1:
         raise ValueError("target group size must be at least 1")
-    if n <= target or target == 1:
-        return 0, n
-    dims = 1
-    while target ** dims < n:
-        dims += 1
-    side = 2
-    while side ** dims < n:
-        side += 1
-    return dims, side
+    per_dim = int(math.log2(target)) if target > 1 else 0  # bits of one side
+    if n <= target or per_dim == 0:
+        return ()
+    bits = max(0, math.ceil(math.log2(n)))
+    dims = math.ceil(bits / per_dim)
+    return tuple(1 << (bits // dims + (1 if j < bits % dims else 0)) for j in range(dims))
 
 
 class GridMixer:
@@ -51,40 +49,45 @@ class GridMixer:
             raise ValueError("target group size must be at least 1")
         self.me = bytes(me)
         self.target = target
-        self._shape: tuple[int, int] = (0, 0)
+        self._shape: tuple[int, ...] = ()
         self.coords: list[int] = []
 
-    def shape(self, n: int) -> tuple[int, int]:
-        """The grid's ``(dims, side)`` for a swarm of about ``n`` peers (see :func:`swarm_size`)."""
+    def shape(self, n: int) -> tuple[int, ...]:
+        """The grid's sides for a swarm of about ``n`` peers (see :func:`swarm_size`)."""
         return grid_shape(swarm_size(n), self.target)
 
-    def _place(self, shape: tuple[int, int], peers: Sequence[bytes]) -> list[int]:
+    def _place(self, shape: tuple[int, ...], peers: Sequence[bytes]) -> list[int]:
         if shape != self._shape:
-            dims, side = shape
             self._shape = shape
-            ordered = sorted(set(peers) | {self.me})
-            index = ordered.index(self.me)
-            self.coords = [(index // side ** j) % side for j in range(dims)]
+            index = sorted(set(peers) | {self.me}).index(self.me)
+            self.coords = []
+            for side in shape:  # (mixed radix: consecutive indices differ in the first coordinate)
+                index, c = divmod(index, side)
+                self.coords.append(c)
         return self.coords
 
     def key(self, k: int, peers: Sequence[bytes]) -> str:
         """The cell of round ``k``: the grid's shape, the dimension averaged along, and our other
         coordinates (appended to the round id by the caller)."""
         shape = self.shape(len(peers))
-        dims, side = shape
-        if not dims:
+        if not shape:
             return ""
         coords = self._place(shape, peers)
-        dim = k % dims
+        dim = k % len(shape)
         rest = ".".join(str(c) for j, c in enumerate(coords) if j != dim)
-        return f"/g{dims}x{side}d{dim}:{rest}"
+        return f"/g{'x'.join(map(str, shape))}d{dim}:{rest}"
+
+    def expected(self, k: int, peers: Sequence[bytes]) -> int | None:
+        """How many peers round ``k``'s cell holds when ``peers`` fill the grid exactly (placement
+        keeps a full grid's cells full); None otherwise (cells then differ)."""
+        shape = self.shape(len(peers))
+        return shape[k % len(shape)] if shape and math.prod(shape) == len(set(peers) | {self.me}) else None
 
     def placed(self, k: int, peers: Sequence[bytes], rank: int) -> None:
         """After round ``k``: our rank in its group becomes our coordinate along its dimension."""
         shape = self.shape(len(peers))
-        dims, side = shape
-        if dims and rank >= 0:
-            self._place(shape, peers)[k % dims] = rank % side
+        if shape and rank >= 0:
+            self._place(shape, peers)[k % len(shape)] = rank % shape[k % len(shape)]
 
 
 def rank_in(members: Sequence[object], me: object) -> int:

@@ -103,6 +103,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     In the DHT a checkpoint counts only when three distinct writers signed it, or one of
     ``trusted_writers`` (PeerIDs or their strings) did: never one peer's claim alone.
 
+    ``mixing`` (default on): once the swarm has more than ``target_group_size`` peers, each round
+    meets in a cell of a grid that changes every round and also averages the cell's parameters,
+    so groups mix into one model without state rounds (:mod:`~p2ptrain.averaging.mixing`).
+
     ``averaging_timeout``, ``load_state_timeout``: seconds for one all-reduce round and for loading
     the swarm's state (or its checkpoint, on resume); by default derived from the bytes moved and
     this peer's own measured bandwidth and latency (:mod:`p2ptrain.deadlines`), 60 s until measured.

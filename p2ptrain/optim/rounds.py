@@ -50,26 +50,29 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
         return done
     # (delayed updates overlap training with the round: snapshots do not wait for it)
     on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
-    opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch)
-    # (in a grid cell nobody knows how many will come: matchmaking settles instead)
+    # (round 2e of the grid; its parameter mix, 2e + 1, spans the groups this one formed)
+    opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), 2 * epoch)
     step = opt.averager.step(weight=samples, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
-                             expected=None if cell.key else expected, on_group=on_group)
+                             expected=cell.expected if cell.key else expected, on_group=on_group)
     return opt._loop.submit(placed(opt, cell, step) if cell.key else step)
 
 
 @dataclass(frozen=True)
 class Cell:
-    """Where a round of ours met: the peers its grid was drawn for, the round's index and its
-    cell's key (``""``: the whole swarm under one key, no grid)."""
+    """Where a round of ours met: the peers its grid was drawn for, the round's index, its
+    cell's key (``""``: the whole swarm under one key, no grid) and size (None: not known)."""
 
     peers: tuple[bytes, ...] = ()
     k: int = 0
     key: str = ""
+    expected: int | None = None
 
 
 def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int) -> Cell:
     """The cell of round ``k`` in a swarm of ``peers`` (no grid without a mixer)."""
-    return Cell(peers, k, opt.mixer.key(k, peers) if opt.mixer is not None else "")
+    if opt.mixer is None:
+        return Cell(peers, k)
+    return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers))
 
 
 async def placed(opt: DecentralizedOptimizer, cell: Cell, step: Awaitable[StepResult]) -> StepResult:
@@ -159,13 +162,14 @@ def state_round_due(every: int, epoch: int, expected: int) -> bool:
 
 def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
     """Every ``average_state_every`` epochs, average the state itself, equally weighted; after a
-    round in a grid cell (mixing groups), average the parameters in that cell.
+    round in a grid cell (mixing groups), average the parameters in the next round's cell.
 
     Gradient rounds keep a group's members bit-identical, but once the swarm splits into
     several groups (a late matchmaker, churn, more peers than ``target_group_size``) the groups
-    drift apart; averaging the state brings them back together. In a grid the groups change
-    every round, so mixing the parameters of each round's cell pulls every peer toward one model
-    (Moshpit), and a state round walks every dimension of the grid: the whole swarm's average.
+    drift apart; averaging the state brings them back together. In a grid the next round's cell
+    holds one peer of each group this round formed: mixing the parameters there averages out the
+    groups' different steps (Moshpit), and a state round walks every dimension of the grid (the
+    whole swarm's average in a full grid).
     """
     due = state_round_due(opt.average_state_every, epoch, opt._last_expected)
     cell = opt._cell
@@ -179,9 +183,9 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
         # buffers follow them (and would double the bytes of these rounds)
         named = state_tensors(opt._outer, opt.outer_optimizer.state, due and opt._outer_momentum_in_state)
     averager = state_averager(opt, "state" if due else "mix", named)
-    dims = opt.mixer.shape(len(cell.peers))[0] if due and cell.key and opt.mixer is not None else 1
+    dims = len(opt.mixer.shape(len(cell.peers))) if due and cell.key and opt.mixer is not None else 1
     averaged = False
-    for k in range(cell.k, cell.k + dims):  # (the cell of the gradient round first)
+    for k in range(cell.k + 1, cell.k + 1 + dims):  # (from the dimension after the gradient round's)
         here = grid_cell(opt, cell.peers, k) if cell.key else cell
         averaged = _state_round(opt, averager, f"{'s' if due else 'm'}{epoch}{here.key}", here) or averaged
     return averaged
@@ -212,7 +216,7 @@ def _state_round(opt: DecentralizedOptimizer, averager: Averager, round_id: str,
         opt._version += 1
 
     step = averager.step(weight=1.0, round_id=round_id, timeout=opt.matchmaking_timeout,
-                         expected=None if cell.key else opt._last_expected, on_group=opt._settled.clear,
+                         expected=cell.expected if cell.key else opt._last_expected, on_group=opt._settled.clear,
                          lock=opt._state_lock, on_write=written)
     future = opt._loop.submit(placed(opt, cell, step))
     try:

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Swarms of 8 to 64 training peers with mixing groups: per-peer throughput, accuracy, matchmaking
+time and parameter spread as N grows.
+
+    python benchmarks/scale.py [--n 8 16 32 64] [--modes sync diloco] [--group 4] [--per-proc 8]
+
+Each run: N digits peers (a 64-32-10 MLP), ``--per-proc`` of them per child process
+(``p2ptrain.testing.multipeer``, each peer with its own DHT node and identity), joined through one
+bootstrap node in this process. Every step takes ``--step-s`` (50 ms of emulated compute, the same
+per peer at every N); sync epochs take ``--steps`` steps of every peer (the target batch grows with
+N), diloco rounds ``--steps`` local steps; ``target_group_size`` ``--group`` < N, so rounds meet
+in mixing-grid cells. Printed per mode and N, with ratios to the first N of the run:
+  * per-peer samples/s (mean over peers of samples / training seconds; target >= 0.8 at 64);
+  * final test accuracy (mean and min over peers; target: N=64 within 1 point of N=8);
+  * matchmaking time per gradient round (median over every peer's rounds; target <= 1.5x) and
+    the mean group size;
+  * the parameter spread after each epoch: max distance between two peers' parameters over the
+    norm of their mean (``*``: an epoch that ended with a state round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._procs import Children, loadavg, run_main, sigterm_as_exit  # noqa: E402
+from p2ptrain import DHT  # noqa: E402
+
+STATE_EVERY = {"sync": 5, "diloco": 10}  # the optimizer's default average_state_every
+
+
+def spread_of(folder: Path, verbose: bool = False) -> float:
+    files = sorted(folder.glob("p*.f32"))
+    flats = np.stack([np.fromfile(f, dtype=np.float32) for f in files]).astype(np.float64)
+    mean_norm = np.linalg.norm(flats.mean(0))
+    if verbose:
+        far = np.linalg.norm(flats - np.median(flats, 0), axis=1) / mean_norm
+        print(folder.name, " ".join(f"{f.stem}:{d:.1e}" for f, d in zip(files, far)), file=sys.stderr)
+    sq = (flats ** 2).sum(1)
+    d2 = np.maximum(sq[:, None] + sq[None, :] - 2 * flats @ flats.T, 0.0)
+    return float(np.sqrt(d2.max()) / mean_norm)
+
+
+def run(mode: str, n: int, args: argparse.Namespace) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"p2ptrain-scale-{mode}{n}-"))
+    boot = DHT([], listen=("127.0.0.1", 0), swarm_key=False)
+    epochs = args.epochs if args.epochs else (20 if mode == "sync" else 8)
+    try:
+        with Children(tag="scale") as kids:
+            procs = math.ceil(n / args.per_proc)
+            for p in range(procs):
+                first = p * n // procs
+                cfg = {"bootstrap": [str(boot.multiaddrs[0])], "first": first, "count": (p + 1) * n // procs - first,
+                       "world": n, "mode": mode, "run_id": f"scale-{mode}-{n}", "hidden": 32,
+                       "batch_size": 32, "lr": args.lr or (1e-2 if mode == "sync" else 3e-3),
+                       "steps_per_epoch": args.steps or (4 if mode == "sync" else 10), "group": args.group,
+                       "mixing": not args.no_mixing, "matchmaking_timeout": 5.0, "join_timeout": 180.0,
+                       "epochs": epochs, "step_s": args.step_s, "out": str(out)}
+                kids.spawn(f"p{p}", [sys.executable, "-m", "p2ptrain.testing.multipeer", json.dumps(cfg)])
+            reports: list[dict] = []
+            t0 = time.monotonic()
+            while len(reports) < n:
+                _, _, obj = kids.wait_for(lambda _n, e: "peer" in e, timeout=max(60.0, 600 - (time.monotonic() - t0)))
+                reports.append(obj)
+        if args.verbose:
+            for r in sorted(reports, key=lambda r: r["peer"]):
+                rounds = [(e, round(m, 2), g, k) for e, m, g, k in r["rounds"]]
+                print(r["peer"], r["state_loads"], rounds, file=sys.stderr)
+        sps = [r["samples"] / r["train_s"] for r in reports]
+        rounds = [x for r in reports for x in r["rounds"]]
+        spreads = {e: spread_of(out / f"e{e}", args.verbose) for e in range(1, epochs + 1) if (out / f"e{e}").exists()}
+        return {"mode": mode, "n": n, "sps": statistics.mean(sps),
+                "acc": statistics.mean(r["accuracy"] for r in reports), "acc_min": min(r["accuracy"] for r in reports),
+                "mm": statistics.median(x[1] for x in rounds) if rounds else float("nan"),
+                "group": statistics.mean(x[2] for x in rounds) if rounds else 0.0,
+                "loads": sum(r["state_loads"] for r in reports), "spreads": spreads}
+    finally:
+        boot.close()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def table(rows: list[dict]) -> None:
+    base = rows[0]
+    print(f"\n{rows[0]['mode']}: per-peer samples/s, accuracy, matchmaking per round ({loadavg()})")
+    print("| N | samples/s per peer | ratio | accuracy (min) | d acc | matchmaking s | ratio | group | state loads |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']} | {r['sps']:.1f} | {r['sps'] / base['sps']:.2f} | {100 * r['acc']:.1f} "
+              f"({100 * r['acc_min']:.1f}) | {100 * (r['acc'] - base['acc']):+.1f} | {r['mm']:.3f} | "
+              f"{r['mm'] / base['mm']:.2f} | {r['group']:.1f} | {r['loads']} |")
+    every = STATE_EVERY[rows[0]["mode"]]
+    print("parameter spread after each epoch (* = after a state round):")
+    for r in rows:
+        cells = " ".join(f"{s:.1e}{'*' if e % every == 0 else ''}" for e, s in sorted(r["spreads"].items()))
+        print(f"  N={r['n']}: {cells}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--modes", nargs="+", choices=["sync", "diloco"], default=["sync", "diloco"])
+    ap.add_argument("--group", type=int, default=4, help="target_group_size (default 4)")
+    ap.add_argument("--per-proc", type=int, default=8, help="peers per child process")
+    ap.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step")
+    ap.add_argument("--steps", type=int, help="steps per epoch (sync, default 4) / local steps (diloco, 10)")
+    ap.add_argument("--epochs", type=int, help="epochs (sync, default 20) / rounds (diloco, 8)")
+    ap.add_argument("--lr", type=float, help="AdamW lr (default: sync 1e-2, diloco 3e-3)")
+    ap.add_argument("--no-mixing", action="store_true", help="baseline: fixed groups, one key per round")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print every peer's rounds (epoch, matchmaking s, group, cell) and distances")
+    args = ap.parse_args()
+    sigterm_as_exit()
+    all_rows = []
+    for mode in args.modes:
+        rows = []
+        for n in args.n:
+            print(f"{mode} N={n} ...", file=sys.stderr, flush=True)
+            rows.append(run(mode, n, args))
+        table(rows)
+        all_rows += rows
+    if args.json:
+        Path(args.json).write_text(json.dumps(all_rows, indent=1))
+
+
+if __name__ == "__main__":
+    run_main(main)

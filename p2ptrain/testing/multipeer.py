@@ -1,0 +1,109 @@
+"""Many training peers in one process, each with its own DHT node and identity: for benchmarks of
+large swarms on few cores (``benchmarks/scale.py``).
+
+``python -m p2ptrain.testing.multipeer '<json config>'`` runs ``count`` digits peers numbered from
+``first`` (of ``world``), joined through ``bootstrap``. Each trains in its own thread with steps
+that take ``step_s`` (the real forward and backward, then a sleep: emulated compute, the same for
+every peer whatever the swarm's size) until its optimizer reaches ``epochs``; after each epoch it
+writes its parameters (raw float32) to ``{out}/e{epoch}/p{index}.f32``. At the end it prints one
+JSON line per peer: samples, training seconds, its rounds (epoch, matchmaking s, group size, cell) and
+its test accuracy. Logs go to stderr; the child dies with its parent.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import DHT, DecentralizedOptimizer
+from ..averaging import StepResult
+from ..children import die_with_parent
+from ..optim.progress import SwarmView
+from ..tasks import get_task
+
+
+class TimedOptimizer(DecentralizedOptimizer):
+    """Records each gradient round's matchmaking time and group size."""
+
+    rounds: list[tuple[int, float, int, str]]
+
+    def _average(self, epoch: int, samples: int, view: SwarmView) -> Future[StepResult | None]:
+        future = super()._average(epoch, samples, view)
+        key = self._cell.key
+
+        def done(f: Future[StepResult | None]) -> None:
+            result = None if f.cancelled() or f.exception() is not None else f.result()
+            if result is not None:
+                self.rounds.append((epoch, result.matchmaking_s, result.group_size, key))
+
+        future.add_done_callback(done)
+        return future
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) -> None:
+    task = get_task("digits", hidden=cfg["hidden"], depth=1)
+    model = task.make_model(seed=0)
+    world, bs, mode = cfg["world"], cfg["batch_size"], cfg["mode"]
+    opt = TimedOptimizer(
+        task.make_optimizer(model.parameters(), lr=cfg["lr"]), dht=dht, run_id=cfg["run_id"], mode=mode,
+        target_batch_size=cfg["steps_per_epoch"] * bs * world, batch_size_per_step=bs,
+        local_steps=cfg["steps_per_epoch"], target_group_size=cfg["group"], mixing=cfg["mixing"],
+        matchmaking_timeout=cfg["matchmaking_timeout"], receipts=False,
+    )
+    opt.rounds = []
+    out = Path(cfg["out"])
+    try:
+        report["seen"] = opt.wait_for_peers(world, timeout=cfg["join_timeout"])
+        batches = task.batches(bs, seed=1, rank=index, world=world)
+        samples, epoch, t_start = 0, 0, time.perf_counter()
+        while opt.epoch < cfg["epochs"]:
+            t0 = time.perf_counter()
+            task.loss(model, next(batches)).backward()
+            time.sleep(max(0.0, cfg["step_s"] - (time.perf_counter() - t0)))
+            opt.step()
+            opt.zero_grad()
+            samples += bs
+            if opt.epoch != epoch:
+                epoch = opt.epoch
+                folder = out / f"e{epoch}"
+                folder.mkdir(parents=True, exist_ok=True)
+                flat(model).numpy().tofile(folder / f"p{index}.f32")
+        report.update(samples=samples, train_s=time.perf_counter() - t_start, rounds=opt.rounds,
+                      state_loads=opt.stats.state_loads)
+        opt.finish_round()
+        report["accuracy"] = task.evaluate(model)["accuracy"]
+    finally:
+        opt.close()
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    die_with_parent()
+    torch.set_num_threads(1)
+    dhts = [DHT(cfg["bootstrap"], listen=("127.0.0.1", 0), swarm_key=False) for _ in range(cfg["count"])]
+    reports: list[dict[str, Any]] = [{"peer": cfg["first"] + i} for i in range(cfg["count"])]
+    threads = [threading.Thread(target=run_peer, args=(cfg["first"] + i, cfg, dhts[i], reports[i]))
+               for i in range(cfg["count"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in reports:
+        print(json.dumps(r), flush=True)
+    for d in dhts:
+        d.close()
+
+
+if __name__ == "__main__":
+    main()
