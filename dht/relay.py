@@ -33,6 +33,7 @@ Importing this module makes every ``transport.Host`` dial circuit addresses and 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import struct
 import time
@@ -132,6 +133,17 @@ async def _accepted(stream: Stream, refused: str) -> bytes:
         stream.reset("refused")
         raise RelayRefused(f"{refused}: {error}")
     return leftover
+
+
+def _is_endpoint(host: Any, port: Any) -> bool:
+    """Whether (``host``, ``port``), from a peer, is an IP address and a TCP port."""
+    if not (isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
+        return False
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _peer_of(header: Any) -> PeerID:
@@ -321,7 +333,8 @@ class RelayService:
             raise RelayRefused("reservations are only taken over a direct connection (relays do not chain)")
         assert conn.remote_peer is not None
         self.reservations.reserve(conn.remote_peer, conn, time.monotonic(), address_group(conn.remote_host))
-        return {"ttl": self.reservations.ttl, "bytes": self.circuit_bytes, "seconds": self.circuit_seconds}
+        return {"ttl": self.reservations.ttl, "bytes": self.circuit_bytes, "seconds": self.circuit_seconds,
+                "observed": [conn.remote_host, conn.remote_port]}  # where the reserver's NAT maps it
 
     async def _on_hop(self, stream: Stream) -> None:
         task = asyncio.current_task()
@@ -481,6 +494,9 @@ class RelayClient:
                 ttl = reply.get("ttl") if isinstance(reply, dict) else None
                 if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
                     raise ProtocolError(f"relay {relay} answered the reservation with {reply!r}")
+                observed = reply.get("observed")
+                if isinstance(observed, list) and len(observed) == 2 and _is_endpoint(*observed):
+                    self.host.note_observed(relay, (observed[0], observed[1]))
                 self._set_active(relay, True)
                 if not first.done():
                     first.set_result(float(ttl))
@@ -554,8 +570,12 @@ class CircuitTransport:
     ``RelayClient``, made on the first one)."""
 
     def __init__(self, host: Host):
+        from .holepunch import HolePuncher  # (it builds on this module)
+
         self.host = host
         self._client: RelayClient | None = None
+        #: upgrades relayed connections to direct ones where NAT allows (``dht.holepunch``)
+        self.puncher = HolePuncher(host)
 
     @property
     def addrs(self) -> list[Multiaddr]:
@@ -570,6 +590,7 @@ class CircuitTransport:
         return await self._client.reserve(addr, timeout)
 
     async def close(self) -> None:
+        await self.puncher.close()
         if self._client is not None:
             await self._client.close()
 

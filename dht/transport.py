@@ -133,6 +133,8 @@ class Host:
         #: where each peer that listens was last connected (its address as we saw it), oldest first
         self._seen: dict[PeerID, tuple[str, int]] = {}
         self._transports: dict[str, PeerTransport] = {}  # by address kind, made on first use
+        #: our address as each of a few peers saw it (a relay tells us at reservation), newest last
+        self._observed: dict[PeerID, tuple[str, int]] = {}
         #: windows of the streams remote peers opened to us, summed (see Limits.max_inbound_streams)
         self.inbound_stream_memory = 0
         self._watchdog: asyncio.Task | None = None
@@ -170,8 +172,10 @@ class Host:
         self.sealer = make_pool(self._seal_threads)
         if self._listen is not None:
             host, port = self._listen
+            # not reachable: hole punching (``dht.holepunch``) dials from the listen port too
             self._server = await self.loop.create_server(
-                lambda: Connection(self, initiator=False), host, port, reuse_address=True, backlog=1024
+                lambda: Connection(self, initiator=False), host, port, reuse_address=True, backlog=1024,
+                reuse_port=not self.reachable,
             )
             self.listen_port = self._server.sockets[0].getsockname()[1]
         self._watchdog = self.loop.create_task(self._watch())
@@ -190,6 +194,23 @@ class Host:
     def circuit_addrs(self) -> list[Multiaddr]:
         """Our circuit addresses through relays that hold a reservation for us now."""
         return [a for t in self._transports.values() for a in t.addrs]
+
+    @property
+    def listen_host(self) -> str | None:
+        """The address our listener is bound to (None in client mode)."""
+        return self._listen[0] if self._listen is not None else None
+
+    def note_observed(self, by: PeerID, addr: tuple[str, int]) -> None:
+        """Record our address as peer ``by`` sees it (bounded: a few peers' views are enough)."""
+        self._observed.pop(by, None)
+        self._observed[by] = addr
+        while len(self._observed) > MAX_CIRCUITS:
+            del self._observed[next(iter(self._observed))]
+
+    @property
+    def observed_addrs(self) -> list[tuple[str, int]]:
+        """Our addresses as peers see them, newest first, without repeats."""
+        return list(dict.fromkeys(reversed(self._observed.values())))
 
     def advertised(self) -> dict[str, Any]:
         """What our handshake tells a peer of how to reach us: our listen port (None when not
@@ -300,6 +321,13 @@ class Host:
                 raise
             log.debug("%s at %s:%d: %s; trying %s:%d, its last address", peer, host, port, e, *seen)
             return await self._dial_once((*seen, peer), lambda: self._dial(seen[0], seen[1], peer, left))
+
+    async def dial_new(self, host: str, port: int, peer: PeerID, timeout: float = 5.0) -> Connection:
+        """A new direct connection to ``peer`` at host:port, even while another (say a relayed
+        one) is open: the host sends on the direct one once it is up (see ``_prefer``)."""
+        if self._closed:
+            raise PeerUnreachable("host is closed")
+        return await self._dial_once((host, port, peer), lambda: self._dial(host, port, peer, timeout))
 
     async def _dial_once(self, key: tuple[str, int, PeerID | None],
                          dial: Callable[[], Awaitable[Connection]]) -> Connection:
