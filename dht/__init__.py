@@ -28,12 +28,12 @@ from .errors import (
 from .identity import Identity, PeerID
 from .limits import Limits, LogThrottle
 from .lookup import LookupResult, ValueWithExpiration
-from .multiaddr import Multiaddr
+from .multiaddr import MAX_CIRCUITS, Multiaddr, parse_circuits
 from .node import BootstrapRefused, DHTNode
 from .noise import SwarmKeyMismatch
 from .owned import OwnedRead, OwnedValue
 from .peercache import default_cache_name
-from .relay import CircuitLimit, RelayRefused, RelayService
+from .relay import CircuitLimit, RelayRefused, RelayService, relayed_via
 from .routing import Contact
 from .sealer import usable_cpus
 from .stream import Stream, StreamReset
@@ -59,6 +59,7 @@ __all__ = [
     "Limits",
     "LogThrottle",
     "LookupResult",
+    "MAX_CIRCUITS",
     "MAX_FRAME_BODY",
     "MAX_MESSAGE",
     "Multiaddr",
@@ -83,6 +84,8 @@ __all__ = [
     "default_cache_name",
     "load_swarm_key",
     "pack",
+    "relayed_via",
+    "parse_circuits",
     "unpack",
     "usable_cpus",
     "wait_event",

@@ -78,6 +78,7 @@ class DHT:
         announce_host: str | None = None,
         start_timeout: float = 30.0,
         swarm_key: SwarmKey | bytes | str | Path | bool | None = None,
+        reachable: bool = True,
     ):
         peers = env_bootstrap() if initial_peers is None else parse_multiaddrs(initial_peers)
         if identity is None and key_file is not None:
@@ -86,7 +87,8 @@ class DHT:
             swarm_key = os.environ.get("P2PTRAIN_SWARM_KEY_FILE") or None
         key = None if swarm_key is False else load_swarm_key(swarm_key)  # type: ignore[arg-type]
         self.loop = LoopThread("p2ptrain-dht")
-        self.node = DHTNode(identity, listen, config=config, announce_host=announce_host, swarm_key=key)
+        self.node = DHTNode(identity, listen, config=config, announce_host=announce_host, swarm_key=key,
+                            reachable=reachable)
         try:
             self.loop.run(self.node.start(peers), timeout=start_timeout)
         except BaseException:

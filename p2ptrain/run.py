@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dht import Multiaddr
+from dht import Host, Multiaddr, relayed_via
 
 from .background import DHT
 from .optim import DecentralizedOptimizer
@@ -143,7 +143,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         steps, loss_ewma, start_epoch = 0, math.nan, opt.epoch
         seen = _round_counters(opt.stats)
         model.train()
-        while opt.epoch < cfg.epochs and not stopping(stop, ranks):
+        while opt.epoch < cfg.epochs and not stopping(stop, ranks, steps):
             if cfg.max_steps is not None and steps >= cfg.max_steps:
                 break
             x, y = next(batches)
@@ -178,7 +178,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             return done
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
                 "stopped": stop.is_set(), "epochs_trained": opt.epoch - start_epoch,
-                "params_digest": _digest(model)}
+                "params_digest": _digest(model), "links": opt.dht.run(_links(opt.dht.node.host))}
         if cfg.save:
             done["saved"] = save_model(model, cfg.save, {"run_id": opt.run_id, "epoch": str(opt.epoch)})
         on_event(done)
@@ -238,6 +238,7 @@ def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: flo
             "local_sps": round(s.local_sps, 1), "swarm_sps": round(s.swarm_sps, 1), "peers": s.peers,
             "rounds": s.rounds, "group_size": s.last_group_size, "failed_rounds": s.failed_rounds,
             "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received, "state_loads": s.state_loads,
+            "group_values": s.group_values, "owned_values": s.owned_values,
             "local_samples": s.local_samples, "round_s": round(s.last_round_s, 4), "state_rounds": s.state_rounds,
             "overlapped_steps": s.overlapped_steps,
             "dht_peers": len(opt.dht.node.routing), "checkpoints_saved": s.checkpoints_saved,
@@ -247,6 +248,15 @@ def _progress(opt: DecentralizedOptimizer, loss: float, steps: int, elapsed: flo
 
 def _round_counters(s: Any) -> tuple[int, int, int, int, int]:
     return s.rounds, s.failed_rounds, s.state_rounds, s.bytes_sent, s.bytes_received
+
+
+async def _links(host: Host) -> dict[str, list[str]]:
+    """The peers we hold a connection to now, by kind: direct (dialed, or hole-punched through
+    NAT) or relayed (through a relay's circuit)."""
+    links: dict[str, list[str]] = {"direct": [], "relayed": []}
+    for conn in host.connections:
+        links["direct" if relayed_via(conn) is None else "relayed"].append(str(conn.remote_peer))
+    return links
 
 
 def _round_record(opt: DecentralizedOptimizer, before: tuple[int, int, int, int, int]) -> Event:

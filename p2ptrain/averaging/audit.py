@@ -160,9 +160,9 @@ async def _fetch(rnd: RoundContext, rank: int, items: list[Item], sizes: list[in
     host = rnd.res.host
     conn = host.connection(member.peer_id)
     if conn is None:
-        if member.addr is None:
+        if not member.reach:
             raise PeerUnreachable("no connection to a client-mode member")
-        conn = await host.connect(member.addr[0], member.addr[1], member.peer_id, cfg.connect_timeout)
+        conn = await member.reach.dial(host, member.peer_id, cfg.connect_timeout)
     stream = await conn.open_stream(AUDIT_PROTOCOL, {"g": rnd.group.group_id, "q": [list(i) for i in items]})
     done = False
     try:

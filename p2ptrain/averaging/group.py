@@ -14,7 +14,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from dht import PeerID
+from dht import Multiaddr, PeerID
+
+from ..addresses import Reach, parse_addr, parse_relays
 
 #: the largest share of the vector a member owns, in multiples of the median member's (see above)
 MAX_BANDWIDTH_RATIO = 2.0
@@ -25,39 +27,43 @@ MAX_WEIGHT_RATIO = 8.0
 
 @dataclass(frozen=True)
 class Member:
-    """One peer of a group. ``addr`` None: a client-mode peer, which sends but owns no shard."""
+    """One peer of a group, dialed at ``addr`` (direct) or through ``relays`` (its circuit
+    addresses, behind NAT). Neither: a client-mode peer, which sends but owns no shard."""
 
     peer_id: PeerID
     addr: tuple[str, int] | None
     bandwidth: float = 1.0  # declared, relative: shards are sized in proportion to it (capped)
     weight: float | None = None  # declared samples for this round (None: not declared)
+    relays: tuple[Multiaddr, ...] = ()
+
+    @property
+    def reach(self) -> Reach:
+        return Reach(self.addr, self.relays)
 
     @property
     def owns_shard(self) -> bool:
-        return self.addr is not None and self.bandwidth > 0
+        return bool(self.reach) and self.bandwidth > 0
 
     def to_wire(self) -> list:
         out = [self.peer_id.to_bytes(), list(self.addr) if self.addr else None, float(self.bandwidth)]
+        if self.relays:
+            return [*out, None if self.weight is None else float(self.weight), self.reach.relays_wire()]
         return out if self.weight is None else [*out, float(self.weight)]
 
     @classmethod
     def from_wire(cls, obj: object) -> Member:
-        if not (isinstance(obj, list) and len(obj) in (3, 4)):
+        if not (isinstance(obj, list) and 3 <= len(obj) <= 5):
             raise ValueError("malformed group member")
         raw, addr, bandwidth = obj[:3]
-        weight = obj[3] if len(obj) == 4 else None
+        weight = obj[3] if len(obj) >= 4 else None
         if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
                                    or not 0 < weight <= 1e12):
             raise ValueError("malformed member weight")
-        if addr is not None and not (
-            isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str) and isinstance(addr[1], int)
-            and 0 < addr[1] < 65536 and len(addr[0]) <= 255
-        ):
-            raise ValueError("malformed member address")
         if not isinstance(bandwidth, (int, float)) or not 0 <= bandwidth < 1e15 or bandwidth != bandwidth:
             raise ValueError("malformed member bandwidth")
-        return cls(PeerID(raw), tuple(addr) if addr else None, float(bandwidth),
-                   None if weight is None else float(weight))
+        peer = PeerID(raw)
+        relays = parse_relays(obj[4], peer) if len(obj) == 5 else ()
+        return cls(peer, parse_addr(addr), float(bandwidth), None if weight is None else float(weight), relays)
 
 
 @dataclass(frozen=True)

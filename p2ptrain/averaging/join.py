@@ -136,7 +136,8 @@ class JoinProtocol:
                 "member": me.to_wire(), "remaining": remaining,
             }
             try:
-                reply = await self.node.host.call(leader.peer_id, leader.addr, JOIN_METHOD, args, timeout=remaining)
+                reply = await self.node.host.call(leader.peer_id, leader.addr, JOIN_METHOD, args, timeout=remaining,
+                                                  relays=leader.relays)
             except (DHTError, OSError) as e:
                 log.debug("round %s: leader %s failed: %s", rnd.round_id, leader.peer_id, e)
                 failed.add(leader.peer_id)
@@ -168,7 +169,7 @@ class JoinProtocol:
                     return await self._lead(rnd, me, [me, leader], window, deadline)
                 await asyncio.sleep(max(0.02, self.latency))
                 continue
-            if target.addr is None:
+            if not target.reach:
                 failed.add(leader.peer_id)
                 return None
             leader = target

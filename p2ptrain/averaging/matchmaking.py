@@ -51,6 +51,7 @@ from typing import Any
 
 from dht import DHTNode, PeerID, TaskGroup, wait_event
 
+from ..addresses import Reach
 from .board import Board
 from .claims import Entry
 from .group import Group, Member
@@ -119,13 +120,13 @@ class Matchmaker(JoinProtocol):
 
     def me(self, weight: float | None = None) -> Member:
         """Our member info, declaring ``weight`` (samples of this round) when given."""
-        addr = None
+        reach = Reach()
         if not self.client_mode:
-            addrs = self.node.multiaddrs
-            if not addrs:
+            reach = Reach.of_node(self.node)
+            if not reach and self.node.host.reachable:
                 raise RuntimeError("the DHT node is not listening yet: start() it before forming groups")
-            addr = (addrs[0].host, addrs[0].port)
-        return Member(self.node.peer_id, addr, self.bandwidth, weight)
+            # behind NAT without a relay yet: nobody can dial us, so this round we take part as a client
+        return Member(self.node.peer_id, reach.addr, self.bandwidth, weight, reach.relays)
 
     def round_key(self, round_id: str | int) -> str:
         return self.board.round_key(round_id)

@@ -33,8 +33,8 @@ def plan_groups(members: Iterable[Member], round_key: str, target: int) -> list[
     if target < 1:
         raise ValueError("target group size must be at least 1")
     unique = {m.peer_id: m for m in members}
-    servers = sorted((m for m in unique.values() if m.addr is not None), key=lambda m: score(m.peer_id, round_key))
-    clients = sorted((m for m in unique.values() if m.addr is None), key=lambda m: score(m.peer_id, round_key))
+    servers = sorted((m for m in unique.values() if m.reach), key=lambda m: score(m.peer_id, round_key))
+    clients = sorted((m for m in unique.values() if not m.reach), key=lambda m: score(m.peer_id, round_key))
     if not servers:
         return []
     ordered = (servers + clients)[: len(servers) * target]

@@ -102,8 +102,7 @@ class Sender:
         reader: Reader | None = None
         nxt: asyncio.Future | None = None
         try:
-            assert member.addr is not None
-            conn = await res_.host.connect(member.addr[0], member.addr[1], member.peer_id, cfg.connect_timeout)
+            conn = await member.reach.dial(res_.host, member.peer_id, cfg.connect_timeout)
             stream = await conn.open_stream(PROTOCOL, ctx.header)
             wt = cfg.stall_timeout + res_.accept_wait
             # raw chunks are views of flat: no encode work to overlap with the network

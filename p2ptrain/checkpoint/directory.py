@@ -30,8 +30,9 @@ from typing import Any
 
 import blake3
 
-from dht import PeerID, pack
+from dht import Multiaddr, PeerID, pack
 
+from ..addresses import Reach, parse_relays
 from .record import CheckpointRecord, RecordError, check_run_id
 
 log = logging.getLogger("p2ptrain.checkpoint")
@@ -77,8 +78,13 @@ class Provider:
     """A peer that announced it holds (and serves) every chunk of one checkpoint."""
 
     peer: PeerID
-    addr: Address | None  # where to dial it; None: reachable only over a connection we already have
+    addr: Address | None  # where to dial it directly; None: behind NAT, or only over a connection we have
     record: CheckpointRecord  # the signed record it holds for that manifest (verified)
+    relays: tuple[Multiaddr, ...] = ()  # its circuit addresses (behind NAT)
+
+    @property
+    def reach(self) -> Reach:
+        return Reach(self.addr, self.relays)
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -94,9 +100,12 @@ def latest_value(record: CheckpointRecord, older: Iterable[CheckpointRecord] = (
     return value
 
 
-def provider_value(addr: Address | None, record: CheckpointRecord) -> dict[str, Any]:
-    """What a provider stores under its sub-key of :func:`providers_key`."""
-    return {"v": VERSION, "a": list(addr) if addr is not None else None, "r": record.to_bytes()}
+def provider_value(addr: Address | None, record: CheckpointRecord,
+                   relays: tuple[Multiaddr, ...] = ()) -> dict[str, Any]:
+    """What a provider stores under its sub-key of :func:`providers_key` (``relays``: its circuit
+    addresses, behind NAT)."""
+    value = {"v": VERSION, "a": list(addr) if addr is not None else None, "r": record.to_bytes()}
+    return {**value, "ra": Reach(addr, relays).relays_wire()} if relays else value
 
 
 # ---------------------------------------------------------------------------------- decoding
@@ -188,6 +197,10 @@ def parse_provider(owner: PeerID, value: Any, run_id: str, manifest_id: bytes) -
     it is well-formed and carries a valid record of that run and manifest."""
     entry = _entry(value)
     addr = parse_address(entry.get("a")) if entry is not None else False
+    try:
+        relays = parse_relays(entry.get("ra", []), owner) if entry is not None else ()
+    except ValueError:
+        addr = False
     if entry is None or addr is False:
         _report(owner, value, "malformed provider entry")
         return None
@@ -197,7 +210,7 @@ def parse_provider(owner: PeerID, value: Any, run_id: str, manifest_id: bytes) -
     if rec is None:
         _report(owner, value, why)
         return None
-    return Provider(owner, addr, rec)  # type: ignore[arg-type]
+    return Provider(owner, addr, rec, relays)  # type: ignore[arg-type]
 
 
 def announce_period(ttl: float) -> float:

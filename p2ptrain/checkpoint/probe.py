@@ -18,7 +18,8 @@ from dht import Connection, DHTError, Host, PeerID, cancel_all
 
 from .errors import CorruptReply, NoProviderError, StateTooLargeError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, StateTooLarge
-from .state_protocol import MANIFEST_METHOD, MANIFEST_PROTOCOL, MAX_HELD, Address, Provider, check_id
+from ..addresses import Reach
+from .state_protocol import MANIFEST_METHOD, MANIFEST_PROTOCOL, MAX_HELD, Provider, check_id
 
 log = logging.getLogger("p2ptrain.checkpoint")
 
@@ -38,9 +39,9 @@ class ManifestProbe:
         self.host = host
         self.key = key
         self.wanted = wanted
-        self.addrs: dict[PeerID, Address | None] = {}
+        self.addrs: dict[PeerID, Reach] = {}
         for peer, addr in providers:
-            self.addrs.setdefault(peer, addr)
+            self.addrs.setdefault(peer, addr if isinstance(addr, Reach) else Reach(addr))
         self.rpc_timeout = rpc_timeout
         self.stall_timeout = stall_timeout
         self.max_total = max_total
@@ -101,7 +102,8 @@ class ManifestProbe:
             request: dict[str, Any] = {"key": self.key}
             if self.wanted is not None:
                 request["id"] = self.wanted
-            reply = await self.host.call(peer, self.addrs[peer], MANIFEST_METHOD, request, timeout=self.rpc_timeout)
+            conn = await self.addrs[peer].dial(self.host, peer, self.rpc_timeout)
+            reply = await conn.call(MANIFEST_METHOD, request, timeout=self.rpc_timeout)
         except (DHTError, OSError) as e:
             self.drop(peer, f"unreachable: {e}")
             return
@@ -214,7 +216,4 @@ class ManifestProbe:
         conn = self.host.connection(peer)
         if conn is not None:
             return conn
-        addr = self.addrs.get(peer)
-        if addr is None:
-            raise DHTError(f"no connection to {peer} and no address to dial")
-        return await self.host.connect(addr[0], addr[1], peer, timeout=self.rpc_timeout)
+        return await self.addrs.get(peer, Reach()).dial(self.host, peer, self.rpc_timeout)

@@ -20,6 +20,7 @@ from typing import Any
 
 from dht import MAX_MESSAGE, PeerID
 
+from ..addresses import Reach
 from .manifest import DIGEST_SIZE
 
 MANIFEST_METHOD = "p2ptrain.state.manifest"
@@ -32,8 +33,9 @@ INLINE_MANIFEST_MAX = MAX_MESSAGE - 4096
 MAX_HELD = 8
 
 Address = tuple[str, int]
-#: a peer to fetch from, with an address to dial when there is no connection to it yet
-Provider = tuple[PeerID, Address | None]
+#: a peer to fetch from, with where to dial it when there is no connection to it yet (a direct
+#: address, or a ``Reach`` that may name relays)
+Provider = tuple[PeerID, Address | Reach | None]
 
 
 def check_key(key: Any) -> str:

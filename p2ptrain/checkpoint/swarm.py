@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from dht import DHTError, DHTNode, InvalidRecord, PeerID, TaskGroup, wait_event
 
+from ..addresses import Reach
 from ..deadlines import CHECKPOINT_FETCH, LinkMeter, resolve
 from .directory import (
     LATEST_HISTORY,
@@ -76,11 +77,8 @@ class CheckpointUnavailable(StateTransferError):
 
 
 def dial_address(node: DHTNode) -> tuple[str, int] | None:
-    """Where others dial ``node`` (its first multiaddr); None for a client-mode node."""
-    if node.client_mode or not node.multiaddrs:
-        return None
-    a = node.multiaddrs[0]
-    return a.host, a.port
+    """Where others dial ``node`` directly; None for a client-mode node or one behind NAT."""
+    return Reach.of_node(node).addr
 
 
 async def announce(node: DHTNode, store: CheckpointStore, info: CheckpointInfo, *, ttl: float = DEFAULT_TTL) -> None:
@@ -88,15 +86,16 @@ async def announce(node: DHTNode, store: CheckpointStore, info: CheckpointInfo, 
     newest checkpoint of the run, that record as its "latest" entry. One round, no republishing
     (:class:`CheckpointService` does that). A client-mode node serves nothing and announces
     nothing."""
-    if dial_address(node) is None:
+    if not Reach.of_node(node):
         return
     await _announce_provider(node, info.record, ttl)
     await _announce_latest(node, store, info.record.run_id, ttl)
 
 
 async def _announce_provider(node: DHTNode, record: CheckpointRecord, ttl: float) -> None:
+    reach = Reach.of_node(node)
     await node.store_owned(providers_key(record.run_id, record.manifest_id), PROVIDER_SUBKEY,
-                           provider_value(dial_address(node), record), time.time() + ttl)
+                           provider_value(reach.addr, record, reach.relays), time.time() + ttl)
 
 
 async def _announce_latest(node: DHTNode, store: CheckpointStore, run_id: str, ttl: float) -> None:
@@ -184,7 +183,7 @@ async def download_checkpoint(
         raise StateTooLargeError(f"checkpoint {record.manifest_id.hex()[:12]} of run {record.run_id!r} is "
                                  f"{record.size} bytes (its record says), more than the {limit} expected here: refused")
     timeout = resolve(timeout, CHECKPOINT_FETCH, record.size, link)
-    wire = [(p.peer, p.addr) for p in providers if p.peer != node.peer_id]
+    wire = [(p.peer, p.reach) for p in providers if p.peer != node.peer_id]
     done = got = 0
 
     async def have(m: Manifest) -> set[int]:
@@ -432,7 +431,7 @@ class CheckpointService:
             self._wake.clear()
 
     async def _announce_all(self) -> None:
-        if dial_address(self.node) is None:
+        if not Reach.of_node(self.node):
             return
         infos = await asyncio.to_thread(self.store.list, self.run_id)
         per_run: dict[str, int] = {}

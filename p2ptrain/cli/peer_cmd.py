@@ -41,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client", action="store_true",
                    help="client mode, for a peer behind NAT or a firewall: dial out, accept no connections "
                    "(it trains and averages, but owns no shard and serves no state; --listen is ignored)")
+    p.add_argument("--behind-nat", action="store_true",
+                   help="a full member behind NAT or a firewall: it listens (for hole punching) but announces no "
+                   "direct address, is reached through relays (--relay-via, else public peers started with "
+                   "--relay), and owns a shard and serves state like a public peer; unlike --client")
     p.add_argument("--key-file", metavar="PATH", help="Ed25519 identity key, kept across restarts (created if missing)")
     add_trusted_writers(p, "a checkpoint in the DHT is the run's latest (what a peer resumes from) when three distinct "
                         "writers signed it, or one of these PeerIDs did (repeatable, or comma-separated); never "
@@ -193,6 +197,11 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError(f"--name: {e}") from None
     listen = None if args.client else parse_listen(args.listen)
     bootstrap = bootstrap_addrs(args.bootstrap, args.bootstrap_file)
+    if args.behind_nat and (args.client or args.relay or not bootstrap):
+        raise ConfigError("--behind-nat " + ("and --client exclude each other: --client owns nothing, --behind-nat "
+                                             "is a full member through relays" if args.client else
+                                             "cannot --relay: nobody can dial a peer behind NAT" if args.relay else
+                                             "needs --bootstrap: its relays are peers of a running swarm"))
     wait_peers, wait_timeout = args.wait_peers, 60.0
     if wait_peers is None:  # the first peer of a new swarm waits for a second, however long it takes
         wait_peers, wait_timeout = (0, 60.0) if bootstrap or args.client else (2, None)
@@ -260,9 +269,9 @@ def _printer(as_json: bool, join: Sequence[str] = ()):
                 for other in direct[1:]:  # this machine's other addresses (another network, IPv6)
                     print(f"  or with --bootstrap {other}", flush=True)
                 joinable = True
-            else:  # client mode: others cannot bootstrap through us (a relay address only reaches us)
-                print(f"{head} (client mode: it accepts no connections, so others join through another peer)",
-                      flush=True)
+            else:  # client mode or behind NAT: others cannot bootstrap through us (a relay address only reaches us)
+                why = "behind NAT, reached through relays" if circuits else "client mode: it accepts no connections"
+                print(f"{head} ({why}, so others join through another peer)", flush=True)
                 for a in circuits:
                     print(f"reachable through a relay at {a}", flush=True)
             if event.get("metrics_url"):
@@ -418,13 +427,16 @@ def _start_dht(args: argparse.Namespace, cfg: Any) -> Any:
     vias = relay_vias(args, cfg.listen is not None)
     with joining(cfg.bootstrap, args.bootstrap_timeout):
         dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host,
-                  config=config)
-    if args.relay or vias:
-        try:
+                  config=config, reachable=not args.behind_nat)
+    try:
+        if args.relay or vias:
             dht.run(start_relaying(dht.node.host, args.relay, vias), timeout=30)
-        except BaseException:
-            dht.close()
-            raise
+        if args.behind_nat and not dht.node.host.circuit_addrs:
+            raise ConfigError("--behind-nat: no relay took a reservation, so no peer could reach this one; start a "
+                              "public peer with --relay, or name one with --relay-via")
+    except BaseException:
+        dht.close()
+        raise
     return dht
 
 

@@ -41,7 +41,7 @@ def fall_behind(opt: DecentralizedOptimizer, view: SwarmView) -> None:
     instead, and train on from our own epoch."""
     me = opt.tracker.me.peer
     ahead = [p for p in (*view.peers, *view.behind) if p.peer != me and p.epoch > opt.epoch]
-    if ahead and all(p.addr is None for p in ahead):
+    if ahead and not any(p.reach for p in ahead):
         opt.tracker.ignore([p.peer for p in ahead])
         quiet = opt._load_warnings.allow("client ahead", time.monotonic())
         if quiet is not None:
@@ -157,7 +157,7 @@ def fetch_state(opt: DecentralizedOptimizer, view: SwarmView, at_least: int, att
         holders = [p for p in others if p.epoch >= at_least and (p.held is None or p.held >= at_least)]
         providers = opt.state_sync.choose(holders, quorum=strict)
         if not providers and time.monotonic() < min(patience, deadline) and any(
-                p.epoch == at_least - 1 and p.addr is not None for p in others):
+                p.epoch == at_least - 1 and p.reach for p in others):
             view = opt._loop.run(opt.tracker.wait_fresh(0.5))
             continue
         if not providers and failed is not None:  # the ones that hold it failed us: not "nobody holds it"

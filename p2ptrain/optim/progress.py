@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dht import Contact, DHTError, DHTNode, InvalidRecord, OwnedRead, PeerID, wait_event
+from dht import Contact, DHTError, DHTNode, InvalidRecord, Multiaddr, OwnedRead, PeerID, wait_event
 
+from ..addresses import Reach, parse_addr, parse_relays
 from ..averaging.schema import shards_mismatch_message, shards_of
 
 log = logging.getLogger("p2ptrain.progress")
@@ -47,18 +48,25 @@ class PeerReport:
     sps: float  # samples per second, measured while computing
     time: float  # unix time of the report
     schema: str  # hash of the averaged tensors' schema: peers with another one never average with us
-    addr: tuple[str, int] | None = None  # where it serves state; None for client-mode peers
+    addr: tuple[str, int] | None = None  # where it serves state, direct; None behind NAT or in client mode
     ready: bool = False  # waiting to average the end of ``epoch``
     client: bool = False
     left: bool = False  # said goodbye: no longer counts, whatever its record's expiry
     #: updates its state holds (the label of the state it serves; behind ``epoch`` after a round it
     #: skipped or while one is in flight); None: not said
     held: int | None = None
+    relays: tuple[Multiaddr, ...] = ()  # its circuit addresses (behind NAT), where it serves state too
+
+    @property
+    def reach(self) -> Reach:
+        """Where it serves state (falsy: nowhere, a client-mode peer)."""
+        return Reach(self.addr, self.relays)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": _VERSION, "e": self.epoch, "s": self.samples, "sps": self.sps, "t": self.time,
-                "h": self.schema, "a": list(self.addr) if self.addr else None, "r": self.ready,
-                "c": self.client, "l": self.left, "u": self.held}
+        out = {"v": _VERSION, "e": self.epoch, "s": self.samples, "sps": self.sps, "t": self.time,
+               "h": self.schema, "a": list(self.addr) if self.addr else None, "r": self.ready,
+               "c": self.client, "l": self.left, "u": self.held}
+        return {**out, "ra": self.reach.relays_wire()} if self.relays else out
 
 
 def parse_report(value: object, owner: PeerID) -> PeerReport | None:
@@ -74,14 +82,12 @@ def parse_report(value: object, owner: PeerID) -> PeerReport | None:
         return None
     if not (isinstance(t, (int, float)) and math.isfinite(t)) or not (isinstance(h, str) and len(h) <= 64):
         return None
-    addr = None
-    if a is not None:
-        if not (isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and len(a[0]) <= 255
-                and isinstance(a[1], int) and 0 < a[1] < 65536):
-            return None
-        addr = (a[0], a[1])
+    try:
+        addr, relays = parse_addr(a), parse_relays(value.get("ra", []), owner)
+    except ValueError:
+        return None
     return PeerReport(owner, e, s, float(sps), float(t), h, addr, value.get("r") is True, value.get("c") is True,
-                      value.get("l") is True, u)
+                      value.get("l") is True, u, relays)
 
 
 async def read_reports(node: DHTNode, key: str) -> tuple[list[PeerReport], OwnedRead]:
@@ -209,8 +215,9 @@ class ProgressTracker:
         self._judge = judge
         self._on_refused = on_refused
         self._held = held  # the updates our state holds, published with each report
-        addr = None if node.client_mode else (node.multiaddrs[0].host, node.multiaddrs[0].port)
-        self._me = PeerReport(node.peer_id, 0, 0, 0.0, time.time(), schema, addr, False, node.client_mode)
+        reach = Reach.of_node(node)
+        self._me = PeerReport(node.peer_id, 0, 0, 0.0, time.time(), schema, reach.addr, False, node.client_mode,
+                              relays=reach.relays)
         self._published: PeerReport | None = None
         self._published_at = 0.0  # the time in the report we last published
         self._hidden = False  # reading only (see start)
@@ -344,6 +351,9 @@ class ProgressTracker:
             await self._refresh()
 
     async def _refresh(self) -> None:
+        reach = Reach.of_node(self.node)  # relays come and go behind NAT
+        if reach != self._me.reach:
+            self._me = replace(self._me, addr=reach.addr, relays=reach.relays)
         me, now = self._me, time.time()
         # A training thread blocked in a round or a state load reports nothing: republish what we
         # published, as of now, before others take a report older than ``ttl`` for a dead peer's.

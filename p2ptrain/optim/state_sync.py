@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from dht import Host, PeerID
+from dht import Host
 
 from ..checkpoint import FetchResult, Manifest, StateServer, StateTransferError, fetch_state
 from ..checkpoint.manifest import layout
 from ..checkpoint.placement import Placement, tensors_under
 from ..checkpoint.tree import flatten, tensor_specs
 from ..checkpoint.live import LiveSource, StateLock, StateMoved
+from ..checkpoint.state_protocol import Provider
 from .progress import PeerReport
 
 log = logging.getLogger("p2ptrain.optim.state")
@@ -152,7 +153,7 @@ class StateSync:
 
         ``quorum`` (robust rules): the most advanced epoch that two or more of them serve, when
         one does, so that their manifests can be compared: a lone peer ahead is not enough."""
-        serving = [p for p in peers if p.addr is not None]
+        serving = [p for p in peers if p.reach]
         if not serving:
             return []
         counts = collections.Counter(p.epoch for p in serving)
@@ -180,7 +181,7 @@ class StateSync:
         parameters}``): their bytes are written straight into them as chunks land, and the
         restored state holds those very tensors (see ``checkpoint.placement``: no fresh buffer to
         fault in for them, but a fetch that fails leaves them part old, part new)."""
-        wire: list[tuple[PeerID, tuple[str, int] | None]] = [(p.peer, p.addr) for p in providers]
+        wire: list[Provider] = [(p.peer, p.reach) for p in providers]
 
         def place(m: Manifest) -> Placement:  # (only with ``into``)
             assert into

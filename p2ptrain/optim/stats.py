@@ -29,6 +29,10 @@ class OptimizerStats:
     last_round_samples: int = 0  # samples behind the last round's average (its group's, together)
     bytes_sent: int = 0
     bytes_received: int = 0
+    #: values of the group rounds' vectors (summed over rounds), and those of the shards this peer
+    #: owned: its share of the averaging work, sized by its bandwidth
+    group_values: int = 0
+    owned_values: int = 0
     failed_rounds: int = 0  # rounds that found nobody or lost part of the average
     state_rounds: int = 0  # rounds that averaged the parameters and optimizer state themselves
     overlapped_steps: int = 0  # diloco overlap_outer: inner steps taken while an outer round was in flight
@@ -74,6 +78,9 @@ class OptimizerStats:
         self.last_round_samples = int(result.weight_total)
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
+        for ar in result.allreduces if result.group_size > 1 else ():
+            self.group_values += sum(s.numel for s in ar.shards)
+            self.owned_values += sum(s.numel for s in ar.shards if s.owner == ar.rank)
         if result.group_size == 1 and self.peers > 1 or result.not_averaged:
             self.failed_rounds += 1
         for rank, why in result.failed.items():
