@@ -120,6 +120,41 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {launcher}")
 
 
+RANKS_SCRIPT = """
+import torch, torch.distributed as dist
+from p2ptrain.optim.ranks import PeerRanks, RankFailure
+dist.init_process_group("gloo")
+r = PeerRanks.detect()
+assert r is not None and r.world_size == 2 and r.is_leader == (r.rank == 0)
+mine = [torch.full((3,), float(r.rank + 1)), torch.full((2, 2), 7.0 * r.rank), torch.arange(4) * r.rank]
+r.broadcast(mine)  # the leader's values everywhere, every dtype
+assert mine[0].tolist() == [1.0] * 3 and mine[1].abs().sum() == 0 and mine[2].tolist() == [0] * 4
+assert r.decide({"epoch": 5, "lr": [0.1]} if r.is_leader else None) == {"epoch": 5, "lr": [0.1]}
+big = {"blob": "x" * 3000}  # (more than one broadcast's worth)
+assert r.decide(big if r.is_leader else None) == big
+assert r.sum(10 + r.rank) == 21
+t = torch.tensor([float(r.rank)])
+r.all_reduce_mean([t])
+assert t.item() == 0.5
+if r.rank == 1:
+    raise SystemExit(0)  # gone: the leader's next collective fails
+try:
+    r.decide("anyone?")
+except RankFailure as e:
+    print("RankFailure:", e)
+"""
+
+
+def test_peer_ranks_collectives(tmp_path):
+    """PeerRanks on two gloo ranks: broadcast, decide (short and long), sum, mean; a rank gone is a RankFailure."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=90,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "RankFailure: a rank of this peer failed" in out.stdout, out.stderr[-3000:]
+
+
 def test_two_ranks_per_peer_train_alike_and_a_dead_rank_restarts_its_peer_as_a_joiner(peers, tmp_path):
     """2 peers x 2 ranks train digits (sync). SIGKILL one rank of peer A: A's leader leaves the
     swarm, which trains on (B alone); torchrun (--max-restarts 1) starts A again, and the new

@@ -23,6 +23,8 @@ __all__ = ["LEADER", "PeerRanks", "RankFailure", "ddp", "follow", "lead", "rank_
 LEADER = 0
 #: the longest decision ``decide`` carries (a round's outcome, an epoch: a few hundred bytes)
 MAX_DECISION = 1 << 20
+#: bytes of the one broadcast that carries a decision (its length, then as much of it as fits)
+INLINE = 256
 
 
 class RankFailure(RuntimeError):
@@ -95,25 +97,31 @@ class PeerRanks:
 
     def decide(self, decision: Any = None) -> Any:
         """The leader's ``decision`` (anything msgpack encodes: numbers, strings, lists, dicts)
-        on every rank; the other ranks pass nothing."""
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        on every rank; the other ranks pass nothing. One broadcast when it fits ``INLINE`` bytes."""
+        head = torch.zeros(INLINE, dtype=torch.uint8)
         payload = b""
         if self.is_leader:
             payload = msgpack.packb(decision, use_bin_type=True)
             if len(payload) > MAX_DECISION:
                 raise ValueError(f"a decision of {len(payload)} bytes is over the {MAX_DECISION} bytes of decide()")
-            size[0] = len(payload)
-        self._run(dist.broadcast, size, src=self._src, group=self.group)
-        n = int(size.item())
-        if not 0 <= n <= MAX_DECISION:
+            inline = payload[:INLINE - 4]
+            head[:4 + len(inline)] = torch.frombuffer(bytearray(len(payload).to_bytes(4, "little") + inline),
+                                                      dtype=torch.uint8)
+        head = self._broadcast_bytes(head)
+        n = int.from_bytes(head[:4].numpy().tobytes(), "little")
+        if not 0 < n <= MAX_DECISION:
             raise RankFailure(f"the leader announced a decision of {n} bytes")
-        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.is_leader
-               else torch.empty(n, dtype=torch.uint8))
-        if n:
-            work = buf.to(self.device)
-            self._run(dist.broadcast, work, src=self._src, group=self.group)
-            buf = work.cpu()
-        return msgpack.unpackb(buf.numpy().tobytes(), raw=False) if n else decision
+        data = head[4:4 + n].numpy().tobytes()
+        if n > INLINE - 4:  # the rest in a second broadcast
+            rest = (torch.frombuffer(bytearray(payload[INLINE - 4:]), dtype=torch.uint8) if self.is_leader
+                    else torch.empty(n - (INLINE - 4), dtype=torch.uint8))
+            data += self._broadcast_bytes(rest).numpy().tobytes()
+        return msgpack.unpackb(data, raw=False)
+
+    def _broadcast_bytes(self, buf: torch.Tensor) -> torch.Tensor:
+        work = buf.to(self.device)
+        self._run(dist.broadcast, work, src=self._src, group=self.group)
+        return work.cpu()
 
     def sum(self, value: int) -> int:
         """The sum of every rank's ``value`` (sample counts), on every rank."""
@@ -170,10 +178,17 @@ def follow(opt: Any) -> None:
 
 # ---- for a training loop whose ranks are one peer (p2ptrain.run)
 
-def stopping(stop: Any, ranks: PeerRanks | None) -> bool:
+#: steps between two looks at the leader's stop event (``stopping``): each look is a collective
+STOP_EVERY = 16
+
+
+def stopping(stop: Any, ranks: PeerRanks | None, step: int = 0) -> bool:
     """Whether to stop (``stop``: a threading.Event), as the leader sees it on every rank: a
-    signal reaches the ranks at different steps, and they must stop at the same one."""
-    return stop.is_set() if ranks is None else bool(ranks.decide(stop.is_set()))
+    signal reaches the ranks at different steps, and they must stop at the same one. With ranks,
+    it is looked at once every ``STOP_EVERY`` steps (``step``, counted alike on every rank)."""
+    if ranks is None:
+        return stop.is_set()
+    return step % STOP_EVERY == 0 and bool(ranks.decide(stop.is_set()))
 
 
 def rank_device(device: torch.device) -> torch.device:
