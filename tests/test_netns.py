@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-from p2ptrain.testing import Testbed, TestbedError, available, features
+from p2ptrain.testing import Testbed, TestbedError, available, delayline, features
 from p2ptrain.testing.netns import parse_loss, parse_rate, parse_time
 
 _OK, _WHY = available()
@@ -175,3 +176,22 @@ def test_interrupted_build_and_body_leave_nothing(monkeypatch: pytest.MonkeyPatc
         Testbed(3, rate="1gbit", prefix=prefix)
     assert calls == ["p0", "p1"]
     assert _ours(prefix) == ([], [])
+
+
+def test_delay_line_without_a_compiler_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The delay line is compiled on first use: with no compiler, the error says what to install."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(delayline.shutil, "which", lambda name: None)
+    with pytest.raises(delayline.DelayLineUnavailable, match="needs a C compiler.*install gcc"):
+        delayline.binary()
+    assert not list(tmp_path.rglob("delayline-*"))
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_delay_line_builds_once_and_is_cached(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = delayline.binary()
+    assert os.access(first, os.X_OK) and first.startswith(str(tmp_path))
+    monkeypatch.setattr(delayline.subprocess, "run", None)  # a second call must not compile again
+    assert delayline.binary() == first
