@@ -106,9 +106,10 @@ def sync_delay(rtt: float) -> float:
 
 @dataclass
 class PunchStats:
-    """What this host's hole punching achieved, counted per relayed connection."""
+    """What this host's hole punching achieved, counted per relayed connection it accepted (the
+    side that drives the punch): each pair's punch is counted once, at one end."""
 
-    attempts: int = 0  # relayed connections we tried to upgrade (B side) or were asked to (A side)
+    attempts: int = 0  # relayed connections we tried to upgrade
     direct: int = 0  # ... that a simultaneous open made direct
     reversed: int = 0  # ... made direct by dialing a reachable peer
     failed: int = 0  # ... that stayed relayed after every round
@@ -240,11 +241,9 @@ class HolePuncher:
             msg = await _recv(stream, buf)
             if not (isinstance(msg, dict) and msg.get("sync") is True):
                 raise ProtocolError("hole punch: expected SYNC")
-            self.stats.attempts += 1
             if self.host.listen_port is None or not theirs:
                 raise PeerUnreachable("nothing to punch from or to")
             await self._punch(peer, theirs, initiator=True)
-            self.stats.direct += 1
         except (DHTError, OSError, TimeoutError) as e:
             log.debug("hole punch from %s: %s", peer, e)
         finally:

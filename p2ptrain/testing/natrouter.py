@@ -22,7 +22,6 @@ import sys
 
 TABLE = "p2pt_nat"
 _NF_DROP = 0
-_PROTO_RANDOM_FULLY = 16  # NF_NAT_RANGE_PROTO_RANDOM_FULLY
 
 
 def available() -> tuple[bool, str]:
@@ -43,7 +42,7 @@ def apply(symmetric: bool = False) -> None:
     try:
         nft.table("add", name=TABLE)
         nft.chain("add", table=TABLE, name="post", hook="postrouting", type="nat", priority=100)
-        masq = [genex("masq", {"flags": _PROTO_RANDOM_FULLY} if symmetric else {})]
+        masq = [genex("masq", {"flags": {"NF_NAT_RANGE_PROTO_RANDOM_FULLY"}} if symmetric else {})]
         nft.rule("add", table=TABLE, chain="post", expressions=(masq,))
         nft.chain("add", table=TABLE, name="in", hook="input", type="filter", priority=0, policy=_NF_DROP)
     finally:
