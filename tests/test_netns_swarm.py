@@ -33,6 +33,7 @@ import torch
 from p2ptrain.testing.averaging_worker import flat_input
 from dht import Multiaddr
 from p2ptrain.testing import Testbed, available
+from p2ptrain.testing.nat_bed import train_swarm
 
 _OK, _WHY = available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=f"no network namespaces here: {_WHY}"), pytest.mark.slow]
@@ -198,6 +199,26 @@ def test_three_peers_and_a_client_behind_nat_train_to_the_target(no_leftovers: N
     # the client averaged with the others (client-mode members own no shard: they send theirs and
     # receive the averaged parts, through connections they dialled themselves)
     assert results[-1]["bytes_sent"] > 1e6 and results[-1]["bytes_received"] > 1e6, summary
+
+
+@pytest.mark.timeout(240)
+def test_peers_behind_nat_routers_are_full_members_and_train_to_the_target(no_leftovers: None) -> None:
+    """Two public peers that relay and two behind NAT routers (``--behind-nat``): the NAT'd ones
+    announce only circuit addresses, own their share of every round's vector, and reach the
+    accuracy target with the others."""
+    n, nat = 4, (2, 3)
+    train = ["--threads", "1", "--epochs", "30", "--wait-peers", str(n), "--compute-delay", "0.1"]
+    with Testbed(n, rate=RATE, loss=LOSS, nat=nat) as tb:
+        runs = train_swarm(tb, train)
+    summary = [{k: done[k] for k in ("epoch", "rounds", "failed_rounds", "group_values", "owned_values", "links")}
+               for _, done in runs]
+    for i, (started, done) in enumerate(runs):
+        assert done["epoch"] == 30 and done["metrics"]["accuracy"] >= ACCURACY, summary
+        assert done["rounds"] - done["failed_rounds"] >= 15, summary
+        circuits = [a for a in started["multiaddrs"] if "/p2p-circuit/" in a]
+        assert (circuits and len(circuits) == len(started["multiaddrs"])) if i in nat else not circuits, started
+        # equal declared bandwidths: each of 4 owns about a quarter of the group rounds' values
+        assert 0.1 < done["owned_values"] / done["group_values"] < 0.5, summary
 
 
 class Lines:
