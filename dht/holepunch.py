@@ -28,18 +28,16 @@ import asyncio
 import ipaddress
 import logging
 import socket
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 from .connection import Connection
 from .errors import DHTError, PeerUnreachable, ProtocolError
 from .identity import PeerID
-from .relay import relayed_via
+from .relay import read_message, relayed_via, write_message
 from .stream import Stream
 from .tasks import TaskGroup
 from .transport import Host
-from .wire import pack, unpack
 
 log = logging.getLogger("dht.holepunch")
 
@@ -51,7 +49,6 @@ MESSAGE_TIMEOUT = 10.0
 PUNCH_TIMEOUT = 5.0
 #: once our own dials failed, how long the other side's may still take to finish its handshake
 GRACE = 1.0
-_LEN = struct.Struct(">H")
 _MAX_MESSAGE = 2048
 
 # ---------------------------------------------------------------------------------- sans-IO
@@ -121,29 +118,6 @@ class PunchStats:
 # ---------------------------------------------------------------------------------- IO
 
 
-async def _send(stream: Stream, obj: dict) -> None:
-    body = pack(obj)
-    await stream.write(_LEN.pack(len(body)) + body, timeout=MESSAGE_TIMEOUT)
-
-
-async def _recv(stream: Stream, buf: bytearray) -> Any:
-    """The next message on ``stream`` (``buf`` keeps what arrived beyond it)."""
-    async with asyncio.timeout(MESSAGE_TIMEOUT):
-        while True:
-            if len(buf) >= _LEN.size:
-                (n,) = _LEN.unpack_from(buf)
-                if n > _MAX_MESSAGE:
-                    raise ProtocolError(f"hole punch message of {n} bytes from {stream.peer_id}")
-                if len(buf) >= _LEN.size + n:
-                    msg = unpack(bytes(buf[_LEN.size:_LEN.size + n]))
-                    del buf[:_LEN.size + n]
-                    return msg
-            chunk = await stream.read()
-            if chunk is None:
-                raise PeerUnreachable(f"{stream.peer_id} ended the hole punch")
-            buf += chunk
-
-
 class HolePuncher:
     """Upgrades this host's relayed connections to direct ones (module doc); made with the host's
     circuit transport (``relay.CircuitTransport``), closed with it."""
@@ -210,8 +184,8 @@ class HolePuncher:
         try:
             addrs, _ = self._our_addrs()
             t0 = loop.time()
-            await _send(stream, {"addrs": [list(a) for a in addrs]})
-            theirs, reachable = parse_connect(await _recv(stream, buf))
+            await write_message(stream, {"addrs": [list(a) for a in addrs]})
+            theirs, reachable = parse_connect(await read_message(stream, buf, MESSAGE_TIMEOUT, _MAX_MESSAGE))
             rtt = loop.time() - t0
             if not theirs:
                 raise PeerUnreachable(f"{peer} has no address to punch to")
@@ -220,7 +194,7 @@ class HolePuncher:
                 await self.host.dial_new(*theirs[0], peer, timeout=PUNCH_TIMEOUT)
                 self.stats.reversed += 1
                 return
-            await _send(stream, {"sync": True})
+            await write_message(stream, {"sync": True})
             await asyncio.sleep(sync_delay(rtt))
             await self._punch(peer, theirs, initiator=False)
             self.stats.direct += 1
@@ -233,12 +207,12 @@ class HolePuncher:
         peer = stream.peer_id
         buf = bytearray()
         try:
-            theirs, _ = parse_connect(await _recv(stream, buf))
+            theirs, _ = parse_connect(await read_message(stream, buf, MESSAGE_TIMEOUT, _MAX_MESSAGE))
             addrs, reachable = self._our_addrs()
-            await _send(stream, {"addrs": [list(a) for a in addrs], "reachable": reachable})
+            await write_message(stream, {"addrs": [list(a) for a in addrs], "reachable": reachable})
             if reachable:
                 return  # B dials us
-            msg = await _recv(stream, buf)
+            msg = await read_message(stream, buf, MESSAGE_TIMEOUT, _MAX_MESSAGE)
             if not (isinstance(msg, dict) and msg.get("sync") is True):
                 raise ProtocolError("hole punch: expected SYNC")
             if self.host.listen_port is None or not theirs:

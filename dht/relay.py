@@ -90,21 +90,22 @@ def relayed_via(conn: Connection) -> PeerID | None:
 # ---------------------------------------------------------------------------------- status lines
 
 
-async def write_status(stream: Stream, error: str | None = None) -> None:
-    body = pack({"ok": True} if error is None else {"ok": False, "error": error[:500]})
-    await stream.write(_STATUS_LEN.pack(len(body)) + body, timeout=STATUS_TIMEOUT)
+async def write_message(stream: Stream, obj: Any, timeout: float = STATUS_TIMEOUT) -> None:
+    """Send ``obj`` as one 2-byte-length msgpack message (status lines, hole punch messages)."""
+    body = pack(obj)
+    await stream.write(_STATUS_LEN.pack(len(body)) + body, timeout=timeout)
 
 
-async def read_status(stream: Stream, timeout: float = STATUS_TIMEOUT) -> tuple[str | None, bytes]:
-    """(None if ok, else the peer's reason; the bytes that followed the status line)."""
-    buf = bytearray()
+async def read_message(stream: Stream, buf: bytearray, timeout: float = STATUS_TIMEOUT,
+                       max_size: int = MAX_STATUS) -> Any:
+    """The next message ``write_message`` sent on ``stream``; ``buf`` keeps the bytes read past it."""
     try:
         async with asyncio.timeout(timeout):
             while True:
                 if len(buf) >= _STATUS_LEN.size:
                     (n,) = _STATUS_LEN.unpack_from(buf)
-                    if n > MAX_STATUS:
-                        raise ProtocolError(f"status line of {n} bytes from {stream.peer_id}")
+                    if n > max_size:
+                        raise ProtocolError(f"{stream.protocol} message of {n} bytes from {stream.peer_id}")
                     if len(buf) >= _STATUS_LEN.size + n:
                         break
                 chunk = await stream.read()
@@ -115,10 +116,22 @@ async def read_status(stream: Stream, timeout: float = STATUS_TIMEOUT) -> tuple[
         raise PeerUnreachable(f"no answer from {stream.peer_id} on {stream.protocol} within {timeout} s") from None
     end = _STATUS_LEN.size + n
     msg = unpack(memoryview(buf)[_STATUS_LEN.size:end])
+    del buf[:end]
+    return msg
+
+
+async def write_status(stream: Stream, error: str | None = None) -> None:
+    await write_message(stream, {"ok": True} if error is None else {"ok": False, "error": error[:500]})
+
+
+async def read_status(stream: Stream, timeout: float = STATUS_TIMEOUT) -> tuple[str | None, bytes]:
+    """(None if ok, else the peer's reason; the bytes that followed the status line)."""
+    buf = bytearray()
+    msg = await read_message(stream, buf, timeout)
     if not isinstance(msg, dict) or not isinstance(msg.get("ok"), bool):
         raise ProtocolError(f"malformed status line from {stream.peer_id}")
     error = None if msg["ok"] else str(msg.get("error") or "refused")
-    return error, bytes(buf[end:])
+    return error, bytes(buf)
 
 
 async def _accepted(stream: Stream, refused: str) -> bytes:
