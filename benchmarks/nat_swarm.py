@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from p2ptrain.testing import Testbed, available  # noqa: E402
-from p2ptrain.testing.nat_bed import train_swarm  # noqa: E402
+from p2ptrain.testing.bed_peers import train_swarm  # noqa: E402
 
 
 def swarm(args: argparse.Namespace, nat: list[int]) -> dict:
@@ -31,7 +31,7 @@ def swarm(args: argparse.Namespace, nat: list[int]) -> dict:
              "--compute-delay", str(args.compute_delay)]
     t0 = time.monotonic()
     with Testbed(args.hosts, rate=args.rate, delay=args.delay, loss=args.loss, nat=nat, nat_type=args.nat_type) as tb:
-        runs = train_swarm(tb, train, timeout=args.timeout)
+        runs = train_swarm(tb, train, timeout=args.timeout, start_timeout=300)
     done = [d for _, d in runs]
     accuracy = [d["metrics"]["accuracy"] for d in done]
     out = {"seconds": round(time.monotonic() - t0, 1), "accuracy_mean": round(statistics.mean(accuracy), 4),

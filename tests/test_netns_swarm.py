@@ -8,7 +8,9 @@ peer has its own IP, and lost packets must be recovered by TCP and survived by o
 * an averaging round of 4 hosts with unequal weights gives the exact weighted mean on every host;
 * three ``p2ptrain peer`` processes and a client-mode trainer in a host that nobody can dial
   (inbound TCP SYNs are dropped at its switch port, as behind a NAT) train digits together to
-  the accuracy target.
+  the accuracy target;
+* two peers behind NAT routers (``--behind-nat``, reached through the others' relays) train with
+  two public peers as full members: they own their share of every round.
 
 Root only (network namespaces); skipped with the reason elsewhere. Each test builds its own test
 bed and tears it down (which kills every process inside), and checks no child process is left.
@@ -33,7 +35,7 @@ import torch
 from p2ptrain.testing.averaging_worker import flat_input
 from dht import Multiaddr
 from p2ptrain.testing import Testbed, available
-from p2ptrain.testing.nat_bed import train_swarm
+from p2ptrain.testing.bed_peers import Proc, train_swarm
 
 _OK, _WHY = available()
 pytestmark = [pytest.mark.skipif(not _OK, reason=f"no network namespaces here: {_WHY}"), pytest.mark.slow]
@@ -48,46 +50,6 @@ DELAYS = [None, pytest.param("20ms", id="20ms")]
 
 def _bed(n: int, delay: str | None = None, no_inbound: tuple[int, ...] = ()) -> Testbed:
     return Testbed(n, rate=RATE, loss=LOSS, delay=delay, no_inbound=no_inbound)
-
-
-class Proc:
-    """A process inside a test bed host whose stdout JSON lines are queued by a reader thread."""
-
-    def __init__(self, tb: Testbed, host: int, argv: list[str]):
-        self.stderr = tempfile.TemporaryFile("w+")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = tb.popen(host, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                             text=True, env=env)
-        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.seen: list[dict[str, Any]] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            try:
-                self.lines.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        self.lines.put(None)
-
-    def err(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read()[-3000:]
-
-    def wait_for(self, predicate, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                msg = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"pid {self.proc.pid}: nothing matching within {timeout} s; "
-                                     f"last {self.seen[-3:]}; stderr:\n{self.err()}") from None
-            if msg is None:
-                raise AssertionError(f"pid {self.proc.pid} exited ({self.proc.wait()}); last {self.seen[-3:]}; "
-                                     f"stderr:\n{self.err()}")
-            self.seen.append(msg)
-            if predicate(msg):
-                return msg
 
 
 class Node(Proc):
