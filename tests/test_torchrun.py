@@ -21,7 +21,7 @@ CLI = [sys.executable, "-m", "p2ptrain"]
 #: a small run on loopback, one torch thread per rank
 COMMON = ["--json", "--listen", "/ip4/127.0.0.1/tcp/0", "--threads", "1", "--target-batch-size", "256"]
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(240)  # (bounded by the waits below; ~55 s on a quiet 2-core machine)
 
 
 class Peer:
@@ -41,7 +41,7 @@ class Peer:
             if line.startswith("{"):
                 self.events.put(json.loads(line))
 
-    def wait_for(self, pred: Any, timeout: float = 60.0) -> dict[str, Any]:
+    def wait_for(self, pred: Any, timeout: float = 90.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -173,8 +173,8 @@ def test_two_ranks_per_peer_train_alike_and_a_dead_rank_restarts_its_peer_as_a_j
     # the swarm carries on without A
     b.wait_for(lambda e: e["event"] == "progress" and e["epoch"] >= killed_at + 3)
     # torchrun's restart: a new leader joins as a newcomer and loads the swarm's state
-    again = a.wait_for(lambda e: e["event"] == "started", timeout=60)
-    assert again["state_loads"] == 1 and again["epoch"] >= 3 and again["peer_id"] != first["peer_id"]
+    again = a.wait_for(lambda e: e["event"] == "started")
+    assert again["peer_id"] != first["peer_id"], again
     log = "".join(a.stderr)
     assert "a rank of this peer failed" in log and "this peer left the swarm" in log
     ends = a.dones(2) + b.dones(2)
@@ -184,6 +184,9 @@ def test_two_ranks_per_peer_train_alike_and_a_dead_rank_restarts_its_peer_as_a_j
     leaders = [e for e in ends if "rank" not in e]
     # every rank's samples count: a step of a 2-rank peer is 2 batches of 32
     assert all(e["samples"] == 64 * e["steps"] and e["rounds"] >= 1 for e in leaders)
+    # the restarted A took the swarm's state (usually at its start; under load its first look at
+    # the swarm may miss B, and it loads once it sees itself behind)
+    assert leaders[0]["state_loads"] >= 1, leaders[0]
     # (a 4-peer swarm of single processes reaches about as much: benchmarks/README.md)
     assert min(e["metrics"]["accuracy"] for e in ends) > 0.9
     for p in (a, b):
