@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from p2ptrain.testing.events import EventProcess, descendants
 
 CLI = [sys.executable, "-m", "p2ptrain"]
 #: a small run on loopback, one torch thread per rank
@@ -24,33 +23,11 @@ COMMON = ["--json", "--listen", "/ip4/127.0.0.1/tcp/0", "--threads", "1", "--tar
 pytestmark = pytest.mark.timeout(240)  # (bounded by the waits below; ~55 s on a quiet 2-core machine)
 
 
-class Peer:
-    """A ``p2ptrain peer`` process whose JSON events arrive in a queue (stderr kept for messages)."""
+class Peer(EventProcess):
+    """A ``p2ptrain peer`` process (for --nproc-per-node: its launcher, torchrun and ranks under it)."""
 
     def __init__(self, env: dict[str, str], *args: str):
-        self.proc = subprocess.Popen([*CLI, "peer", *COMMON, *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.seen: list[dict[str, Any]] = []
-        self.stderr: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-
-    def wait_for(self, pred: Any, timeout: float = 90.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no such event in {timeout} s; stderr: {''.join(self.stderr)[-3000:]}") from None
-            self.seen.append(event)
-            if pred(event):
-                return event
+        super().__init__([*CLI, "peer", *COMMON, *args], env=env)
 
     def dones(self, n: int, timeout: float = 90.0) -> list[dict[str, Any]]:
         """The ``done`` events of all ``n`` ranks."""
@@ -63,15 +40,6 @@ class Peer:
         started = next((e for e in self.seen if e["event"] == "started"), None) or \
             self.wait_for(lambda e: e["event"] == "started")
         return started["multiaddrs"][0]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:  # (torchrun and its ranks too: they run in sessions of their own)
-            for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture
@@ -87,29 +55,12 @@ def peers(tmp_path) -> Iterator[Any]:
 
     yield start
     for p in made:
-        p.stop()
-
-
-def _descendants(pid: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, parent in parents.items() if parent in frontier]
-        out += kids
-        frontier = kids
-    return out
+        p.kill()
 
 
 def _rank_pid(launcher: int, rank: int) -> int:
     """The pid of the worker of local rank ``rank`` that the ``--nproc-per-node`` peer ``launcher`` runs."""
-    for pid in _descendants(launcher):
+    for pid in descendants(launcher):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
