@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--wait", type=int, default=0, help="peers to wait for before training")
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--stop-file", default="", help="train until the epoch this file names (once it exists)")
     ap.add_argument("--ckpt-dir", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -60,13 +61,16 @@ def main() -> None:
     batches = task.batches(32, seed=1, rank=a.peer * a.world + a.rank, world=a.peers * a.world)
     steps = 0
     while True:  # every rank stops at the same step: once all ranks reached the epoch
-        done = int(opt.epoch >= start_epoch + a.epochs)
+        done = int(opt.epoch >= start_epoch + a.epochs and opt.epoch >= _stop_epoch(a.stop_file))
         if (ranks.sum(done) == a.world) if ranks is not None else done:
             break
         opt.zero_grad()
         task.loss(model, next(batches)).backward()
+        epoch = opt.epoch
         opt.step()
         steps += 1
+        if opt.epoch != epoch and (opt.fsdp is None or opt.fsdp.rank == 0):
+            print(json.dumps({"event": "epoch", "epoch": opt.epoch}), flush=True)
     with torch.no_grad():  # the model as of the last round: the outer parameters
         for p, outer in zip(opt.params, opt._outer, strict=True):
             p.copy_(outer)
@@ -78,6 +82,15 @@ def main() -> None:
     opt.close()
     if not a.plain:
         dist.destroy_process_group()
+
+
+def _stop_epoch(path: str) -> int:
+    if not path:
+        return 0
+    try:
+        return int(open(path).read())
+    except (OSError, ValueError):  # (not written yet)
+        return 1 << 30
 
 
 if __name__ == "__main__":
