@@ -11,6 +11,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Container, Iterable
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
@@ -26,6 +27,21 @@ from .tasks import TaskGroup
 from .transport import Host
 
 log = logging.getLogger("dht.node")
+
+
+def republish_batches(originated: dict[tuple[bytes, bytes | None], Record], stored: Iterable[Record],
+                      skip: Container[bytes], now: float, force: bool = False) -> list[list[Record]]:
+    """What one republish round replicates, a key's records at most 256 to a batch (one store RPC):
+    what we wrote ourselves, even if our store dropped it, and the live stored records of keys not
+    in ``skip`` (a peer replicated them to us lately) unless ``force``."""
+    chosen: dict[tuple[bytes, bytes | None], Record] = dict(originated)
+    for rec in stored:
+        if rec.expiration > now and (force or rec.key not in skip):
+            chosen.setdefault((rec.key, rec.subkey), rec)
+    by_key: dict[bytes, list[Record]] = {}
+    for rec in chosen.values():
+        by_key.setdefault(rec.key, []).append(rec)
+    return [rs[i : i + 256] for rs in by_key.values() for i in range(0, len(rs), 256)]
 
 
 class Maintenance:
@@ -121,14 +137,7 @@ class Maintenance:
         for name, rec in list(self._originated.items()):
             if rec.expiration <= now:
                 del self._originated[name]
-        # What we wrote ourselves is republished even if our own store dropped it (full, replaced).
-        chosen: dict[tuple[bytes, bytes | None], Record] = dict(self._originated)
-        for rec in self.storage.records():
-            if rec.expiration > now and (force or rec.key not in self._received_at):
-                chosen.setdefault((rec.key, rec.subkey), rec)
-        by_key: dict[bytes, list[Record]] = {}
-        for rec in chosen.values():
-            by_key.setdefault(rec.key, []).append(rec)
+        batches = republish_batches(self._originated, self.storage.records(), self._received_at, now, force)
         sem = asyncio.Semaphore(8)
 
         async def one(records: list[Record]) -> None:
@@ -138,7 +147,7 @@ class Maintenance:
                 except DHTError:
                     pass
 
-        await asyncio.gather(*(one(rs[i : i + 256]) for rs in by_key.values() for i in range(0, len(rs), 256)))
+        await asyncio.gather(*(one(batch) for batch in batches))
 
     # ------------------------------------------------------------------ peer cache
 

@@ -197,7 +197,10 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             raise BootstrapError(self._bootstrap_failure(plan, loop.time() - t0))
         # Kademlia join: look ourselves up to fill the near buckets; the far ones are refreshed
         # in the background (``_maintain``) so that start() returns as soon as we are routable.
-        await self._lookup_nodes(self.node_id)
+        # Once more if no one answered: the table would hold the bootstrap peer alone, whose
+        # bucket, just touched, is not refreshed for a whole refresh_interval.
+        if not await self._lookup_nodes(self.node_id):
+            await self._lookup_nodes(self.node_id)
 
     async def _reach(self, addr: Multiaddr) -> None:
         """One bootstrap attempt: dial and ping. The plan's deadline bounds it (the caller cancels
