@@ -22,6 +22,7 @@ import random
 import time
 from typing import Any, Iterable
 
+from .autonat import probe_reachable
 from .bootstrap import DialPlan
 from .config import DHTConfig
 from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable
@@ -58,6 +59,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
     """One Kademlia peer. ``listen=None`` runs it in client mode (no inbound connections).
     ``reachable=False`` (behind NAT): it listens but announces no direct address, reserves at
     ``config.relays`` relays among its peers and is a full member reached through them.
+    ``reachable=None``: it asks its first peers to dial it back (``dht.autonat``) and is either.
 
     ``swarm_key`` (a :class:`~dht.swarmkey.SwarmKey` or its 32 bytes) makes it a peer of that
     private swarm: it only talks to peers holding the same key.
@@ -73,7 +75,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         announce_host: str | None = None,
         prologue: bytes | None = None,
         swarm_key: SwarmKey | bytes | None = None,
-        reachable: bool = True,
+        reachable: bool | None = True,
     ):
         self.identity = identity or Identity()
         self.peer_id = self.identity.peer_id
@@ -141,8 +143,10 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         try:
             if addrs:
                 await self._bootstrap(addrs)
-                if not h.reachable and not h.client_mode:
-                    await self._reserve_relays()
+            if h.reachable is None:
+                await self._probe_reachable()
+            if addrs and not h.reachable and not h.client_mode:
+                await self._reserve_relays()
         except BaseException:
             await self.close()
             raise
@@ -208,6 +212,16 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         conn = await self.host.connect_addr(addr, timeout=self.config.bootstrap_timeout)
         await conn.call("ping", None, timeout=self.config.rpc_timeout)
         self._learn(conn)
+
+    async def _probe_reachable(self) -> None:
+        """Ask peers we are connected to whether they can dial us; unknown (nobody answered)
+        counts as reachable, as before this was asked."""
+        found = await probe_reachable(self.host, [c.peer_id for c in self.routing if c.addr is not None])
+        self.host.reachable = found is not False
+        log.info("peers %s dial this node back: it is %s", "can" if self.host.reachable else "cannot",
+                 "reachable" if self.host.reachable else "behind NAT, reachable through relays")
+        if self.host.reachable:
+            self.host.announce_addrs()  # (behind NAT, reserving at relays announces)
 
     async def _reserve_relays(self) -> None:
         """Behind NAT: reserve at ``config.relays`` public peers that relay, then look ourselves up

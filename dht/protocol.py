@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable
 
+from .autonat import DIALBACK_METHOD, dial_back
 from .config import DHTConfig
 from .connection import Connection
 from .errors import InvalidRecord, MultiaddrError, ProtocolError
@@ -115,6 +116,7 @@ class NodeProtocol:
         h.on_request("find_node", self._rpc_find_node)
         h.on_request("find_value", self._rpc_find_value)
         h.on_request("store", self._rpc_store)
+        h.on_request(DIALBACK_METHOD, self._rpc_dialback)
 
     async def _rpc_ping(self, conn: Connection, args: Any) -> Any:
         self._learn(conn)
@@ -132,6 +134,9 @@ class NodeProtocol:
         records = _within_reply_budget(self.storage.get(args, time.time()))
         closest = self.routing.closest(key_id(args), self.config.k, exclude={conn.remote_peer})
         return [[r.to_wire() for r in records], encode_contacts(closest)]
+
+    async def _rpc_dialback(self, conn: Connection, args: Any) -> Any:
+        return await dial_back(self.host, conn, args)
 
     async def _rpc_store(self, conn: Connection, args: Any) -> Any:
         self._learn(conn)

@@ -93,7 +93,8 @@ class Host:
     or firewalls; it can still call any method and open streams on the connections it makes.
     ``reserve_relay`` makes such a host reachable all the same, through a relay (``dht.relay``).
     ``reachable=False``: a host behind NAT that listens (for hole punching, ``dht.holepunch``) but
-    does not announce its listen port; peers reach it through its circuit addresses.
+    does not announce its listen port; peers reach it through its circuit addresses. None: not
+    known yet (``dht.autonat`` finds out); announced like False until it is set.
     """
 
     def __init__(
@@ -105,11 +106,11 @@ class Host:
         limits: Limits | None = None,
         announce_host: str | None = None,
         swarm_key: SwarmKey | bytes | None = None,
-        reachable: bool = True,
+        reachable: bool | None = True,
     ):
         self.identity = identity
         #: whether peers can dial our listen port (False behind NAT: we announce circuits only)
-        self.reachable = reachable and listen is not None
+        self.reachable = reachable if listen is not None else False
         self.peer_id = identity.peer_id
         self.prologue = prologue
         #: the private swarm's key (None: a public swarm); never logged, see SwarmKey.fingerprint
@@ -215,27 +216,30 @@ class Host:
     def advertised(self) -> dict[str, Any]:
         """What our handshake tells a peer of how to reach us: our listen port (None when not
         reachable) and our circuit addresses."""
-        return {"port": self.listen_port if self.reachable else None,
+        return {"port": self.listen_port if self.reachable is True else None,
                 "relays": [str(a) for a in self.circuit_addrs[:MAX_CIRCUITS]]}
 
     def announce_addrs(self) -> None:
-        """Tell every connected peer our circuit addresses (they changed): each learns them as a
-        handshake would have told it. Fire and forget, owned by each connection."""
-        relays = self.advertised()["relays"]
+        """Tell every connected peer how to reach us (our listen port or circuit addresses changed):
+        each learns it as a handshake would have told it. Fire and forget, owned by each connection."""
+        addrs = self.advertised()
         for conn in self.connections:
             if conn.established:
-                conn._spawn(self._push_addrs(conn, relays))
+                conn._spawn(self._push_addrs(conn, addrs))
 
     @staticmethod
-    async def _push_addrs(conn: Connection, relays: list[str]) -> None:
+    async def _push_addrs(conn: Connection, addrs: dict[str, Any]) -> None:
         try:
-            await conn.call(ADDRS_METHOD, {"relays": relays}, timeout=5.0)
+            await conn.call(ADDRS_METHOD, addrs, timeout=5.0)
         except DHTError as e:
             log.debug("could not tell %s our relay addresses: %s", conn.remote_peer, e)
 
     async def _on_addrs(self, conn: Connection, args: Any) -> None:
         if not isinstance(args, dict):
-            raise ProtocolError(f"{ADDRS_METHOD} takes {{'relays': [...]}}")
+            raise ProtocolError(f"{ADDRS_METHOD} takes {{'port': ..., 'relays': [...]}}")
+        port = args.get("port")
+        if conn.remote_host is not None:  # (a listen port means nothing behind a relayed connection)
+            conn.remote_listen_port = port if isinstance(port, int) and 0 < port < 65536 else None
         conn.set_remote_relays(args.get("relays"))
         for callback in self.on_connect:  # learn the peer again, at its new addresses
             callback(conn)

@@ -18,7 +18,7 @@ import pytest
 
 import dht.holepunch as hp
 from dht.connection import Connection
-from dht.errors import ProtocolError
+from dht.errors import ProtocolError, RPCError
 from dht.identity import Identity
 from dht.relay import RelayService, relayed_via
 from dht.transport import Host
@@ -185,6 +185,49 @@ async def test_a_punch_that_cannot_connect_leaves_the_relayed_connection(hosts, 
         assert a.connection(b.peer_id) is relayed and not relayed.is_closed
 
 
+# ------------------------------------------------------------------------------ reachability (dht.autonat)
+
+
+def test_reachable_if_any_peer_dialed_back_unknown_if_none_answered() -> None:
+    from dht.autonat import verdict
+
+    assert verdict([{"ok": False}, {"ok": True}]) is True
+    assert verdict([{"ok": False}, TimeoutError(), "junk"]) is False
+    assert verdict([TimeoutError(), {"ok": "yes"}]) is None
+    assert verdict([]) is None
+
+
+async def test_a_node_that_is_dialed_back_announces_its_address_and_a_dial_back_goes_only_to_the_caller(
+        hosts) -> None:
+    from dht import DHTNode
+    from dht.autonat import DIALBACK_METHOD
+
+    async with asyncio.timeout(20):
+        public = DHTNode()
+        probing = DHTNode(reachable=None)
+        try:
+            await public.start()
+            told = asyncio.Event()  # the push of the port it announces once it knows it is reachable
+            public.host.on_connect.append(lambda c: told.set() if c.remote_listen_port else None)
+            await probing.start([public.multiaddrs[0]])
+            assert probing.host.reachable is True and not probing.multiaddrs[0].is_circuit
+            await told.wait()
+            learnt = public.routing.get(probing.peer_id)
+            assert learnt is not None and learnt.addr == ("127.0.0.1", probing.host.listen_port)
+            conn = public.host.connection(probing.peer_id)
+            assert conn is not None
+            closed = await hosts()
+            port = closed.listen_port
+            await closed.close()
+            # nothing listens there: the answer is no (and the caller cannot name another address)
+            assert await conn.call(DIALBACK_METHOD, {"port": port}) == {"ok": False}
+            with pytest.raises(RPCError, match="port"):
+                await conn.call(DIALBACK_METHOD, {"port": 0, "host": "10.0.0.1"})
+        finally:
+            await probing.close()
+            await public.close()
+
+
 # ------------------------------------------------------------------------------ network namespaces
 
 try:
@@ -204,14 +247,15 @@ from dht.relay import relayed_via
 async def line():
     return await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
-async def main(role, ip, boot, others):
-    node = DHTNode(listen=(ip, 0), reachable=(role == "public"))
+async def main(role, ip, boot):
+    node = DHTNode(listen=(ip, 0), reachable=None)  # each finds out (dht.autonat)
     svc = RelayService(node.host) if role == "public" else None
     await node.start([Multiaddr.parse(boot)] if boot else [])
     if svc: svc.start()
     print(json.dumps({"addrs": [str(a) for a in node.multiaddrs], "id": str(node.peer_id)}), flush=True)
     out = {}
     if role == "nat":
+        others = json.loads(await line())
         await node.store(f"from {node.peer_id}", ip, time.time() + 60)
         print(json.dumps({"stored": True}), flush=True)
         await line()  # every node has stored
@@ -237,13 +281,13 @@ async def main(role, ip, boot, others):
     await line()
     await node.close()
 
-asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]))
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
 """
 
 
 class _Node:
-    def __init__(self, tb: Any, i: int, role: str, boot: str, others: list[str] = ()) -> None:
-        self.p = tb.popen(i, [sys.executable, "-c", _NODE, role, tb.hosts[i].local_ip, boot, *others],
+    def __init__(self, tb: Any, i: int, role: str, boot: str) -> None:
+        self.p = tb.popen(i, [sys.executable, "-c", _NODE, role, tb.hosts[i].local_ip, boot],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def line(self) -> dict:
@@ -251,8 +295,8 @@ class _Node:
         assert text, f"node exited with {self.p.wait()}"
         return json.loads(text)
 
-    def say(self) -> None:
-        self.p.stdin.write("\n")
+    def say(self, text: str = "") -> None:
+        self.p.stdin.write(text + "\n")
         self.p.stdin.flush()
 
 
@@ -265,33 +309,33 @@ def test_netns_nated_dht_nodes_are_found_through_relays_then_punch_direct_connec
     before = child_pids()
     with Testbed(4, nat=[2, 3], rate=None) as tb:
         p0 = _Node(tb, 0, "public", "")
-        boot = p0.line()["addrs"][0]
-        p1 = _Node(tb, 1, "public", boot)
-        p1.line()
-        first = _Node(tb, 2, "nat", boot, [])
-        id2 = first.line()["id"]
-        first.line()  # stored
-        second = _Node(tb, 3, "nat", boot, [id2])
-        info3 = second.line()
-        second.line()
-        for n in (first, second):
-            n.say()
-        first.line()
-        r3 = second.line()
-        p0.line(), p1.line()
+        first = p0.line()
+        boot = first["addrs"][0]
+        nodes = [p0, *(_Node(tb, i, role, boot) for i, role in ((1, "public"), (2, "nat"), (3, "nat")))]
+        infos = [first, *(n.line() for n in nodes[1:])]  # started (the NAT'd ones probed and reserved)
+        ids = [info["id"] for info in infos]
+        nodes[2].say(json.dumps([ids[3]]))
+        nodes[3].say(json.dumps([ids[2]]))
+        assert nodes[2].line() == nodes[3].line() == {"stored": True}
+        for n in nodes[2:]:
+            n.say()  # every node has stored: read the other's record
+        results = [n.line() for n in nodes]
         stats = []
-        for n in (p0, p1, first, second):
+        for n in nodes:
             n.say()
             stats.append(n.line())
-        for n in (p0, p1, first, second):
+        for n in nodes:
             n.say()
-        for n in (p0, p1, first, second):
+        for n in nodes:
             assert n.p.wait(timeout=30) == 0
-    assert all("/p2p-circuit/" in a for a in info3["addrs"])  # announced through relays only
-    got = r3[id2]
-    assert got["value"] == tb.hosts[2].local_ip  # nat 3 read nat 2's record
-    assert got["direct"] and got["remote_host"] == tb.hosts[2].ip  # punched, through nat 2's router
-    contact = r3["contacts"][id2]
-    assert contact[0] is None and contact[1]  # still known by its circuit addresses (the fallback)
-    assert stats[2]["direct"] == 1 and stats[3]["attempts"] == 0  # nat 2, reached through the relay, punched
+    assert not any("/p2p-circuit/" in a for info in infos[:2] for a in info["addrs"])  # found reachable
+    for me, other in ((2, 3), (3, 2)):
+        # the NAT'd node found it cannot be dialed and announces circuits through relays only
+        assert infos[me]["addrs"] and all("/p2p-circuit/" in a for a in infos[me]["addrs"])
+        got = results[me][ids[other]]
+        assert got["value"] == tb.hosts[other].local_ip  # read the other NAT'd node's record
+        assert got["direct"] and got["remote_host"] == tb.hosts[other].ip  # punched, through its router
+        addr, relays = results[me]["contacts"][ids[other]]
+        assert addr is None and relays  # still known by its circuit addresses (the fallback)
+    assert stats[2]["direct"] + stats[3]["direct"] >= 1 and stats[2]["failed"] == stats[3]["failed"] == 0
     assert child_pids() <= before
