@@ -1,6 +1,7 @@
 """Whether other peers can dial us: a few peers are asked to dial our listen port back, as
 libp2p's AutoNAT does. A node behind NAT learns it this way (``DHTNode(reachable=None)``) and
-then announces circuit addresses through relays instead of a direct address nobody can reach.
+then reserves at relays (``reserve_relays``) and announces circuit addresses through them instead
+of a direct address nobody can reach.
 
 The peer dials back the address our connection comes from, on the port we name: never an
 address we choose, so nobody can make it dial a third party.
@@ -15,6 +16,7 @@ from typing import Any
 from .connection import Connection
 from .errors import DHTError, ProtocolError
 from .identity import PeerID
+from .multiaddr import Multiaddr
 from .relay import relayed_via
 from .transport import Host
 
@@ -60,3 +62,17 @@ async def probe_reachable(host: Host, peers: list[PeerID]) -> bool | None:
 
     replies = await asyncio.gather(*(ask(c) for c in conns[:PROBES]), return_exceptions=True)
     return verdict(list(replies))
+
+
+async def reserve_relays(host: Host, candidates: list[Multiaddr], want: int, timeout: float = 5.0) -> list[Multiaddr]:
+    """Reserve at up to ``want`` of ``candidates`` (public peers' full addresses, tried in order,
+    those that are no relay or are full skipped); returns our circuit addresses through them."""
+    got: list[Multiaddr] = []
+    for addr in candidates:
+        if len(got) >= want:
+            break
+        try:
+            got.append(await host.reserve_relay(addr, timeout))
+        except (DHTError, ValueError) as e:
+            log.debug("no reservation at %s: %s", addr, e)
+    return got

@@ -22,7 +22,7 @@ import random
 import time
 from typing import Any, Iterable
 
-from .autonat import probe_reachable
+from .autonat import probe_reachable, reserve_relays
 from .bootstrap import DialPlan
 from .config import DHTConfig
 from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable
@@ -35,7 +35,6 @@ from .multiaddr import Multiaddr
 from .noise import SwarmKeyMismatch
 from .peercache import load_peer_cache
 from .protocol import NodeProtocol
-from .relay import reserve_relays
 from .routing import Contact, RoutingTable, node_id_of
 from .storage import Record, RecordStore, VerifiedOwners, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey

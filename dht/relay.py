@@ -563,20 +563,6 @@ class RelayClient:
             self._forget(relay)
 
 
-async def reserve_relays(host: Host, candidates: list[Multiaddr], want: int, timeout: float = 5.0) -> list[Multiaddr]:
-    """Reserve at up to ``want`` of ``candidates`` (public peers' full addresses, tried in order,
-    those that are no relay or are full skipped); returns our circuit addresses through them."""
-    got: list[Multiaddr] = []
-    for addr in candidates:
-        if len(got) >= want:
-            break
-        try:
-            got.append(await host.reserve_relay(addr, timeout))
-        except (DHTError, ValueError) as e:
-            log.debug("no reservation at %s: %s", addr, e)
-    return got
-
-
 class CircuitTransport:
     """A host's transport for circuit addresses (``transport.PeerTransport``): dials through the
     relay an address names, and listens through relays that hold a reservation for us (a

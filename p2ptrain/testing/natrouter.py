@@ -19,9 +19,28 @@ punch must reach: hole punching then fails and the relay stays the way in.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 TABLE = "p2pt_nat"
 _NF_DROP = 0
+
+
+def build(host_ns: str, router_ns: str, ifname: str, local_ip: str, nat_type: str,
+          run: Callable[[Sequence[str]], Any]) -> None:
+    """The LAN between a test bed host (``host_ns``, its ``ifname`` at ``local_ip``/24) and its
+    router (``router_ns``, at .1), the host's default route through it, and the router's NAT."""
+    lan = local_ip.rsplit(".", 1)[0]
+    run(["ip", "link", "add", "name", ifname, "netns", host_ns, "type", "veth", "peer", "name", "lan0",
+         "netns", router_ns])
+    run(["ip", "-n", router_ns, "addr", "add", f"{lan}.1/24", "dev", "lan0"])
+    run(["ip", "-n", router_ns, "link", "set", "lan0", "up"])
+    run(["ip", "-n", host_ns, "addr", "add", f"{local_ip}/24", "dev", ifname])
+    run(["ip", "-n", host_ns, "link", "set", ifname, "up"])
+    run(["ip", "-n", host_ns, "route", "add", "default", "via", f"{lan}.1"])
+    run(["ip", "netns", "exec", router_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+    kind = ["symmetric"] if nat_type == "symmetric" else []
+    run(["ip", "netns", "exec", router_ns, sys.executable, "-m", "p2ptrain.testing.natrouter", *kind])
 
 
 def available() -> tuple[bool, str]:

@@ -63,7 +63,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -71,6 +70,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import delayline
+
+from . import natrouter
 
 if TYPE_CHECKING:
     from typing import Self
@@ -447,7 +448,9 @@ class Testbed:
             _run(["ip", "-n", wan, "addr", "add", f"{h.ip}/24", "dev", h.ifname])
             _run(["ip", "-n", wan, "link", "set", h.ifname, "up"])
             if h.router_ns is not None:
-                self._nat_router(h)
+                # (60 s: the router's NAT is set by a Python process, slow to start on a loaded box)
+                natrouter.build(h.ns, h.router_ns, h.ifname, h.local_ip, self.nat_type,
+                                functools.partial(_run, timeout=60))
             self._shape(h, port)
         if self.delay_s and not features()["netem"]:
             self._start_delay_line()
@@ -459,20 +462,6 @@ class Testbed:
             if neigh:
                 _run(["ip", "-n", _wan_ns(h), "-batch", "-"], stdin=neigh)
 
-    def _nat_router(self, h: Host) -> None:
-        """The LAN between host ``h`` and its router, and the router's NAT (:mod:`.natrouter`)."""
-        r, lan = h.router_ns, h.local_ip.rsplit(".", 1)[0]
-        assert r is not None
-        _run(["ip", "link", "add", "name", h.ifname, "netns", h.ns, "type", "veth", "peer", "name", "lan0",
-              "netns", r])
-        _run(["ip", "-n", r, "addr", "add", f"{lan}.1/24", "dev", "lan0"])
-        _run(["ip", "-n", r, "link", "set", "lan0", "up"])
-        _run(["ip", "-n", h.ns, "addr", "add", f"{h.local_ip}/24", "dev", h.ifname])
-        _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"])
-        _run(["ip", "-n", h.ns, "route", "add", "default", "via", f"{lan}.1"])
-        _run(["ip", "netns", "exec", r, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
-        kind = ["symmetric"] if self.nat_type == "symmetric" else []
-        _run(["ip", "netns", "exec", r, sys.executable, "-m", "p2ptrain.testing.natrouter", *kind], timeout=60)
 
     def _start_delay_line(self) -> None:
         """Every frame into the switch goes through :mod:`.delayline` first: each port's ingress
