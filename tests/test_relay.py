@@ -272,6 +272,23 @@ def test_contacts_with_relays_round_trip_on_the_wire_and_bad_ones_are_refused() 
             decode_contacts([bad], 20)
 
 
+def test_relayed_contacts_are_cached_by_circuit_and_hearsay_cannot_move_them() -> None:
+    from dht.peercache import cache_entries
+    from dht.routing import Contact, RoutingTable, node_id_of
+
+    relay = Multiaddr.parse(f"/ip4/10.0.0.1/tcp/4001/p2p/{RELAY}")
+    own = Identity().peer_id
+    table = RoutingTable(node_id_of(own))
+    nat = Contact(TARGET, None, relays=(relay.circuit(TARGET),))
+    assert table.update(nat, now=1.0) is None and TARGET in table  # dialable through its relay
+    assert table.update(Contact(Identity().peer_id, None), now=1.0) is None and len(table) == 1  # not dialable
+    assert cache_entries(table, own) == [relay.circuit(TARGET)]
+    # a third party naming the NAT'd peer at its own "relay" is corrected to what the table holds
+    liar = Multiaddr.parse(f"/ip4/10.6.6.6/tcp/1/p2p/{Identity().peer_id}")
+    [vouched] = table.vouched([Contact(TARGET, None, relays=(liar.circuit(TARGET),))])
+    assert vouched.relays == nat.relays and vouched.addr is None
+
+
 async def test_a_peer_behind_nat_is_a_full_dht_member_reached_through_relays(world_factory) -> None:
     """Two public nodes (both relay) and two that announce no address (``reachable=False``): the
     NAT'd ones reserve at the public ones, are learnt as relayed contacts, answer lookups, hold
