@@ -26,7 +26,7 @@ from p2ptrain.testing import Testbed, available, features  # noqa: E402
 
 _PEER = r"""
 import asyncio, json, sys, time
-from dht import Host, Identity, Multiaddr
+from dht import Host, Identity, Multiaddr, punch_stats
 from dht.relay import relayed_via
 
 async def main(ip, relay, wait):
@@ -59,7 +59,7 @@ async def main(ip, relay, wait):
     results = await asyncio.gather(*(one(t) for t in targets))
     print(json.dumps({"results": results}), flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)  # every peer is done: its counters are final
-    print(json.dumps(host._transport("p2p-circuit").puncher.stats.as_dict()), flush=True)
+    print(json.dumps(punch_stats(host).as_dict()), flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)
     await host.close()
 

@@ -25,6 +25,7 @@ from .errors import (
     RPCError,
     RPCTimeout,
 )
+from .holepunch import PunchStats, punch_stats
 from .identity import Identity, PeerID
 from .limits import Limits, LogThrottle
 from .lookup import LookupResult, ValueWithExpiration
@@ -70,6 +71,7 @@ __all__ = [
     "PeerIdMismatch",
     "PeerUnreachable",
     "ProtocolError",
+    "PunchStats",
     "RPCError",
     "RPCTimeout",
     "RelayRefused",
@@ -84,6 +86,7 @@ __all__ = [
     "default_cache_name",
     "load_swarm_key",
     "pack",
+    "punch_stats",
     "relayed_via",
     "parse_circuits",
     "unpack",

@@ -37,7 +37,7 @@ from .identity import PeerID
 from .relay import read_message, relayed_via, write_message
 from .stream import Stream
 from .tasks import TaskGroup
-from .transport import Host
+from .transport import CIRCUIT, Host
 
 log = logging.getLogger("dht.holepunch")
 
@@ -113,6 +113,13 @@ class PunchStats:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+def punch_stats(host: Host) -> PunchStats:
+    """What ``host``'s hole punching achieved so far (all zero before it dialed or reserved a circuit)."""
+    transport = host._transports.get(CIRCUIT)
+    puncher = getattr(transport, "puncher", None)
+    return puncher.stats if isinstance(puncher, HolePuncher) else PunchStats()
 
 
 # ---------------------------------------------------------------------------------- IO
