@@ -65,14 +65,14 @@ async def probe_reachable(host: Host, peers: list[PeerID]) -> bool | None:
 
 
 async def reserve_relays(host: Host, candidates: list[Multiaddr], want: int, timeout: float = 5.0) -> list[Multiaddr]:
-    """Reserve at up to ``want`` of ``candidates`` (public peers' full addresses, tried in order,
-    those that are no relay or are full skipped); returns our circuit addresses through them."""
-    got: list[Multiaddr] = []
+    """Reserve at ``candidates`` (public peers' full addresses, in order; those that are no relay
+    or are full are skipped) until ``want`` relays hold a reservation for us; returns our circuit
+    addresses."""
     for addr in candidates:
-        if len(got) >= want:
+        if len(host.circuit_addrs) >= want:
             break
         try:
-            got.append(await host.reserve_relay(addr, timeout))
+            await host.reserve_relay(addr, timeout)
         except (DHTError, ValueError) as e:
             log.debug("no reservation at %s: %s", addr, e)
-    return got
+    return host.circuit_addrs

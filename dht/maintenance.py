@@ -63,6 +63,7 @@ class Maintenance:
     _tasks: TaskGroup
     _lookup_nodes: Callable[[int], Coroutine[Any, Any, list[Contact]]]
     _replicate: Callable[..., Coroutine[Any, Any, int]]
+    _reserve_relays: Callable[..., Coroutine[Any, Any, None]]
 
     # ------------------------------------------------------------------ routing table
 
@@ -103,6 +104,8 @@ class Maintenance:
             try:
                 self.storage.remove_expired(time.time())
                 await self._refresh()
+                if self.host.reachable is False and not self.host.client_mode:
+                    await self._reserve_relays(lookup=False)  # replace a relay we lost
                 await self._refresh_peer_cache()
                 if time.monotonic() >= self._next_republish:
                     await self.republish()

@@ -222,15 +222,21 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         if self.host.reachable:
             self.host.announce_addrs()  # (behind NAT, reserving at relays announces)
 
-    async def _reserve_relays(self) -> None:
-        """Behind NAT: reserve at ``config.relays`` public peers that relay, then look ourselves up
-        again so that our closest peers learn our circuit addresses."""
-        public = sorted((c for c in self.routing if c.addr is not None), key=lambda c: c.last_seen, reverse=True)
+    async def _reserve_relays(self, lookup: bool = True) -> None:
+        """Behind NAT: hold reservations at ``config.relays`` public peers that relay (at start, and
+        in maintenance when one was lost), then look ourselves up so that our closest peers learn
+        our circuit addresses (connected ones are told at once, see ``Host.announce_addrs``)."""
+        held = {a.relay_id for a in self.host.circuit_addrs}
+        if len(held) >= self.config.relays:
+            return
+        public = sorted((c for c in self.routing if c.addr is not None and c.peer_id not in held),
+                        key=lambda c: c.last_seen, reverse=True)[: 4 * self.config.relays]
         got = await reserve_relays(self.host, [Multiaddr.from_host_port(*c.addr, c.peer_id) for c in public],
                                    self.config.relays, self.config.rpc_timeout)
         if not got:
             log.warning("not reachable and no peer took a relay reservation: peers cannot dial this node")
-        await self._lookup_nodes(self.node_id)
+        if lookup:
+            await self._lookup_nodes(self.node_id)
 
     def _permanent_failure(self, addr: Multiaddr, error: BaseException) -> bool:
         """Failures no retry can fix: the peer is in another swarm, the address is our own, or

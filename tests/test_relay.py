@@ -328,6 +328,35 @@ async def test_a_peer_behind_nat_is_a_full_dht_member_reached_through_relays(wor
                 await n.close()
 
 
+async def test_a_nated_node_that_loses_its_relay_reserves_at_another(world_factory) -> None:
+    from dht.config import DHTConfig
+
+    async with asyncio.timeout(30):
+        public = [DHTNode(), DHTNode()]
+        nat = DHTNode(reachable=False, config=DHTConfig(relays=1, maintenance_period=0.2))
+        services = [RelayService(p.host) for p in public]
+        try:
+            await public[0].start()
+            await public[1].start([public[0].multiaddrs[0]])
+            for s in services:
+                s.start()
+            await nat.start([public[0].multiaddrs[0]])
+            [first] = nat.multiaddrs
+            lost, other = (0, 1) if first.relay_id == public[0].peer_id else (1, 0)
+            moved = asyncio.Event()  # the other public node is told nat's circuit through itself
+            public[other].host.on_connect.append(
+                lambda c: moved.set() if any(r.relay_id == public[other].peer_id for r in c.remote_relays) else None)
+            await services[lost].close()
+            await public[lost].close()
+            await moved.wait()
+            assert [a.relay_id for a in nat.multiaddrs] == [public[other].peer_id]
+        finally:
+            for s in services:
+                await s.close()
+            for n in (nat, *public):
+                await n.close()
+
+
 async def test_peers_learn_a_relayed_hosts_circuit_addresses_as_they_change(world_factory) -> None:
     w = await world_factory()
     async with asyncio.timeout(20):
