@@ -14,6 +14,8 @@ in mixing-grid cells. Printed per mode and N, with ratios to the first N of the 
   * final test accuracy (mean and min over peers; target: N=64 within 1 point of N=8);
   * matchmaking time per gradient round (median over every peer's rounds; target <= 1.5x) and
     the mean group size;
+  * CPU seconds per peer and epoch (its process's CPU time over its peers: flat when no peer's
+    per-epoch work grows with N);
   * the parameter spread after each epoch: max distance between two peers' parameters over the
     norm of their mean (``*``: an epoch that ended with a state round).
 """
@@ -85,7 +87,8 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                 "acc": statistics.mean(r["accuracy"] for r in reports), "acc_min": min(r["accuracy"] for r in reports),
                 "mm": statistics.median(x[1] for x in rounds) if rounds else float("nan"),
                 "group": statistics.mean(x[2] for x in rounds) if rounds else 0.0,
-                "loads": sum(r["state_loads"] for r in reports), "spreads": spreads}
+                "loads": sum(r["state_loads"] for r in reports), "spreads": spreads,
+                "cpu": statistics.mean(r.get("cpu_s", 0.0) for r in reports) / epochs}
     finally:
         boot.close()
         shutil.rmtree(out, ignore_errors=True)
@@ -94,12 +97,13 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
 def table(rows: list[dict]) -> None:
     base = rows[0]
     print(f"\n{rows[0]['mode']}: per-peer samples/s, accuracy, matchmaking per round ({loadavg()})")
-    print("| N | samples/s per peer | ratio | accuracy (min) | d acc | matchmaking s | ratio | group | state loads |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| N | samples/s per peer | ratio | accuracy (min) | d acc | matchmaking s | ratio | group | state loads "
+          "| CPU s per peer-epoch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n']} | {r['sps']:.1f} | {r['sps'] / base['sps']:.2f} | {100 * r['acc']:.1f} "
               f"({100 * r['acc_min']:.1f}) | {100 * (r['acc'] - base['acc']):+.1f} | {r['mm']:.3f} | "
-              f"{r['mm'] / base['mm']:.2f} | {r['group']:.1f} | {r['loads']} |")
+              f"{r['mm'] / base['mm']:.2f} | {r['group']:.1f} | {r['loads']} | {r['cpu']:.3f} |")
     every = STATE_EVERY[rows[0]["mode"]]
     print("parameter spread after each epoch (* = after a state round):")
     for r in rows:

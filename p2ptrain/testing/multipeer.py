@@ -6,8 +6,8 @@ large swarms on few cores (``benchmarks/scale.py``).
 that take ``step_s`` (the real forward and backward, then a sleep: emulated compute, the same for
 every peer whatever the swarm's size) until its optimizer reaches ``epochs``; after each epoch it
 writes its parameters (raw float32) to ``{out}/e{epoch}/p{index}.f32``. At the end it prints one
-JSON line per peer: samples, training seconds, its rounds (epoch, matchmaking s, group size, cell) and
-its test accuracy. Logs go to stderr; the child dies with its parent.
+JSON line per peer: samples, training seconds, its rounds (epoch, matchmaking s, group size, cell),
+its test accuracy and the process's CPU seconds per peer. Logs go to stderr; the child dies with its parent.
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def main() -> None:
         t.start()
     for t in threads:
         t.join()
+    cpu = time.process_time() / len(reports)  # (every thread of the process: its peers' share)
     for r in reports:
-        print(json.dumps(r), flush=True)
+        print(json.dumps({**r, "cpu_s": cpu}), flush=True)
     for d in dhts:
         d.close()
 
