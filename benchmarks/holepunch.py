@@ -7,7 +7,7 @@ circuit address) and the pair counts as punched when the dialer ends up with a d
 to the other within ``--wait`` seconds. Prints the share of pairs punched and the time from the
 relayed connection to the direct one; ``--nat-type symmetric`` shows what a symmetric NAT does.
 
-    python benchmarks/holepunch.py --nat 8 [--delay 10ms] [--nat-type cone|symmetric]
+    python benchmarks/holepunch.py --nat 8 [--delay 25ms] [--nat-type cone|symmetric]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from p2ptrain.testing import Testbed, available, features  # noqa: E402
+from p2ptrain.testing import Testbed, available  # noqa: E402
 
 _PEER = r"""
 import asyncio, json, sys, time
@@ -58,8 +58,11 @@ async def main(ip, relay, wait):
             return {"direct": False}
     results = await asyncio.gather(*(one(t) for t in targets))
     print(json.dumps({"results": results}), flush=True)
-    await loop.run_in_executor(None, sys.stdin.readline)  # every peer is done: its counters are final
-    print(json.dumps(punch_stats(host).as_dict()), flush=True)
+    await loop.run_in_executor(None, sys.stdin.readline)  # every dialer is done
+    stats, deadline = punch_stats(host), time.monotonic() + 10
+    while stats.attempts > stats.direct + stats.reversed + stats.failed and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # the punches this peer drives finish their handshakes
+    print(json.dumps(stats.as_dict()), flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)
     await host.close()
 
@@ -86,16 +89,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nat", type=int, default=8, help="peers behind NAT (pairs: n*(n-1)/2)")
     ap.add_argument("--nat-type", choices=("cone", "symmetric"), default="cone")
-    ap.add_argument("--delay", default=None, help="one-way delay into each host, e.g. 10ms (netem only)")
+    ap.add_argument("--delay", default=None, help="one-way delay into each host, e.g. 25ms")
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--wait", type=float, default=15.0, help="seconds a pair may take to go direct")
     opts = ap.parse_args()
     ok, why = available()
     if not ok:
         sys.exit(f"no test bed here: {why}")
-    delay = opts.delay if opts.delay and features()["netem"] else None
     n = opts.nat
-    with Testbed(n + 1, nat=range(1, n + 1), nat_type=opts.nat_type, rate=opts.rate, delay=delay) as tb:
+    with Testbed(n + 1, nat=range(1, n + 1), nat_type=opts.nat_type, rate=opts.rate, delay=opts.delay) as tb:
         print(tb.describe(), flush=True)
         pipe = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
         relay = tb.popen(0, [sys.executable, "-c", _RELAY, tb.hosts[0].ip], **pipe)
