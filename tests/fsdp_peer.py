@@ -5,7 +5,9 @@ multiaddrs), ``done`` (accuracy, epoch, mismatches; the rank's outer shard saved
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 
 import torch
@@ -23,7 +25,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--peer", type=int, default=0, help="this peer's index (its data slice)")
-    ap.add_argument("--peers", type=int, default=2, help="data slices")
+    ap.add_argument("--peers", type=int, default=4, help="peers the data is split between")
     ap.add_argument("--bootstrap", default="")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--wait", type=int, default=0, help="peers to wait for before training")
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (a test that times out asks for the stacks)
     torch.set_num_threads(1)
     task = get_task("digits", hidden=33, depth=1)  # (33 rows: uneven shards over 2 ranks)
     model = task.make_model(seed=0)
@@ -65,10 +68,13 @@ def main() -> None:
         if (ranks.sum(done) == a.world) if ranks is not None else done:
             break
         opt.zero_grad()
-        task.loss(model, next(batches)).backward()
+        task.loss(model, next(batches)).backward()  # (FSDP's collectives: every rank takes part)
         epoch = opt.epoch
-        opt.step()
-        steps += 1
+        if done and ranks is not None:  # no round past the epoch: only the step's own collective
+            ranks.sum(32)
+        else:
+            opt.step()
+            steps += 1
         if opt.epoch != epoch and (opt.fsdp is None or opt.fsdp.rank == 0):
             print(json.dumps({"event": "epoch", "epoch": opt.epoch}), flush=True)
     with torch.no_grad():  # the model as of the last round: the outer parameters

@@ -121,7 +121,8 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, local: dict[int, torch.Ten
                                  for name, v in state.pop(key).items()}
 
 
-def stitch(shards: Sequence[tuple[int, int, list[list[int]]]], tensors: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+def stitch(shards: Sequence[tuple[int, int, list[list[int]]]],
+           tensors: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     """The whole model's tensors from every rank's shards (``shards``: each checkpoint's label,
     ``tensors``: its tensors, in the same order). ValueError when they are not one model's K shards."""
     if not shards:

@@ -1,0 +1,118 @@
+"""FSDP inside a peer (gloo, CPU, real processes on 127.0.0.1): two peers of two fully_shard
+ranks train digits, each rank averaging its own shard with the other peer's; a joiner of two
+ranks loads its shards from the swarm; an unsharded peer of the run is told why it never
+averages with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORKER = str(Path(__file__).with_name("fsdp_peer.py"))
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Rank:
+    """One worker process; its JSON lines arrive in a queue."""
+
+    def __init__(self, out: Path, **args: Any):
+        argv = [sys.executable, WORKER, "--out", str(out)]
+        for k, v in args.items():
+            argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.stderr: list[str] = []
+        self.out = out
+        threading.Thread(target=self._pump, daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+
+    def wait_for(self, pred: Any, timeout: float = 150.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no such event in {timeout} s; stderr: {''.join(self.stderr)[-3000:]}") from None
+            if pred(event):
+                return event
+
+
+def _drain(rank: Rank) -> list[dict[str, Any]]:
+    out = []
+    while not rank.events.empty():
+        out.append(rank.events.get())
+    return out
+
+
+def _peer(tmp: Path, name: str, world: int, **args: Any) -> list[Rank]:
+    port = _free_port()
+    return [Rank(tmp / f"{name}{r}.safetensors", rank=r, world=world, port=port, **args) for r in range(world)]
+
+
+def test_fsdp_peers_average_their_shards_a_joiner_catches_up_and_an_unsharded_peer_is_refused(tmp_path):
+    procs: list[Rank] = []
+    try:
+        stop = tmp_path / "stop"  # A and B train until the epoch written there, once C and D are done
+        a = _peer(tmp_path, "a", 2, peer=0, wait=2, epochs=6, stop_file=stop, ckpt_dir=tmp_path / "store_a")
+        procs += a
+        boot = a[0].wait_for(lambda e: e["event"] == "started")["multiaddrs"][0]
+        b = _peer(tmp_path, "b", 2, peer=1, wait=2, epochs=6, stop_file=stop, bootstrap=boot)
+        procs += b
+        a[0].wait_for(lambda e: e["event"] == "epoch" and e["epoch"] >= 2)
+        # a joiner of two ranks, and a plain single-process peer of the same run
+        c = _peer(tmp_path, "c", 2, peer=2, epochs=2, bootstrap=boot)
+        d = Rank(tmp_path / "d.safetensors", plain=True, peer=3, epochs=3, bootstrap=boot)
+        procs += [*c, d]
+        done = {name: [r.wait_for(lambda e: e["event"] == "done") for r in ranks]
+                for name, ranks in (("c", c), ("d", [d]))}
+        last = max([2] + [e["epoch"] for e in _drain(a[0])])
+        tmp = stop.with_suffix(".tmp")
+        tmp.write_text(str(last + 2))
+        tmp.rename(stop)
+        done.update({name: [r.wait_for(lambda e: e["event"] == "done") for r in ranks]
+                     for name, ranks in (("a", a), ("b", b))})
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
+            p.proc.wait(timeout=30)
+    # every rank of both peers ends with its shard of the same model (the last round's)
+    for r in range(2):
+        ours, theirs = load_file(a[r].out), load_file(b[r].out)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert load_file(a[0].out)["p0"].shape == (17, 64) and load_file(a[1].out)["p0"].shape == (16, 64)
+    accuracy = [e["accuracy"] for e in done["a"] + done["b"]]
+    assert min(accuracy) == max(accuracy) and accuracy[0] >= 0.85, accuracy
+    # the unsharded peer and the sharded ones: each told why they never average together
+    # the joiner's ranks each loaded their shard of the swarm's state, and trained on with it
+    assert all(e["start_epoch"] >= 2 for e in done["c"]), done["c"]
+    assert done["c"][0]["accuracy"] >= 0.85, done["c"]
+    said = " ".join(done["d"][0]["mismatches"].values())
+    assert "1 rank (unsharded)" in said and "over 2 ranks" in said, done["d"]
+    said = " ".join(done["a"][0]["mismatches"].values())
+    assert "FSDP world size 1" in said and "world size 2" in said, done["a"]
