@@ -18,6 +18,10 @@ punch must reach: hole punching then fails and the relay stays the way in.
 
 from __future__ import annotations
 
+import functools
+import os
+import secrets
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,13 +47,28 @@ def build(host_ns: str, router_ns: str, ifname: str, local_ip: str, nat_type: st
     run(["ip", "netns", "exec", router_ns, sys.executable, "-m", "p2ptrain.testing.natrouter", *kind])
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> tuple[bool, str]:
-    """Whether NAT routers can be set up from here (pyroute2 installed), and if not why."""
+    """Whether NAT routers can be set up here (pyroute2, and a kernel with nf_tables NAT: tried
+    once per process in a throwaway namespace), and if not the one-line reason."""
     try:
         import pyroute2.nftables.main  # noqa: F401
     except ImportError as e:
         return False, f"NAT routers need pyroute2 (pip install pyroute2): {e}"
-    return True, "ok"
+    ns = f"p2pt-{os.getpid()}-{secrets.token_hex(2)}-natprobe"  # (testing.netns.cleanup_stale's pattern)
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"cannot make a network namespace to try NAT in: {e}"
+    try:
+        res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "p2ptrain.testing.natrouter"],
+                             capture_output=True, text=True, timeout=60)
+        if res.returncode != 0:
+            last = (res.stderr.strip().splitlines() or ["?"])[-1]
+            return False, f"this kernel cannot do nf_tables NAT: {last[:200]}"
+        return True, "ok"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
 def apply(symmetric: bool = False) -> None:
