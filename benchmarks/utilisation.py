@@ -2,6 +2,7 @@
 
     python benchmarks/utilisation.py                       # 4 peers, 50 ms steps: sync, sync --delay-updates, diloco
     python benchmarks/utilisation.py --modes sync --epochs 20 --target-batch-size 4096
+    python benchmarks/utilisation.py --peers 8 --modes diloco diloco-overlap --netem 100mbit,25ms  # WAN, 50 ms RTT
 
 Every peer is ``p2ptrain peer --json --example digits --compute-delay D --wait-peers N`` (the CLI path,
 through ``benchmarks/_peer_instr.py``, which only adds timing lines: when each peer's epoch changed,
@@ -19,10 +20,12 @@ entered the last epoch: the sum over peers of (samples processed in the window /
 ``--netem RATE[,DELAY[,LOSS]]`` (root only; e.g. ``--netem 100mbit,50ms``) runs each swarm peer in a
 network namespace of its own (:class:`p2ptrain.testing.Testbed`), behind a link shaped to RATE both
 ways with DELAY one way (so DELAY x 2 of RTT between two peers): what a swarm across the internet
-pays per round (matchmaking and all-reduce round trips) shows in the per-round figures. The lone
+pays per round (matchmaking and all-reduce round trips) shows in the per-round figures; the table's
+``last mm/RTT`` is the matchmaking of each round's last peer to arrive (nobody left to wait for) in RTTs. The lone
 baseline has no network to shape and runs as it does without the option.
 
-Targets (issue): sync >= 90% of N x baseline, diloco >= 95%. For each mode the table decomposes the
+Targets (issue): sync >= 90% of N x baseline, diloco >= 95%. ``diloco-overlap`` is diloco with
+``--overlap-outer`` (each outer round runs during the next inner phase). For each mode the table decomposes the
 loss: compute efficiency (a peer's samples/s while outside ``step()`` pauses vs the baseline; CPU
 contention shows here) and the pause fraction (time spent inside ``step()`` for averaging), then
 per-round figures: matchmaking s, all-reduce s, the lag between the first and the last peer noticing
@@ -44,7 +47,7 @@ from _procs import Children, loadavg, run_main, sigterm_as_exit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "_peer_instr.py")
-TARGETS = {"sync": 0.90, "sync-delay": 0.90, "diloco": 0.95}
+TARGETS = {"sync": 0.90, "sync-delay": 0.90, "diloco": 0.95, "diloco-overlap": 0.95}
 
 
 def _med(xs: list[float]) -> float:
@@ -55,10 +58,12 @@ def _peer_argv(mode: str, a: argparse.Namespace, target: int, epochs: int, wait:
                seed: int, listen_ip: str | None = None) -> list[str]:
     argv = [sys.executable, PEER, "peer", "--json", "--example", "digits", "--compute-delay", str(a.compute_delay),
             "--target-batch-size", str(target), "--epochs", str(epochs), "--batch-size", str(a.batch_size),
-            "--data-seed", str(seed), "--mode", "diloco" if mode == "diloco" else "sync",
+            "--data-seed", str(seed), "--mode", "diloco" if mode.startswith("diloco") else "sync",
             "--local-steps", str(a.local_steps)]
     if mode == "sync-delay":
         argv.append("--delay-updates")
+    if mode == "diloco-overlap":
+        argv.append("--overlap-outer")
     argv += ["--wait-peers", str(wait)]  # 1 (a peer alone) too: a peer with no bootstrap waits for a second
     if listen_ip:
         argv += ["--listen", f"/ip4/{listen_ip}/tcp/0"]
@@ -182,7 +187,7 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
             latest = max(merged, key=lambda r: r["t_enter"])
             if "mm" in latest:
                 mm_last.append(latest["mm"])
-        if run["mode"] == "diloco":
+        if run["mode"].startswith("diloco"):
             h_done.extend(r.get("local_steps_done", 0) for r in merged)
         for r in merged:
             pause.append(r.get("pause", float("nan")))
@@ -198,7 +203,7 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
                 enter_to_avg.append(r["t_avg_start"] - r["t_enter"])
         weights = [r["weight"] for r in merged if "weight" in r]
         samples.append(max(weights) if weights else sum(r["local"] for r in merged))
-    target = run["target"] if run["mode"] != "diloco" else None
+    target = None if run["mode"].startswith("diloco") else run["target"]
     out = {
         "mode": run["mode"], "n": n, "swarm_sps": swarm, "per_peer_sps": sps, "window_s": _med(windows),
         "epochs": (skip, last), "epoch_s": epoch_len, "compute_sps": _med(comp_sps), "pause_frac": _med(pause_frac),
@@ -374,15 +379,17 @@ def _main(a: argparse.Namespace, tb) -> None:
         report(res, base)
     print(f"\nbaseline {base:.0f} samples/s per peer (runs: {b0['swarm_sps']:.0f}, {b1['swarm_sps']:.0f}); "
           f"plain torch loop {plain:.0f}; {loadavg()}; total {time.monotonic() - t_start:.0f} s")
-    print("\n  mode        peers  swarm sps  ideal sps  ratio   target  pass  compute eff  paused  "
-          "pause/round  mm/round  ar/round  load")
+    rtt = 2 * tb.delay_s if tb is not None else 0.0  # the last peer's matchmaking in round trips
+    print("\n  mode            peers  swarm sps  ideal sps  ratio   target  pass  compute eff  paused  "
+          f"pause/round  mm/round  ar/round  {'last mm/RTT  ' if rtt else ''}load")
     for r in results:
         t = TARGETS[r["mode"]]
         ideal = r["n"] * base
-        print(f"  {r['mode']:<10}  {r['n']:5d}  {r['swarm_sps']:9.0f}  {ideal:9.0f}  {100 * r['ratio']:5.1f}%  "
+        in_rtt = f"{_med(r['mm_last']) / rtt:11.2f}  " if rtt else ""
+        print(f"  {r['mode']:<14}  {r['n']:5d}  {r['swarm_sps']:9.0f}  {ideal:9.0f}  {100 * r['ratio']:5.1f}%  "
               f"{100 * t:5.0f}%  {'yes' if r['ratio'] >= t else 'NO':>4}  {100 * r['compute_ratio']:10.1f}%  "
               f"{100 * r['pause_frac']:5.1f}%  {_med(r['pause']):10.3f}s  {_med(r['mm']):7.3f}s  "
-              f"{_med(r['ar']):7.3f}s  {r['load'][0]:.2f}->{r['load'][1]:.2f}")
+              f"{_med(r['ar']):7.3f}s  {in_rtt}{r['load'][0]:.2f}->{r['load'][1]:.2f}")
 
 
 if __name__ == "__main__":

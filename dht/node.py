@@ -35,7 +35,7 @@ from .multiaddr import Multiaddr
 from .noise import SwarmKeyMismatch
 from .peercache import load_peer_cache
 from .protocol import NodeProtocol
-from .routing import Contact, RoutingTable, node_id_of
+from .routing import Contact, RoutingTable, key_id, node_id_of
 from .storage import Record, RecordStore, VerifiedOwners, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
 from .tasks import TaskGroup
@@ -301,6 +301,12 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
                         self.storage.max_ttl)
         self._originated[(kb, sb)] = record
         return await self._replicate([record], closest)
+
+    def nearest_known(self, key: str | bytes) -> list[Contact]:
+        """The k dialable contacts of our routing table nearest ``key``, without a lookup: the key's
+        holders where the table is complete near it (small swarms), a lookup's starting point elsewhere."""
+        target = key_id(key_bytes(key))
+        return [c for c in self.routing.closest(target, 2 * self.config.k) if c.dialable][: self.config.k]
 
     async def store_owned(self, key: str | bytes, name: str, value: Any, expiration: float,
                           closest: list[Contact] | None = None) -> int:

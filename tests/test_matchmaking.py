@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
 import pytest
 import torch
 
-from dht import DHTConfig, DHTError, DHTNode, Identity, RPCError
+from dht import DHTConfig, DHTError, DHTNode, Host, Identity, RPCError
 from p2ptrain.averaging.claims import parse_entry
 from p2ptrain.averaging.group import Group, Member
 from p2ptrain.averaging.join import JOIN_METHOD
@@ -365,3 +366,31 @@ async def test_close_cancels_and_refuses(swarm):
     assert not ma._tasks
     with pytest.raises(RuntimeError):
         await ma.form_group(1, timeout=1.0)
+
+
+async def test_a_round_takes_about_two_round_trips_on_a_slow_link(swarm, monkeypatch):
+    """Every RPC pays an emulated round trip (half each way). Peers that arrive together and expect
+    each other write their entries and read the holders at once (one round trip), then join their
+    leader (one more): ~2 round trips, where a lookup before the write and a read after it took ~4."""
+    make, mm = swarm
+    peers = await make(4)
+    # long enough that the CPU of ~100 RPCs in one event loop is small against it on a loaded box
+    rtt = 0.5
+    for node in peers:
+        node.config = dataclasses.replace(node.config, rpc_timeout=4 * rtt)
+    call = Host.call
+
+    async def slow_call(self, *args, **kwargs):
+        await asyncio.sleep(rtt / 2)  # the emulated link, not a synchronisation
+        result = await call(self, *args, **kwargs)
+        await asyncio.sleep(rtt / 2)
+        return result
+
+    monkeypatch.setattr(Host, "call", slow_call)
+    mms = [mm(n) for n in peers]
+    async with asyncio.timeout(10):
+        groups = await asyncio.gather(*(m.form_group(1, timeout=8.0, expected=4) for m in mms))
+    assert_consistent(groups, peers)
+    assert groups[0].size == 4
+    trips = max(m.last_stats["seconds"] for m in mms) / rtt
+    assert trips < 3.0, f"matchmaking took {trips:.2f} round trips"

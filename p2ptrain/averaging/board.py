@@ -65,37 +65,61 @@ class Board:
         return dict(self._mismatches)
 
     def register(self, rnd: MatchRound, me: Member, timeout: float, deadline: float) -> None:
-        """Write our entry for the round, in the background: at the key's holders that our first
-        read finds (that read is a full lookup of the key), so the entry lands one round trip after
-        the read instead of after a lookup of its own. Gathering does not wait for it: we count
-        ourselves in any case, and the others see us once it lands."""
+        """Write our entry for the round, in the background, at once to the key's holders as our
+        routing table knows them (it lands half a round trip later), and to any others a full
+        lookup of the key then finds. Gathering does not wait for it: we count ourselves in any
+        case, and the others see us once it lands."""
         now_wall = time.time()
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER
+        rnd.holders = self.node.nearest_known(rnd.key)
         # The schema summary only explains mismatches: publish it without waiting for it.
         self._spawn(self._publish_summary(rnd))
         self._spawn(self._store_entry(rnd, deadline))
+        self._spawn(self._look_up_holders(rnd, deadline))
 
     async def _store_entry(self, rnd: MatchRound, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        sent: set[PeerID] = set()
         try:
             async with asyncio.timeout_at(deadline):
-                await rnd.first_read.wait()
-                if rnd.state == "done":
-                    return  # over before the first read came back: _mark_done writes what is left
-                await self.node.store_owned(rnd.key, _MEMBER_SUBKEY, rnd.entry_value, rnd.entry_expiration,
-                                            closest=rnd.holders or None)
+                if rnd.holders:
+                    sent = {c.peer_id for c in rnd.holders}
+                    await self._store(rnd, rnd.holders)
+                await rnd.looked_up.wait()
+                missed = [c for c in rnd.holders if c.peer_id not in sent]
+                if rnd.state == "done" or (sent and not missed):
+                    return  # (a round over before the lookup: mark_done writes what is left)
+                await self._store(rnd, missed or None)
             log.debug("round %s: registered in %.3f s", rnd.round_id, loop.time() - t0)
         except TimeoutError:
             return
         except DHTError as e:
             log.warning("could not register for round %s: %s", rnd.round_id, e)
 
+    async def _store(self, rnd: MatchRound, holders: list[Contact] | None) -> None:
+        assert rnd.entry_value is not None
+        await self.node.store_owned(rnd.key, _MEMBER_SUBKEY, rnd.entry_value, rnd.entry_expiration, closest=holders)
+
+    async def _look_up_holders(self, rnd: MatchRound, deadline: float) -> None:
+        """The key's holders by a full lookup: the routing table's guess misses some in a large swarm."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                read = await self.node.get_owned(rnd.key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
+            found = [c for c in read.closest if c.addr is not None]
+            if found:
+                rnd.holders = found
+        except (TimeoutError, DHTError):
+            pass
+        finally:
+            rnd.looked_up.set()
+
     async def _publish_summary(self, rnd: MatchRound) -> None:
         try:
-            await self.node.store_owned(self.schemas_key(rnd.round_id), _MEMBER_SUBKEY, self.schema.summary(),
-                                        rnd.entry_expiration)
+            key = self.schemas_key(rnd.round_id)
+            await self.node.store_owned(key, _MEMBER_SUBKEY, self.schema.summary(), rnd.entry_expiration,
+                                        closest=self.node.nearest_known(key) or None)
         except DHTError as e:
             log.debug("could not publish our schema summary for round %s: %s", rnd.round_id, e)
 
@@ -110,26 +134,24 @@ class Board:
         except DHTError:
             pass
 
-    async def _entries(self, key: str, holders: list[Contact],
-                       deadline: float) -> tuple[dict[PeerID, OwnedValue], list[Contact]]:
-        """Each peer's entry under ``key`` (signature checked), and the peers that hold the key.
+    async def _entries(self, key: str, holders: list[Contact], fanout: int,
+                       deadline: float) -> tuple[dict[PeerID, OwnedValue], list[Contact] | None, set[PeerID]]:
+        """Each peer's entry under ``key`` (signature checked); the holders a full lookup found
+        (None without one) and those that did not answer.
 
-        With no ``holders`` known this is a full DHT lookup. Afterwards we ask ``_READ_FANOUT`` of
-        the holders that lookup found, chosen at random, directly: every registration is replicated
-        to all of them, so a few suffice, and a poll costs 3 RPCs instead of a lookup over the k
-        closest (which overloads the holders when many peers poll).
+        With no ``holders`` known this is a full DHT lookup. Otherwise we ask ``fanout`` of them,
+        chosen at random, directly: every registration is replicated to all of them, so a few
+        suffice, and a poll costs 3 RPCs instead of a lookup over the k closest (which overloads
+        the holders when many peers poll).
         """
         if not holders:
             read = await self.node.get_owned(key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
-            return read.values, [c for c in read.closest if c.addr is not None]
-        chosen = random.sample(holders, min(_READ_FANOUT, len(holders)))
+            return read.values, [c for c in read.closest if c.addr is not None], set()
+        chosen = random.sample(holders, min(fanout, len(holders)))
         timeout = max(0.01, min(self.node.config.rpc_timeout, deadline - asyncio.get_running_loop().time()))
         read = await self.node.get_owned(key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES, holders=chosen,
                                          timeout=timeout)
-        if not read.closest:
-            return read.values, []  # nobody answered: look the key up afresh next time
-        dead = {c.peer_id for c in chosen} - {c.peer_id for c in read.closest}
-        return read.values, [c for c in holders if c.peer_id not in dead]
+        return read.values, None, {c.peer_id for c in chosen} - {c.peer_id for c in read.closest}
 
     async def registered(self, rnd: MatchRound, deadline: float) -> dict[PeerID, Member]:
         return {p: e.member for p, e in (await self.read(rnd, deadline)).items()}
@@ -137,17 +159,19 @@ class Board:
     async def read(self, rnd: MatchRound, deadline: float) -> dict[PeerID, Entry]:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        if rnd.reads % _FULL_LOOKUP_EVERY == 0:
+        if rnd.reads and rnd.reads % _FULL_LOOKUP_EVERY == 0:
             rnd.holders = []
+        # the first read asks every holder we know: our entry and the others' land there meanwhile
+        fanout = len(rnd.holders) if rnd.reads == 0 else _READ_FANOUT
         rnd.reads += 1
         try:
             async with asyncio.timeout_at(deadline):
-                values, rnd.holders = await self._entries(rnd.key, rnd.holders, deadline)
+                values, found, dead = await self._entries(rnd.key, rnd.holders, fanout, deadline)
         except (TimeoutError, DHTError):
             rnd.holders = []
             return {}
-        finally:
-            rnd.first_read.set()  # our entry may go out now (to the holders this read found, if any)
+        # (reads overlap: drop the dead from the current list, which another read may have renewed)
+        rnd.holders = found if found is not None else [c for c in rnd.holders if c.peer_id not in dead]
         elapsed = loop.time() - t0
         self._latency = elapsed if self._latency is None else 0.7 * self._latency + 0.3 * elapsed
         entries = ((peer, parse_entry(got.value, peer)) for peer, got in values.items())

@@ -7,10 +7,11 @@ One round, seen from one peer (``Matchmaker.form_group``):
    we wait; and our schema summary under ``{prefix}/avg/schemas/{round}``. The schema hash is in the
    key, so peers with another model or codec never see us as a candidate; the summaries only serve
    to *explain* such a mismatch (a warning, once per peer, and ``mismatches()``). The entry goes out
-   in the background, to the holders the first read of step 2 finds: no lookup of its own, and no
-   waiting for it before gathering (a round trip less per round on a slow link).
-2. **Gather.** Read the key every 50 ms, backing off (the first read is a full ``latest`` lookup;
-   later ones ask 3 of the holders it found directly), and stop once at least
+   in the background, at once to the key's holders as our routing table knows them (no lookup
+   first: it lands half a round trip later), and to any others a full lookup then finds.
+2. **Gather.** Read the key every 50 ms, backing off, reads overlapping (up to 4 in flight: on a
+   slow link a read that just missed the others' entries must not cost a whole round trip more);
+   the first asks every holder we know, later ones 3 of them. Stop once at least
    ``min_group_size`` peers are present and the set has not grown for the *settle window*
    ``max(100 ms, 3 x measured DHT read latency, 2 x mean gap between the recent arrivals)``
    (capped at a fifth of the timeout; at least 0.5 s, or a tenth of the timeout, while fewer
@@ -49,7 +50,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from dht import DHTNode, PeerID, TaskGroup, wait_event
+from dht import DHTNode, PeerID, TaskGroup
 
 from ..addresses import Reach
 from .board import Board
@@ -65,6 +66,7 @@ log = logging.getLogger("p2ptrain.matchmaking")
 _FIRST_POLL = 0.05  # s: the first read period, backed off x1.5 while nothing changes
 _MAX_POLL = 0.5
 _KEPT_ROUNDS = 16  # finished rounds remembered, to answer late joins clearly
+_READS_IN_FLIGHT = 4  # overlapping polls of the round's key
 #: the settle window's floor while ``expected`` peers are not all there yet (see _gather)
 _EXPECTED_GRACE = 0.5
 
@@ -220,74 +222,109 @@ class Matchmaker(JoinProtocol):
 
     async def _gather(self, rnd: MatchRound, me: Member, timeout: float, deadline: float,
                       failed: set[PeerID], expected: int | None = None) -> list[Member] | None:
-        """Poll the round's key until the set of candidates settles; None at the deadline alone."""
+        """Poll the round's key until the set of candidates settles; None at the deadline alone.
+
+        Reads overlap (one starts every poll period, up to ``_READS_IN_FLIGHT`` at once): on a slow
+        link a poll takes a round trip, and a read that just missed an entry must not cost another."""
         loop = asyncio.get_running_loop()
         rnd.lead, rnd.redirect = None, None
         rnd.join_hint.clear()
         rnd.set_state("gathering")
         period = _FIRST_POLL
-        last_growth = loop.time()
+        last_growth = next_read = loop.time()
         candidates: dict[PeerID, Entry] = {}  # every peer seen as a candidate during this gather
         schema_task: asyncio.Task | None = None
-        polls = 0
-        while True:
-            if polls % 8 == 0 and not self._closed and (schema_task is None or schema_task.done()):
-                schema_task = self._tasks.spawn(self.board.check_schemas(rnd, deadline))
-            polls += 1
-            entries = await self.board.read(rnd, deadline)
-            rnd.registered.update((p, e.member) for p, e in entries.items())
-            now, now_wall = loop.time(), time.time()
-            grew = False
-            finished = 0
-            for peer, entry in entries.items():
-                if peer == me.peer_id or peer in failed:
+        reads: set[asyncio.Task] = set()
+        polls = answered = 0
+        wake_at = deadline
+        try:
+            while True:
+                now = loop.time()
+                if now >= next_read and len(reads) < _READS_IN_FLIGHT:
+                    if self._closed:
+                        return None
+                    if polls % 8 == 0 and (schema_task is None or schema_task.done()):
+                        schema_task = self._tasks.spawn(self.board.check_schemas(rnd, deadline))
+                    polls += 1
+                    reads.add(self._tasks.spawn(self.board.read(rnd, deadline), awaited=True))
+                    next_read = now + period
+                    period = min(period * 1.5, _MAX_POLL, max(rnd.settle / 2, _FIRST_POLL))
+                    if expected is not None and len(candidates) + 1 < expected and now - last_growth < 1.0:
+                        # the expected stragglers are near: see the next one a poll after it lands
+                        period = _FIRST_POLL
+                # (a hint already set is not waited on again: that would return at once and spin)
+                hint = None if rnd.join_hint.is_set() else rnd.join_hint
+                timer = wake_at if len(reads) >= _READS_IN_FLIGHT else min(next_read, wake_at)
+                done = await _first_of(reads, hint, max(0.0, timer - loop.time()))
+                reads -= done
+                now, now_wall = loop.time(), time.time()
+                grew = False
+                finished = 0
+                for task in done:
+                    answered += 1
+                    entries = task.result()
+                    rnd.registered.update((p, e.member) for p, e in entries.items())
+                    for peer, entry in entries.items():
+                        if peer == me.peer_id or peer in failed:
+                            continue
+                        if entry.done:  # grouped already, or gave up (records expire shortly after)
+                            finished += 1
+                            # Peers we saw as candidates stay in the view while it settles, so that every
+                            # peer plans over the same set even after the first groups closed.
+                            continue
+                        grew = grew or peer not in candidates
+                        candidates[peer] = entry
+                if grew:
+                    last_growth = now
+                    period = _FIRST_POLL
+                    next_read = min(next_read, now + period)
+                if not answered:
                     continue
-                if entry.done:  # grouped already, or gave up (records expire shortly after)
-                    finished += 1
-                    # Peers we saw as candidates stay in the view while it settles, so that every
-                    # peer plans over the same set even after the first groups closed.
-                    continue
-                grew = grew or peer not in candidates
-                candidates[peer] = entry
-            if grew:
-                last_growth = now
-                period = _FIRST_POLL
-            n = len(candidates) + 1
-            arrivals = [
-                e.arrived for e in candidates.values() if now_wall - timeout - 60 <= e.arrived <= now_wall + 5
-            ] + [rnd.entry_value["t"] if rnd.entry_value else now_wall]
-            settle = rnd.settle = settle_window(self.latency, arrivals, timeout)
-            if expected is not None and n < expected:
-                # Peers we were told to expect are still missing: on a loaded machine a process
-                # that arrives a few hundred ms after a burst of others is common, and closing
-                # without it splits the round. Wait a little longer for it (bounded: it may be gone).
-                settle = max(settle, min(_EXPECTED_GRACE, 0.1 * timeout))
-            reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
-            view = [me] + [e.member for e in candidates.values()]
-            if n >= rnd.min_size:
-                everyone = expected is not None and n >= expected
-                if now - last_growth >= settle or everyone or rnd.join_hint.is_set() or now >= deadline - reserve:
-                    log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
-                              rnd.round_id, n, polls, settle, self.latency,
-                              ", joined by a peer" if rnd.join_hint.is_set() else "")
-                    return view
-                wake_at = min(last_growth + settle, deadline - reserve)
-            else:
-                if now >= deadline:
-                    return None
-                if expected is not None and not candidates and finished + 1 >= expected:
-                    # everyone we were told to expect has grouped (or given up) without us:
-                    # nobody is left to meet, so do not wait out the deadline
-                    log.debug("round %s: the %d other expected peers are done; nobody left", rnd.round_id, finished)
-                    return None
-                wake_at = deadline
-            delay = max(0.0, min(period, wake_at - now))
-            period = min(period * 1.5, _MAX_POLL, max(settle / 2, _FIRST_POLL))
-            if rnd.join_hint.is_set():
-                # A join came but we cannot act on it yet (too few peers seen: the joiner's entry
-                # may still be on its way). Poll at the normal pace: waiting on the hint again would
-                # return at once and spin, and with no DHT contacts a read never yields, so a stray
-                # join froze this peer's event loop until the deadline.
-                await asyncio.sleep(delay)
-            else:
-                await wait_event(rnd.join_hint, delay)
+                n = len(candidates) + 1
+                arrivals = [
+                    e.arrived for e in candidates.values() if now_wall - timeout - 60 <= e.arrived <= now_wall + 5
+                ] + [rnd.entry_value["t"] if rnd.entry_value else now_wall]
+                settle = rnd.settle = settle_window(self.latency, arrivals, timeout)
+                if expected is not None and n < expected:
+                    # Peers we were told to expect are still missing: on a loaded machine a process
+                    # that arrives a few hundred ms after a burst of others is common, and closing
+                    # without it splits the round. Wait a little longer for it (bounded: it may be gone).
+                    settle = max(settle, min(_EXPECTED_GRACE, 0.1 * timeout))
+                reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
+                if n >= rnd.min_size:
+                    everyone = expected is not None and n >= expected
+                    if (now - last_growth >= settle or everyone or rnd.join_hint.is_set()
+                            or now >= deadline - reserve):
+                        log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
+                                  rnd.round_id, n, polls, settle, self.latency,
+                                  ", joined by a peer" if rnd.join_hint.is_set() else "")
+                        return [me] + [e.member for e in candidates.values()]
+                    wake_at = min(last_growth + settle, deadline - reserve)
+                else:
+                    if now >= deadline:
+                        return None
+                    if expected is not None and not candidates and finished + 1 >= expected:
+                        # everyone we were told to expect has grouped (or given up) without us:
+                        # nobody is left to meet, so do not wait out the deadline
+                        log.debug("round %s: the %d other expected peers are done; nobody left",
+                                  rnd.round_id, finished)
+                        return None
+                    wake_at = deadline
+        finally:
+            for task in reads:
+                task.cancel()
+
+
+async def _first_of(tasks: set[asyncio.Task], event: asyncio.Event | None, timeout: float) -> set[asyncio.Task]:
+    """Wait until one of ``tasks`` is done, ``event`` is set or ``timeout`` passed; the tasks done."""
+    waiter = asyncio.ensure_future(event.wait()) if event is not None else None
+    waiting = tasks | ({waiter} if waiter is not None else set())
+    try:
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.sleep(timeout)
+    finally:
+        if waiter is not None:
+            waiter.cancel()
+    return {t for t in tasks if t.done()}

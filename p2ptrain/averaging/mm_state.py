@@ -42,9 +42,9 @@ class MatchRound:
         self.entry_expiration = 0.0
         self.registered: dict[PeerID, Member] = {}  # each peer as it registered (claims.verify_group)
         self.settle = MIN_SETTLE  # the last settle window used while gathering
-        self.holders: list[Contact] = []  # peers that store the round's key (from the last lookup)
+        self.holders: list[Contact] = []  # peers that store the round's key (routing table, then lookups)
         self.reads = 0
-        self.first_read = asyncio.Event()  # our entry is written once the first read found the holders
+        self.looked_up = asyncio.Event()  # the full lookup of the key is over: rnd.holders is its answer
 
     def set_state(self, state: str) -> None:
         self.state = state
