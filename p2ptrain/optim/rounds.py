@@ -50,8 +50,9 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
         return done
     # (delayed updates overlap training with the round: snapshots do not wait for it)
     on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
-    # (round 2e of the grid; its parameter mix, 2e + 1, spans the groups this one formed)
-    opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), 2 * epoch)
+    # (round e of the grid; its parameter mix, e + 1, spans the groups this one formed, and the
+    # dimension mixed turns every epoch)
+    opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch)
     step = opt.averager.step(weight=samples, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
                              expected=cell.expected if cell.key else expected, on_group=on_group)
     return opt._loop.submit(placed(opt, cell, step) if cell.key else step)
