@@ -43,7 +43,8 @@ print(n * 8 / max(1e-9, last - t0 - skip) / 1e6, flush=True)
 """
 _SOURCE = r"""
 import socket, sys, time
-c = socket.create_connection((sys.argv[1], 7000), timeout=20); data = bytes(1 << 16); end = time.monotonic() + float(sys.argv[2])
+c = socket.create_connection((sys.argv[1], 7000), timeout=20); data = bytes(1 << 16)
+end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end: c.sendall(data)
 c.close()
 """

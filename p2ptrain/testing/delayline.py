@@ -9,9 +9,9 @@ the hosts': the bridge forwards it by its static entries to the destination port
 (rate, loss, the no-inbound filter) then applies as without delay.
 
 One FIFO is exact for a constant delay: no jitter, no reordering. The program is compiled with the
-system's C compiler on first use and cached (``$XDG_CACHE_HOME/p2ptrain``, by source hash); it
-costs two syscalls a frame, so it holds about 100k frames/s per core (benchmarks/README.md, 'WAN
-test bed'), where a Python loop held ~25k.
+system's C compiler on first use and cached (``$XDG_CACHE_HOME/p2ptrain``, by source hash). It runs
+at a real-time priority: on a loaded box an ordinary process wakes tens of ms late, which is what
+capped the delayed bed near 100 Mbit/s in all (benchmarks/README.md, 'WAN test bed').
 """
 
 from __future__ import annotations
