@@ -90,8 +90,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                            description="Write a checkpoint's model to one .safetensors file (atomically), under "
                            "the model's state_dict names: model.load_state_dict(safetensors.torch.load_file(OUT)) "
                            "takes it. A checkpoint that records no names (an older one, or one saved by an "
-                           "optimizer given no model=) is written under its positional names (params.0, ...).")
-    a.add_argument("id", metavar="CID", help="CID, hex digest or unique prefix")
+                           "optimizer given no model=) is written under its positional names (params.0, ...). "
+                           "An FSDP peer's ranks checkpoint a shard each: give one checkpoint of every rank "
+                           "(same epoch) and the file holds the whole model.")
+    a.add_argument("id", metavar="CID", nargs="+", help="CID, hex digest or unique prefix (FSDP: one per rank)")
     a.add_argument("out", metavar="OUT.safetensors", help="the file to write")
     a.add_argument("--with-optimizer", action="store_true",
                    help="also write the optimizer's state, under optimizer. (outer_optimizer. for diloco) and "
@@ -466,10 +468,10 @@ def _export(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise ConfigError(f"{out.parent}: no such directory")
     store = _store(args)
-    mid = _resolve(store, args.id)
+    mids = [_resolve(store, text) for text in args.id]
     with _progress("exporting") as update:
         try:
-            count, note = store.export(mid, out, with_optimizer=args.with_optimizer, progress=update)
+            count, note = _export_one_or_shards(store, mids, out, args.with_optimizer, update)
         except ValueError as e:
             from ..checkpoint.manifest import ManifestError
 
@@ -480,6 +482,18 @@ def _export(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {out} ({_n(count, 'tensor')}, {_size(out.stat().st_size)})")
     return EXIT_OK
+
+
+def _export_one_or_shards(store: Any, mids: list[bytes], out: Path, with_optimizer: bool,
+                          update: Any) -> tuple[int, str | None]:
+    from ..checkpoint.shards import export_shards, shard_label
+
+    if len(mids) == 1 and shard_label(store.manifest(mids[0])) is None:
+        return store.export(mids[0], out, with_optimizer=with_optimizer, progress=update)
+    if with_optimizer:
+        raise ConfigError("--with-optimizer is not supported for an FSDP peer's shards (their optimizer states "
+                          "stay sharded)")
+    return export_shards(store, mids, out, progress=update), None
 
 
 def _get(args: argparse.Namespace) -> int:

@@ -21,13 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.shards import FSDP_LABEL
 from .ranks import PeerRanks
 
-__all__ = ["FsdpShard", "is_sharded", "rank_dht", "shard_run_id", "stitch"]
-
-#: the manifest label of a shard's checkpoint: [rank, world size, [full shape of each tensor]]
-LABEL = "fsdp"
-
+__all__ = ["FsdpShard", "is_sharded", "rank_dht", "shard_run_id"]
 
 def _dtensor() -> type | None:
     try:
@@ -95,8 +92,9 @@ class FsdpShard:
             d.grad = None
 
     def label(self) -> dict[str, Any]:
-        """What a shard's checkpoint records for export to stitch the shards into the whole model."""
-        return {LABEL: [self.rank, self.world_size, self.shapes]}
+        """What a shard's checkpoint records, for export to make the whole model of the shards
+        (:mod:`~p2ptrain.checkpoint.shards`)."""
+        return {FSDP_LABEL: [self.rank, self.world_size, self.shapes]}
 
 
 def rank_dht(initial_peers: Sequence[Any] | None, ranks: PeerRanks | None, **kwargs: Any) -> Any:
@@ -119,27 +117,3 @@ def _move_optimizer(optimizer: torch.optim.Optimizer, local: dict[int, torch.Ten
     for key in [k for k in state if id(k) in local]:
         state[local[id(key)]] = {name: (v.to_local() if hasattr(v, "to_local") else v)
                                  for name, v in state.pop(key).items()}
-
-
-def stitch(shards: Sequence[tuple[int, int, list[list[int]]]],
-           tensors: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """The whole model's tensors from every rank's shards (``shards``: each checkpoint's label,
-    ``tensors``: its tensors, in the same order). ValueError when they are not one model's K shards."""
-    if not shards:
-        raise ValueError("no shards given")
-    world = shards[0][1]
-    shapes = shards[0][2]
-    ranks = sorted(r for r, _, _ in shards)
-    if ranks != list(range(world)) or any(w != world or s != shapes for _, w, s in shards):
-        got = ", ".join(f"rank {r} of {w}" for r, w, _ in shards)
-        raise ValueError(f"these checkpoints are not the {world} shards of one model ({got}): give one "
-                         "checkpoint of each rank, saved at the same epoch")
-    order = sorted(range(len(shards)), key=lambda i: shards[i][0])
-    out = []
-    for j, shape in enumerate(shapes):
-        parts = [tensors[i][j] for i in order]
-        whole = torch.cat([p.reshape(-1, *shape[1:]) for p in parts]) if shape else parts[0]
-        if list(whole.shape) != shape:
-            raise ValueError(f"tensor {j}: the shards give {list(whole.shape)}, the label says {shape}")
-        out.append(whole)
-    return out
