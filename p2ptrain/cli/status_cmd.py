@@ -126,7 +126,8 @@ def _show(args: argparse.Namespace, run_id: str, key: str, reports: list[PeerRep
              "peers": len(reports), "active": len(active), "at_epoch": len(at_epoch)}
     rows = [{"peer_id": str(r.peer), "peer": r.peer.short(), "epoch": r.epoch, "samples": r.samples,
              "samples_per_second": round(r.sps, 1), "ready": r.ready, "client": r.client, "left": r.left,
-             "address": None if r.addr is None else f"{r.addr[0]}:{r.addr[1]}", "time": r.time,
+             "address": None if r.addr is None else f"{r.addr[0]}:{r.addr[1]}",
+             "relays": [str(a) for a in r.relays], "time": r.time,
              "last_seen_s": round(max(0.0, now - r.time), 2), "schema": r.schema} for r in reports]
     if args.json:
         try:
@@ -150,7 +151,7 @@ def _show(args: argparse.Namespace, run_id: str, key: str, reports: list[PeerRep
                          no_wrap=True)
     for r, row in zip(reports, rows):
         cells = [row["peer"], str(r.epoch), f"{r.samples:,}", f"{r.sps:,.0f}", "yes" if r.ready else "no",
-                 "client" if r.addr is None else row["address"], _ago(row["last_seen_s"]),
+                 row["address"] or ("behind NAT, relayed" if r.relays else "client"), _ago(row["last_seen_s"]),
                  "left" if r.left else ("behind" if r.epoch < epoch else "training")]
         if len(schemas) > 1:
             cells.append(r.schema[:8])

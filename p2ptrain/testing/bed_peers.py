@@ -88,6 +88,6 @@ def train_swarm(tb: Testbed, train: list[str], timeout: float = 200.0,
     started += [event(r, "started", start_timeout) for r in runs[1:]]
     done = [event(r, "done", timeout) for r in runs]
     for r in runs:
-        if r.proc.wait(timeout=30) != 0:
+        if r.proc.wait(timeout=120) != 0:  # (leaving takes a while on a loaded machine)
             raise AssertionError(f"host {r.host}: exit status {r.proc.returncode}; stderr:\n{r.err()}")
     return list(zip(started, done))
