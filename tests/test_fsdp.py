@@ -5,23 +5,19 @@ averages with them."""
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from p2ptrain.checkpoint.store import CheckpointStore
 from p2ptrain.tasks import get_task
+from p2ptrain.testing.events import EventProcess
 
 WORKER = str(Path(__file__).with_name("fsdp_peer.py"))
 
@@ -34,35 +30,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Rank:
-    """One worker process; its JSON lines arrive in a queue."""
+class Rank(EventProcess):
+    """One worker process (a rank, or a plain peer), its output file beside it."""
 
     def __init__(self, out: Path, **args: Any):
         argv = [sys.executable, WORKER, "--out", str(out)]
         for k, v in args.items():
             argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.stderr: list[str] = []
+        super().__init__(argv, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         self.out = out
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-
-    def wait_for(self, pred: Any, timeout: float = 150.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no such event in {timeout} s; stderr: {''.join(self.stderr)[-3000:]}") from None
-            if pred(event):
-                return event
 
 
 def _drain(rank: Rank) -> list[dict[str, Any]]:
@@ -94,7 +70,7 @@ def test_fsdp_peers_average_their_shards_a_joiner_catches_up_and_an_unsharded_pe
         procs += [*c, d]
         done = {name: [r.wait_for(lambda e: e["event"] == "done") for r in ranks]
                 for name, ranks in (("c", c), ("d", [d]))}
-        last = max([2] + [e["epoch"] for e in _drain(a[0])])
+        last = max([2] + [e["epoch"] for e in a[0].seen + _drain(a[0]) if e["event"] == "epoch"])
         tmp = stop.with_suffix(".tmp")
         tmp.write_text(str(last + 2))
         tmp.rename(stop)
@@ -105,9 +81,7 @@ def test_fsdp_peers_average_their_shards_a_joiner_catches_up_and_an_unsharded_pe
             if p.proc.poll() is not None:
                 Path(f"/tmp/s38/g2/err{i}.txt").write_text("".join(p.stderr))
         for p in procs:
-            if p.proc.poll() is None:
-                p.proc.kill()
-            p.proc.wait(timeout=30)
+            p.kill()
     # every rank of both peers ends with its shard of the same model (the last round's)
     for r in range(2):
         ours, theirs = load_file(a[r].out), load_file(b[r].out)
