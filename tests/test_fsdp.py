@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from p2ptrain.averaging.schema import parse_summary, schema_mismatch_message, shards_of, tensor_schema
 from p2ptrain.checkpoint.store import CheckpointStore
 from p2ptrain.tasks import get_task
 from p2ptrain.testing.events import EventProcess
@@ -116,3 +118,14 @@ def test_fsdp_peers_average_their_shards_a_joiner_catches_up_and_an_unsharded_pe
     run = subprocess.run([*cli, epochs["fsdp-digits"][epoch], str(tmp_path / "half.safetensors")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "rank 0 of 2" in run.stderr, run.stderr
+
+
+def test_the_world_size_is_in_the_schema_and_its_mismatch_names_both_sizes():
+    tensors = [("w", torch.zeros(17, 64)), ("b", torch.zeros(17))]
+    plain, sharded = tensor_schema(tensors, "none"), tensor_schema(tensors, "none", shards=2)
+    assert plain.hash != sharded.hash and plain.key == plain.hash and sharded.key == f"{sharded.hash}/k2"
+    assert shards_of(plain.key) == 1 and shards_of(sharded.key) == 2
+    three = tensor_schema([("w", torch.zeros(11, 64)), ("b", torch.zeros(11))], "none", shards=3)
+    said = schema_mismatch_message(sharded, three.summary(), peer="X", run="r")
+    assert "over 3 ranks (FSDP world size 3)" in said and "ours over 2 ranks (world size 2)" in said, said
+    assert parse_summary({**three.summary(), "k": 0}) is None  # (a peer's claim: bounded)
