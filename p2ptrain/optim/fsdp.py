@@ -6,7 +6,9 @@ local shards, with its own DHT node, progress record, averager, state server and
 under the run id ``{run_id}.shard{r}`` (rank 0 under ``run_id`` itself, so that a peer sharded over another
 number of ranks, or not sharded, meets it and is told why they never average: the world size is
 in the schema). A joiner's ranks each load their shard from their shard's swarm. Each step's
-sample count is the peer's (summed over its ranks), so every shard's swarm sees the same epochs.
+sample count is the peer's (summed over its ranks). The shard swarms keep their own epochs: a
+peer's ranks may cross a round a step apart, which FSDP does not mind (diloco's rounds come every
+``local_steps`` steps on every rank alike).
 
 The rank's shards are plain tensors sharing storage with the DTensor parameters (the inner
 optimizer is moved onto them, and each step takes the DTensors' local gradients), so the
@@ -25,6 +27,7 @@ from ..checkpoint.shards import FSDP_LABEL
 from .ranks import PeerRanks
 
 __all__ = ["FsdpShard", "is_sharded", "rank_dht", "shard_run_id"]
+
 
 def _dtensor() -> type | None:
     try:
