@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 #: dht's own tests and benchmarks: they test or measure its internals (wire, noise, mux, routing,
 #: storage, relay, ...), so they may import its submodules
 DHT_OWN = {
-    "benchmarks/dht_bench.py", "benchmarks/flood.py", "benchmarks/store_flood.py",
+    "benchmarks/dht_bench.py", "benchmarks/dht_sim.py", "benchmarks/flood.py", "benchmarks/store_flood.py",
     *(f"tests/test_{name}.py" for name in (
-        "bootstrap", "flood", "frames", "fuzz_handlers", "hostile_records", "hostile_streams", "identity",
+        "bootstrap", "dht_sim", "flood", "frames", "fuzz_handlers", "holepunch", "hostile_records", "hostile_streams",
+        "identity",
         "interfaces", "latency", "multiaddr", "mux", "node", "noise", "owned", "pool_decrypt", "private_swarm", "relay",
         "routing", "sealer", "storage", "swarm_processes", "transport", "wire",
     )),

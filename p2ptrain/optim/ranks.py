@@ -17,6 +17,8 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from ..errors import P2PTrainError
+
 __all__ = ["LEADER", "PeerRanks", "RankFailure", "ddp", "follow", "lead", "rank_device", "rank_seed", "stopping"]
 
 #: the rank that runs the peer's DHT node and averages with the swarm
@@ -27,7 +29,7 @@ MAX_DECISION = 1 << 20
 INLINE = 256
 
 
-class RankFailure(RuntimeError):
+class RankFailure(P2PTrainError, RuntimeError):
     """A collective between the ranks of this peer failed: a rank died or left; the peer must leave."""
 
 
