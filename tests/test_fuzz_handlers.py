@@ -207,7 +207,12 @@ def _rpc_strategies(target: Target) -> dict[str, st.SearchStrategy]:
                        FLOATS | INT64 | JUNK)
     join = {"prefix": PREFIX, "v": 1, "round": "7", "schema": target.schema_hash, "remaining": 0.2,
             "member": [target.client.peer_id.to_bytes(), None, 1.0]}
+    me, relay = target.client.peer_id, target.host.peer_id
+    circuit = f"/ip4/127.0.0.1/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{me}"
+    circuits = st.lists(st.just(circuit) | st.text(max_size=300) | JUNK, max_size=6) | JUNK
     return {
+        "autonat.dial": ANY | mutated({"port": 1}, EDGE_INTS | st.integers(1, 65535) | JUNK),
+        "host.addrs": ANY | mutated({"port": 4001, "relays": [circuit]}, circuits | EDGE_INTS),
         "ping": ANY,
         "find_node": ANY | st.binary(min_size=30, max_size=34),
         "find_value": ANY | st.binary(max_size=1100),
@@ -234,7 +239,8 @@ def _stream_strategies(target: Target) -> dict[str, st.SearchStrategy]:
 
 
 #: every handler a peer registers, and how it is fuzzed (the keys are checked against the host)
-RPC_METHODS = {"ping", "find_node", "find_value", "store", "p2ptrain.mm.join", "p2ptrain.state.manifest"}
+RPC_METHODS = {"autonat.dial", "host.addrs", "ping", "find_node", "find_value", "store", "p2ptrain.mm.join",
+               "p2ptrain.state.manifest"}
 STREAM_PROTOCOLS = {"p2ptrain.state.manifest/1", "p2ptrain.state.chunks/1", "p2ptrain/allreduce/1",
                     "p2ptrain/allreduce-audit/1"}
 
