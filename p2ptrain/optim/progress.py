@@ -90,10 +90,12 @@ def parse_report(value: object, owner: PeerID) -> PeerReport | None:
                       value.get("l") is True, u, relays)
 
 
-async def read_reports(node: DHTNode, key: str) -> tuple[list[PeerReport], OwnedRead]:
+async def read_reports(node: DHTNode, key: str,
+                       holders: list[Contact] | None = None) -> tuple[list[PeerReport], OwnedRead]:
     """The well-formed reports under ``key`` (``{run_id}/progress``), each from its owner's own
-    sub-key (nobody can speak for another peer), and the read that found them."""
-    read = await node.get_owned(key, _SUBKEY, max_size=_MAX_RECORD)
+    sub-key (nobody can speak for another peer), and the read that found them: a lookup of the
+    key, or one RPC to each of ``holders``."""
+    read = await node.get_owned(key, _SUBKEY, max_size=_MAX_RECORD, holders=holders or None)
     reports = (parse_report(entry.value, peer) for peer, entry in read.values.items())
     return [r for r in reports if r is not None], read
 
@@ -192,6 +194,10 @@ class ProgressTracker:
     :meth:`hurry` (called at each step) gets a refresh at once, at most one per ``fast_refresh``,
     until the published counts reach it: peers learn that the target was reached within a few
     milliseconds without polling the DHT all the time.
+
+    A refresh reads (and publishes to) only the ``holders`` peers closest to the key, one RPC each,
+    as a full lookup found them at most ``relookup`` seconds ago: its cost does not grow with the
+    swarm beyond the records themselves. A full lookup is redone sooner when half of them fail.
     """
 
     def __init__(self, node: DHTNode, run_id: str, schema: str, target: int, *, refresh: float = 0.5,
@@ -199,7 +205,7 @@ class ProgressTracker:
                  on_mismatch: Callable[[PeerID, str], None] | None = None,
                  judge: Callable[[list[PeerReport], PeerReport], dict[PeerID, str]] | None = None,
                  on_refused: Callable[[dict[PeerID, str]], None] | None = None,
-                 held: Callable[[], int] | None = None):
+                 held: Callable[[], int] | None = None, holders: int = 3, relookup: float = 5.0):
         if target < 1:
             raise ValueError("target_batch_size must be at least 1")
         self.node = node
@@ -230,6 +236,9 @@ class ProgressTracker:
         self._hurried = False  # a hurry() wake-up is pending (one per refresh, however many steps ask)
         self._last_refresh = 0.0  # loop time the last refresh began
         self._closest: list[Contact] = []  # the key's closest peers, as the last read found them
+        self.holders = holders
+        self.relookup = relookup
+        self._looked_up_at = -math.inf  # monotonic time of the last full lookup of the key
         self._fresh = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -358,8 +367,10 @@ class ProgressTracker:
         # A training thread blocked in a round or a state load reports nothing: republish what we
         # published, as of now, before others take a report older than ``ttl`` for a dead peer's.
         beat = me == self._published and now - self._published_at > self.ttl / 5
+        full = not self._closest or time.monotonic() - self._looked_up_at > self.relookup
+        asked = None if full else self._closest
         try:
-            read = read_reports(self.node, self.key)
+            read = read_reports(self.node, self.key, asked)
             if (me != self._published or beat) and not self._hidden:
                 # publish while reading, straight to the peers the last read found closest to the
                 # key (no lookup of its own): a refresh takes one lookup, not three
@@ -378,7 +389,11 @@ class ProgressTracker:
             return
         assert isinstance(result, tuple)
         found, read = result
-        self._closest = read.closest
+        if full:
+            self._looked_up_at = time.monotonic()
+        elif asked is not None and 2 * len(read.closest) < len(asked):
+            self._looked_up_at = -math.inf  # most holders failed: look the key up again next time
+        self._closest = read.closest[: self.holders]
         reports = []
         for report in found:
             if report.schema != self.schema and report.peer != self.node.peer_id:
