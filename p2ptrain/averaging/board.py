@@ -26,6 +26,8 @@ _MAX_SUMMARY_BYTES = 16 * 1024
 _LINGER = 2.0  # s: our entry outlives our deadline by this much
 _READ_FANOUT = 3  # holders asked per poll once a full lookup has found them
 _FULL_LOOKUP_EVERY = 16  # polls between full lookups (new holders, dead ones replaced)
+_HOLDERS = 8  # a round's entries go to its key's closest few, so a round's cost does not grow with the swarm
+_SUMMARY_HOLDERS = 3  # schema summaries: written to and read from the key's closest three
 
 
 class Board:
@@ -72,7 +74,7 @@ class Board:
         now_wall = time.time()
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER
-        rnd.holders = self.node.nearest_known(rnd.key)
+        rnd.holders = self.node.nearest_known(rnd.key)[:_HOLDERS]
         # The schema summary only explains mismatches: publish it without waiting for it.
         self._spawn(self._publish_summary(rnd))
         self._spawn(self._store_entry(rnd, deadline))
@@ -107,7 +109,7 @@ class Board:
         try:
             async with asyncio.timeout_at(deadline):
                 read = await self.node.get_owned(rnd.key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
-            found = [c for c in read.closest if c.addr is not None]
+            found = [c for c in read.closest if c.addr is not None][:_HOLDERS]
             if found:
                 rnd.holders = found
         except (TimeoutError, DHTError):
@@ -119,7 +121,7 @@ class Board:
         try:
             key = self.schemas_key(rnd.round_id)
             await self.node.store_owned(key, _MEMBER_SUBKEY, self.schema.summary(), rnd.entry_expiration,
-                                        closest=self.node.nearest_known(key) or None)
+                                        closest=self.node.nearest_known(key)[:_SUMMARY_HOLDERS] or None)
         except DHTError as e:
             log.debug("could not publish our schema summary for round %s: %s", rnd.round_id, e)
 
@@ -129,8 +131,9 @@ class Board:
             return
         value = dict(rnd.entry_value, d=True)
         rnd.entry_expiration = max(rnd.entry_expiration, time.time() + 1.0) + 0.001
-        try:
-            await self.node.store_owned(rnd.key, _MEMBER_SUBKEY, value, rnd.entry_expiration)
+        try:  # to the holders the round found (no lookup of its own), else a full store
+            await self.node.store_owned(rnd.key, _MEMBER_SUBKEY, value, rnd.entry_expiration,
+                                        closest=rnd.holders or None)
         except DHTError:
             pass
 
@@ -146,7 +149,7 @@ class Board:
         """
         if not holders:
             read = await self.node.get_owned(key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
-            return read.values, [c for c in read.closest if c.addr is not None], set()
+            return read.values, [c for c in read.closest if c.addr is not None][:_HOLDERS], set()
         chosen = random.sample(holders, min(fanout, len(holders)))
         timeout = max(0.01, min(self.node.config.rpc_timeout, deadline - asyncio.get_running_loop().time()))
         read = await self.node.get_owned(key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES, holders=chosen,
@@ -179,10 +182,12 @@ class Board:
 
     async def check_schemas(self, rnd: MatchRound, deadline: float) -> None:
         """Explain (once per peer) why peers registered for this round are not candidates."""
+        key = self.schemas_key(rnd.round_id)
+        # the holders the summaries were written to (see _publish_summary), not a lookup
         try:
             async with asyncio.timeout_at(deadline):
-                read = await self.node.get_owned(self.schemas_key(rnd.round_id), _MEMBER_SUBKEY,
-                                                 max_size=_MAX_SUMMARY_BYTES)
+                read = await self.node.get_owned(key, _MEMBER_SUBKEY, max_size=_MAX_SUMMARY_BYTES,
+                                                 holders=self.node.nearest_known(key)[:_SUMMARY_HOLDERS] or None)
         except (TimeoutError, DHTError):
             return
         for owner, got in read.values.items():
