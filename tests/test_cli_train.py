@@ -202,7 +202,8 @@ def test_client_mode_peer_trains_with_a_listening_one():
 
 
 def test_started_line_without_a_listening_address(capsys):
-    """A client-mode peer (no address, or only a relay circuit one) prints no bogus join hint."""
+    """A client-mode peer (no address) or one behind NAT (only relay circuit addresses) prints no
+    bogus join hint, and says which it is."""
     from p2ptrain.cli.peer_cmd import _printer
 
     show = _printer(False)
@@ -210,7 +211,7 @@ def test_started_line_without_a_listening_address(capsys):
     for addrs in ([], [circuit]):
         show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0, "multiaddrs": addrs})
         out = capsys.readouterr().out
-        assert "client mode" in out and "--bootstrap" not in out
+        assert ("behind NAT" if addrs else "client mode") in out and "--bootstrap" not in out
         assert (f"reachable through a relay at {circuit}" in out) == bool(addrs)
     show({"event": "started", "peer_id": "P", "run_id": "r", "epoch": 0,
           "multiaddrs": [circuit, "/ip4/1.2.3.4/tcp/1/p2p/P"]})
