@@ -169,14 +169,14 @@ def test_peers_behind_nat_routers_are_full_members_and_train_to_the_target(no_le
     announce only circuit addresses, own their share of every round's vector, and reach the
     accuracy target with the others."""
     n, nat = 4, (2, 3)
-    train = ["--threads", "1", "--epochs", "30", "--wait-peers", str(n), "--compute-delay", "0.1"]
+    train = ["--threads", "1", "--epochs", "40", "--wait-peers", str(n), "--compute-delay", "0.1"]
     with Testbed(n, rate=RATE, loss=LOSS, nat=nat) as tb:
         runs = train_swarm(tb, train)
     summary = [{k: done[k] for k in ("epoch", "rounds", "failed_rounds", "group_values", "owned_values", "links")}
                for _, done in runs]
     for i, (started, done) in enumerate(runs):
-        assert done["epoch"] == 30 and done["metrics"]["accuracy"] >= ACCURACY, summary
-        assert done["rounds"] - done["failed_rounds"] >= 15, summary
+        assert done["epoch"] == 40 and done["metrics"]["accuracy"] >= ACCURACY, summary
+        assert done["rounds"] - done["failed_rounds"] >= 20, summary
         circuits = [a for a in started["multiaddrs"] if "/p2p-circuit/" in a]
         assert (circuits and len(circuits) == len(started["multiaddrs"])) if i in nat else not circuits, started
         # equal declared bandwidths: each of 4 owns about a quarter of the group rounds' values
