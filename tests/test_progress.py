@@ -175,3 +175,48 @@ def test_a_peer_blocked_in_a_round_or_a_load_keeps_its_report_alive(monkeypatch)
         assert {k: v for k, v in stored[1].items() if k != "t"} == {k: v for k, v in stored[0].items() if k != "t"}
 
     asyncio.run(main())
+
+
+def test_a_refresh_asks_the_three_closest_holders_and_looks_the_key_up_again_when_due_or_when_most_fail(monkeypatch):
+    """A refresh costs a few RPCs, not a lookup over the whole swarm: after a full lookup it reads
+    from (and publishes to) the key's three closest holders; a new lookup follows after
+    ``relookup`` seconds, or at once after a refresh where most of those holders failed."""
+    import asyncio
+    import types
+
+    from dht import Contact, OwnedRead
+    from p2ptrain.optim import progress
+
+    closest = [Contact(Identity().peer_id, ("127.0.0.1", 5000 + i)) for i in range(8)]
+    asked: list[list | None] = []
+    stored_to: list[list | None] = []
+    answering = [8]
+
+    async def get_owned(key, name, holders=None, **kw):
+        asked.append(holders)
+        return OwnedRead({}, (holders or closest)[: answering[0]])
+
+    async def store_owned(key, name, value, expiration, closest=None):
+        stored_to.append(closest)
+
+    node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
+                                 store_owned=store_owned, get_owned=get_owned)
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+
+    async def main():
+        tracker = progress.ProgressTracker(node, "run", "schema", target=64, relookup=5.0)
+        await tracker.refresh_now()  # nothing known yet: a full lookup
+        tracker.report(0, 32, 100.0)
+        await tracker.refresh_now()
+        assert asked == [None, closest[:3]] and stored_to[-1] == closest[:3]
+        clock[0] += 6.0  # past relookup: a full lookup again
+        await tracker.refresh_now()
+        assert asked[-1] is None
+        answering[0] = 1  # two of the three fail: the next refresh looks the key up
+        await tracker.refresh_now()
+        assert asked[-1] == closest[:3]
+        await tracker.refresh_now()
+        assert asked[-1] is None
+
+    asyncio.run(main())
