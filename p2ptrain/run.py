@@ -149,8 +149,11 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             x, y = next(batches)
             if device.type != "cpu":
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = task.loss(trained, (x, y))
-            loss.backward()
+            if ranks is None:
+                loss = task.loss(trained, (x, y))
+                loss.backward()
+            else:  # (DDP talks to the other ranks: a dead one is a RankFailure)
+                loss = ranks.forward_backward(lambda: task.loss(trained, (x, y)))
             if cfg.compute_delay > 0:
                 time.sleep(cfg.compute_delay)
             opt.step()

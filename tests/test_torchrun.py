@@ -87,8 +87,15 @@ assert r.sum(10 + r.rank) == 21
 t = torch.tensor([float(r.rank)])
 r.all_reduce_mean([t])
 assert t.item() == 0.5
+from torch.nn.parallel import DistributedDataParallel
+model = DistributedDataParallel(torch.nn.Linear(3, 1))
+assert r.forward_backward(lambda: model(torch.ones(2, 3)).sum()).item() == model(torch.ones(2, 3)).sum().item()
 if r.rank == 1:
-    raise SystemExit(0)  # gone: the leader's next collective fails
+    raise SystemExit(0)  # gone: the leader's next collective fails, DDP's all-reduce too
+try:
+    r.forward_backward(lambda: model(torch.ones(2, 3)).sum())
+except RankFailure as e:
+    print("RankFailure in backward:", e)
 try:
     r.decide("anyone?")
 except RankFailure as e:
@@ -103,6 +110,7 @@ def test_peer_ranks_collectives(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(script)], capture_output=True, text=True, timeout=90,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "RankFailure in backward: a rank of this peer failed" in out.stdout, out.stderr[-3000:]
     assert "RankFailure: a rank of this peer failed" in out.stdout, out.stderr[-3000:]
 
 

@@ -10,7 +10,7 @@ rank must call them in the same order. A collective that fails (a rank died) rai
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -145,6 +145,13 @@ class PeerRanks:
     def barrier(self) -> None:
         """Wait until every rank is here."""
         self._run(dist.barrier, group=self.group)
+
+    def forward_backward(self, loss: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``loss()`` and its backward on a DDP model, which talk to the other ranks (buffers, the
+        gradient all-reduce): a rank that died makes them a RankFailure, not a bare RuntimeError."""
+        out: list[torch.Tensor] = []
+        self._run(lambda: out.append(loss()) or out[0].backward())
+        return out[0]
 
     @staticmethod
     def _run(collective: Any, *args: Any, **kwargs: Any) -> None:
