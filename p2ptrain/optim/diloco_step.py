@@ -22,7 +22,7 @@ import torch
 from .catch_up import fall_behind
 from .outer_swap import eager_start, land_overlapped, swap_back, swap_out
 from .progress import SwarmView
-from .rounds import missed_round, round_result, state_round_due
+from .rounds import missed_round, others_hold_our_epoch, round_result, state_round_due
 from .shared_state import maybe_checkpoint
 from .warmup import warmed_step
 
@@ -96,9 +96,15 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
     with opt._state_lock:
         deltas = swap_back(opt)
         opt._version += 1
-        if result is None and opt._last_expected > 1:
-            # The round failed midway: the buffer may hold part sums. Our update is lost; take
-            # the swarm's state with it rather than step alone (see catch_up.load_state_from_peers).
+    # met nobody while others were expected: stepping alone would leave us on a path of our own
+    # for good (pseudo-gradients averaged later never bring the outer parameters back together)
+    alone = result is not None and result.group_size == 1 and opt._last_expected > 1
+    if alone and not others_hold_our_epoch(opt):
+        opt._last_expected, alone = 1, False  # they left or are behind: we are the swarm, and step
+    with opt._state_lock:
+        if alone or (result is None and opt._last_expected > 1):
+            # The round failed midway (the buffer may hold part sums) or we missed it. Our update
+            # is lost; take the swarm's state rather than step alone (see catch_up.load_state_from_peers).
             for p, outer in zip(opt.params, opt._outer):
                 p.copy_(outer)
             failed = True
