@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from p2ptrain.testing import Testbed, delayline  # noqa: E402
-from p2ptrain.testing.netns import parse_rate, parse_time  # noqa: E402
+from p2ptrain.testing.linkspec import parse_rate, parse_time  # noqa: E402
 
 PY_COMMIT = "6358d5d"  # the last commit with the Python delay line
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from p2ptrain.testing import Testbed, TestbedError, available, delayline, features
-from p2ptrain.testing.netns import parse_loss, parse_rate, parse_time
+from p2ptrain.testing.linkspec import parse_loss, parse_rate, parse_time
 
 _OK, _WHY = available()
 needs_netns = pytest.mark.skipif(not _OK, reason=f"no network namespaces here: {_WHY}")
