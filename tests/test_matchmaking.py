@@ -323,6 +323,35 @@ async def test_leader_dying_before_answering(swarm):
     assert groups[0].size == 3 and all(g == groups[0] for g in groups)  # survivors regroup
 
 
+async def test_a_leader_that_missed_a_peer_waits_for_it_when_a_joiner_names_it(swarm):
+    """A leader whose view lacks a peer (its read missed that entry) plans a smaller group, and
+    closed it as soon as the joiner it expected came: the peer it missed, planned into the same group
+    by the others, was refused and ended alone. Joiners now name whom they planned with them."""
+    make, mm = swarm
+    peers = await make(3)
+    mms = [mm(n) for n in peers]
+    me_all = [m.me() for m in mms]
+    round_id = "missed"
+    leader_id = plan_groups(me_all, mms[0].round_key(round_id), 16)[0][0].peer_id
+    a = next(i for i, m in enumerate(me_all) if m.peer_id == leader_id)
+    b, c = [i for i in range(3) if i != a]
+    read = mms[a].board.read
+
+    async def blind(rnd, deadline):  # the leader never sees c's entry
+        return {p: e for p, e in (await read(rnd, deadline)).items() if p != peers[c].peer_id}
+
+    mms[a].board.read = blind
+
+    async def late(i: int, delay: float, **kw) -> Group:
+        await asyncio.sleep(delay)
+        return await mms[i].form_group(round_id, timeout=4.0, **kw)
+
+    async with asyncio.timeout(6):
+        groups = await asyncio.gather(late(a, 0.0), late(b, 0.0, expected=3), late(c, 0.0))  # c settles longer
+    assert [g.size for g in groups] == [3, 3, 3] and all(g == groups[0] for g in groups)
+    assert groups[0].members[0].peer_id == leader_id
+
+
 async def test_staggered_arrivals_form_one_group(swarm):
     make, mm = swarm
     peers = await make(5)

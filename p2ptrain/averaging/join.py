@@ -90,7 +90,7 @@ class JoinProtocol:
         if mine[0].peer_id == me.peer_id:
             window = max(_MIN_LEAD_WINDOW, 2 * rnd.settle, 6 * self.latency)
             return await self._lead(rnd, me, mine, window, deadline)
-        return await self._follow(rnd, me, mine[0], timeout, deadline, failed)
+        return await self._follow(rnd, me, mine[0], timeout, deadline, failed, mine)
 
     async def _lead(self, rnd: MatchRound, me: Member, planned: list[Member], window: float,
                     deadline: float) -> Group | None:
@@ -123,8 +123,11 @@ class JoinProtocol:
         return group
 
     async def _follow(self, rnd: MatchRound, me: Member, leader: Member, timeout: float, deadline: float,
-                      failed: set[PeerID]) -> Group | None:
+                      failed: set[PeerID], planned: list[Member] = ()) -> Group | None:
+        """Join ``leader``, telling it whom else we ``planned`` in its group: a leader that settled
+        on a smaller view then waits for them too, instead of closing without them."""
         loop = asyncio.get_running_loop()
+        others = [m.peer_id.to_bytes() for m in planned if m.peer_id not in (me.peer_id, leader.peer_id)]
         rnd.redirect = leader
         rnd.set_state("following")
         for _hop in range(4):
@@ -133,7 +136,7 @@ class JoinProtocol:
                 return None
             args = {
                 "v": _VERSION, "prefix": self.prefix, "schema": self.schema.hash, "round": rnd.round_id,
-                "member": me.to_wire(), "remaining": remaining,
+                "member": me.to_wire(), "remaining": remaining, "expect": others[:self.target_group_size],
             }
             try:
                 reply = await self.node.host.call(leader.peer_id, leader.addr, JOIN_METHOD, args, timeout=remaining,
@@ -210,6 +213,7 @@ class JoinProtocol:
                 return {"redirect": rnd.redirect.to_wire() if rnd.redirect else None,
                         "refused": "not a leader"}
             if rnd.state == "leading" and rnd.lead is not None:
+                self._widen(rnd.lead, args.get("expect"))
                 return await self._accept(rnd, rnd.lead, member, joiner_deadline)
             # Still gathering: the joiner has settled, so should we; answer once our role is known.
             rnd.join_hint.set()
@@ -218,6 +222,21 @@ class JoinProtocol:
                 return {"refused": "too late"}
             if not await wait_event(rnd.changed, wait):
                 return {"refused": "too late"}
+
+    def _widen(self, lead: Lead, expect: object) -> None:
+        """Wait for the peers a joiner planned in our group too (its view may hold peers ours missed).
+        A joiner that names peers who never come costs only the wait to ``close_at``: the window bounds it."""
+        if lead.closed or not isinstance(expect, list):
+            return
+        for raw in expect[:self.target_group_size]:
+            if len(lead.expected) + 1 >= self.target_group_size:
+                break
+            try:
+                peer = PeerID(raw)
+            except (ValueError, TypeError):
+                continue
+            if peer != self.node.peer_id:
+                lead.expected.add(peer)
 
     async def _accept(self, rnd: MatchRound, lead: Lead, member: Member, joiner_deadline: float) -> Any:
         loop = asyncio.get_running_loop()

@@ -23,8 +23,9 @@ One round, seen from one peer (``Matchmaker.form_group``):
    The first member of each group, a peer with an address, leads it.
 4. **Join.** A member calls ``p2ptrain.mm.join`` on its leader and the call stays open until the
    leader closes the group and answers with it (``Group.to_wire()``: random 16-byte id, the
-   leader first, the others by the same hash). A leader closes as soon as every member it expects
-   has joined or the group is full, else after ``max(500 ms, 2 x settle, 6 x latency)``, and
+   leader first, the others by the same hash). A joiner names the others it planned with it, and the
+   leader expects them too (its own view may have missed one). A leader closes as soon as every
+   member it expects has joined or the group is full, else after ``max(500 ms, 2 x settle, 6 x latency)``, and
    always before the earliest joiner's own deadline. A joiner that goes away before that is
    dropped from the group.
    Once in a group (or given up) a peer re-writes its entry as done, so that late arrivals do not
@@ -265,12 +266,14 @@ class Matchmaker(JoinProtocol):
                     entries = task.result()
                     rnd.registered.update((p, e.member) for p, e in entries.items())
                     for peer, entry in entries.items():
-                        if peer == me.peer_id or peer in failed:
+                        if peer == me.peer_id:
                             continue
                         if entry.done:  # grouped already, or gave up (records expire shortly after)
                             finished += 1
                             # Peers we saw as candidates stay in the view while it settles, so that every
                             # peer plans over the same set even after the first groups closed.
+                            continue
+                        if peer in failed:  # (counted above when done: a refusing leader is done)
                             continue
                         grew = grew or peer not in candidates
                         candidates[peer] = entry
