@@ -72,7 +72,7 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         #: the open streams, ours and the peer's, and what they hold (``dht.streamtable``)
         self.streams = StreamTable(self)
         # (MAX_FRAME_BODY read now, not at import: an experiment of allreduce_bench lowers it)
-        self._mux = Mux(initiator, host.pool, lambda: host.discard_buffer, self.streams.__contains__,
+        self._mux = Mux(initiator, host.pool, lambda: host.discard_buffer, self._stream_known,
                         max_body=MAX_FRAME_BODY)
         #: the tasks serving this connection (handshake, requests, streams): cancelled when it closes
         self._tasks = TaskGroup("connection", log=log, loop=host.loop)
@@ -84,6 +84,8 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         # received frames waiting for an earlier big frame's decryption on that pool (dht.sealer)
         self._inq = OrderedReceiver(host.loop, self._deliver, self._input_failed, self._pause_for_pool)
         self._mux.defer_open = host.sealer is not None and host.limits.decrypt_on_pool
+        #: ids of the peer's streams whose STREAM_OPEN waits in ``_inq``: their data is theirs, not dropped
+        self._opens_waiting: set[int] = set()
         self._pool_paused = False  # reading stopped: too many frames wait for their decryption
         self._closed = False
         self.close_reason: str | None = None
@@ -255,12 +257,21 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
             event.job()  # (the host is closing: its pool is gone)
             event = event.frame
         if self._inq:
+            if event.kind == Kind.STREAM_OPEN:
+                self._opens_waiting.add(event.ident)
             self._inq.push(event)
         else:
             self._on_frame(event)  # type: ignore[arg-type]
 
+    def _stream_known(self, ident: int) -> bool:
+        """Is stream ``ident`` open here, or will it be when this frame's turn comes (its open waits
+        in ``_inq``)? Else the mux drops its data unread, so this must hold in arrival order."""
+        return ident in self.streams or ident in self._opens_waiting
+
     def _deliver(self, frame: Frame) -> None:
         """A frame whose turn came after a decryption on the pool (``OrderedReceiver``)."""
+        if frame.kind == Kind.STREAM_OPEN:
+            self._opens_waiting.discard(frame.ident)
         if self._closed:
             return
         try:
@@ -463,6 +474,7 @@ class Connection(asyncio.BufferedProtocol, RPCEndpoint):
         self._write_ok.set()
         self._outq.clear()
         self._inq.clear()
+        self._opens_waiting.clear()
         err = PeerUnreachable(f"connection to {self.remote_peer or self.remote_host} closed: {self.close_reason}")
         if not self.ready.done():
             self.ready.set_exception(HandshakeError(self.close_reason) if self.remote_peer is None else err)

@@ -71,7 +71,8 @@ Event = HandshakeMessage | Refused | Frame | Opening
 
 
 class Mux:
-    """One connection's framing and encryption state; ``has_stream(ident)``: is that stream open."""
+    """One connection's framing and encryption state; ``has_stream(ident)``: is that stream open,
+    or will it be by the frame's turn (decrypted elsewhere, frames reach the caller's streams later)."""
 
     def __init__(self, initiator: bool, pool: BufferPool, scratch: Callable[[], memoryview],
                  has_stream: Callable[[int], bool], max_body: int = MAX_FRAME_BODY):

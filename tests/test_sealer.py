@@ -170,6 +170,53 @@ class _ManualPool(concurrent.futures.Executor):
             fut.set_result(None)
 
 
+class _OpensAtTheSecondFrame(_ManualPool):
+    """Decrypts nothing until a second big frame arrives, then everything: whatever came between
+    the first and the second waits behind the first, as behind a decryption still running."""
+
+    def __init__(self):
+        super().__init__()
+        self.ran = 0
+
+    def submit(self, fn, *args, **kwargs):
+        fut = super().submit(fn)
+        while len(self.jobs) >= 2 and self.ran < len(self.jobs):
+            self.run(self.ran)
+            self.ran += 1
+        return fut
+
+
+async def test_a_stream_opened_behind_a_frame_being_opened_keeps_its_first_frame(make_host):
+    """The peer opens a stream while a big frame of another is still being decrypted: the open
+    waits behind it, and the new stream's first data frame, right behind the open, is the new
+    stream's data (not data of a stream unknown here, dropped unread)."""
+    a, b = await make_host(Limits(seal_threads=0)), await make_host(SEAL)
+    b.sealer.shutdown()
+    b.sealer = _OpensAtTheSecondFrame()
+    got: dict[int, bytes] = {}
+    both = asyncio.Event()
+
+    async def sink(stream):
+        got[stream.header] = bytes(await stream.read_all(4 * MiB, timeout=10))
+        if len(got) == 2:
+            both.set()
+
+    b.on_stream("sink", sink)
+    first, second = pattern(2 * MiB, 5), pattern(MiB, 6)
+    async with asyncio.timeout(20):
+        conn = await a.connect("127.0.0.1", b.listen_port, b.peer_id)
+        s0 = await conn.open_stream("sink", 0)
+        await s0.write(first[:MiB], timeout=10)  # held: its decryption has not started
+        s1 = await conn.open_stream("sink", 1)
+        await s1.write(second, timeout=10)  # the open and the data wait behind it
+        await s0.write(first[MiB:], timeout=10)  # the second big frame: all are opened now
+        s0.write_eof()
+        s1.write_eof()
+        await both.wait()
+    assert got == {0: first, 1: second}
+    assert len(b.sealer.jobs) == 3  # every big frame was decrypted on the pool, none dropped
+
+
 def _sender(fail=pytest.fail) -> tuple[sealer.OrderedSender, list[bytes]]:
     """A send queue whose frames are recorded (their prefixes) instead of written to a socket."""
     written: list[bytes] = []
