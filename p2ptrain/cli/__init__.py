@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 from .. import __version__
@@ -70,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             from ..config import apply_config
 
             apply_config(args, build_parser, args.argv)
-        return args.func(args)
+        gc.freeze()  # what the imports made lives until exit: no full collection walks it (each takes ~0.2 s)
+        code = args.func(args)
+        gc.freeze()  # ...nor the interpreter's collections at exit, ~1 s of CPU per peer process
+        return code
     except ConfigError as e:
         return fail(str(e), EXIT_USAGE)
 
