@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import sys
 import threading
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("P2PT_AGENT_LOGLEVEL", "WARNING"), stream=sys.stderr,
                         format=f"[agent {os.getpid()}] %(levelname)s %(name)s: %(message)s")
     die_with_parent()
+    gc.freeze()  # (as the CLI does: the imports' heap stays out of every collection)
     if args.cmd == "train":
         return _train(args)
     try:

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .netns import Testbed
@@ -65,16 +65,21 @@ class Proc:
                 return msg
 
 
-def train_swarm(tb: Testbed, train: list[str], timeout: float = 200.0,
-                start_timeout: float = 90.0) -> list[tuple[Event, Event]]:
+def train_swarm(tb: Testbed, train: list[str], timeout: float = 200.0, start_timeout: float = 90.0,
+                clients: Iterable[int] = ()) -> list[tuple[Event, Event]]:
     """Train ``p2ptrain peer --json *train`` on every host of ``tb`` (host 0 first, the others
-    bootstrapping from it; hosts behind NAT with ``--behind-nat``, the others with ``--relay``);
+    bootstrapping from it; hosts behind NAT with ``--behind-nat``, the others with ``--relay``;
+    hosts in ``clients`` as a client-mode trainer, ``agent train --client``, which listens nowhere);
     each host's (started, done) events, in host order. Raises if a peer fails. ``start_timeout``:
     seconds each peer may take to start (importing torch on a loaded machine is most of it)."""
     peer = [sys.executable, "-m", "p2ptrain", "peer", "--json", *train]
+    client = [sys.executable, "-m", "p2ptrain.testing.agent", "train", "--client", *train]
+    clients = frozenset(clients)
 
     def start(i: int, extra: list[str]) -> Proc:
         h = tb.hosts[i]
+        if i in clients:
+            return Proc(tb, i, [*client, "--data-seed", str(i), *extra])
         mode = ["--behind-nat"] if i in tb.nat else ["--relay"]
         return Proc(tb, i, [*peer, *mode, "--listen", f"/ip4/{h.local_ip}/tcp/0", "--data-seed", str(i), *extra])
 
