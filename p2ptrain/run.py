@@ -61,6 +61,7 @@ class PeerConfig:
     overlap_outer: bool = False  # diloco: outer rounds run during the next inner steps
     progress_every: float = 1.0
     target_group_size: int = 16
+    mixing: bool = True  # a swarm larger than a group averages in a grid of groups that turns every round
     matchmaking_timeout: float = 5.0
     device: str = "cpu"  # where the model trains: cpu, cuda, cuda:N (the wire and the state stay on the host)
     threads: int | None = None  # torch intra-op threads (default: torch's); 1 when many peers share a machine
@@ -112,7 +113,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             local_steps=cfg.local_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
             inner_warmup_steps=cfg.inner_warmup_steps, compression=cfg.compression,
             aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, overlap_outer=cfg.overlap_outer,
-            target_group_size=cfg.target_group_size,
+            target_group_size=cfg.target_group_size, mixing=cfg.mixing,
             matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
             checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers, name=cfg.name,
             receipts_file=cfg.receipts_file,

@@ -177,3 +177,27 @@ def test_existing_key_file_is_accepted(tmp_path):
     Identity().save(key)
     args, _ = resolve(["peer", "--key-file", str(key)])
     assert args.key_file == str(key)
+
+
+def test_group_size_and_mixing_reach_the_peer_config_and_the_peers_a_swarm_starts(tmp_path, capsys):
+    """``--target-group-size`` and ``--no-mixing`` (flags, variables or the file) reach the optimizer's
+    options, and ``p2ptrain swarm`` passes them on to each peer it starts."""
+    from dht import ConfigError
+    from p2ptrain.cli.peer_cmd import _config, check_training_args, training_argv
+
+    for cmd in ("peer", "swarm"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--target-group-size N" in text and "--no-mixing" in text
+    cfg = _config(resolve(["peer", "--bootstrap", A])[0])
+    assert (cfg.target_group_size, cfg.mixing) == (16, True)
+    cfg = _config(resolve(["peer", "--bootstrap", A, "--target-group-size", "4", "--no-mixing"])[0])
+    assert (cfg.target_group_size, cfg.mixing) == (4, False)
+    write(tmp_path / "run.toml", "target_group_size = 8\n")
+    args, sources = resolve(["swarm", "--config", "run.toml"], {"P2PTRAIN_NO_MIXING": "1"})
+    assert sources["target_group_size"] == "run.toml" and sources["no_mixing"] == "$P2PTRAIN_NO_MIXING"
+    argv = training_argv(args)
+    assert argv[argv.index("--target-group-size") + 1] == "8" and "--no-mixing" in argv
+    with pytest.raises(ConfigError, match="--target-group-size must be at least 1"):
+        check_training_args(resolve(["peer", "--target-group-size", "0"])[0])

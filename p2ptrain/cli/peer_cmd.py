@@ -106,6 +106,12 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-delay", type=float, default=0.0, metavar="S",
                    help="extra seconds per step, to emulate a bigger model (benchmarks)")
     p.add_argument("--delay-updates", action="store_true", help="sync: average in the background, apply one epoch late")
+    p.add_argument("--target-group-size", type=int, default=16, metavar="N",
+                   help="peers per averaging group (default: %(default)s); a larger swarm averages in a grid of "
+                        "groups that changes every round, so that they mix into one model (the same on every peer)")
+    p.add_argument("--no-mixing", action="store_true",
+                   help="no grid: each round is one key for the whole swarm, split into groups as peers come "
+                        "(the same on every peer)")
     p.add_argument("--overlap-outer", action="store_true",
                    help="diloco: run each outer round during the next inner steps instead of pausing for it "
                         "(one more model-sized buffer; the same on every peer)")
@@ -174,7 +180,8 @@ def check_training_args(args: argparse.Namespace) -> None:
         check_options(mode=args.mode, target_batch_size=args.target_batch_size, local_steps=args.local_steps,
                       outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                       inner_warmup_steps=args.inner_warmup_steps, checkpoint_every=args.checkpoint_every,
-                      overlap_outer=args.overlap_outer, **{k: v for k, v in given.items() if v is not None})
+                      overlap_outer=args.overlap_outer, target_group_size=args.target_group_size,
+                      **{k: v for k, v in given.items() if v is not None})
     except OptionError as e:
         raise ConfigError(e.flag_message) from None
     from ..run import resolve_device  # torch: only once the other options are known to be good
@@ -214,7 +221,8 @@ def _config(args: argparse.Namespace) -> Any:
         lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         inner_warmup_steps=args.inner_warmup_steps, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed,
         compute_delay=args.compute_delay,
-        delay_updates=args.delay_updates, overlap_outer=args.overlap_outer, wait_peers=wait_peers,
+        delay_updates=args.delay_updates, overlap_outer=args.overlap_outer,
+        target_group_size=args.target_group_size, mixing=not args.no_mixing, wait_peers=wait_peers,
         wait_timeout=wait_timeout, device=args.device,
         threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir, dataset=args.dataset,

@@ -53,6 +53,8 @@ def check_options(**given: Any) -> None:
     if given.get("batch_size_per_step", 1) < 1:
         raise OptionError("target_batch_size and batch_size_per_step must be positive",
                           "--batch-size must be at least 1")
+    if given.get("target_group_size", 1) < 1:
+        raise OptionError("target_group_size must be at least 1", "--target-group-size must be at least 1")
     if given.get("local_steps", 1) < 1:
         raise OptionError("local_steps must be at least 1", "--local-steps must be at least 1")
     if not (0 < given.get("outer_lr", 1.0) < math.inf) or not (0 <= given.get("outer_momentum", 0.0) < 1):
