@@ -1,8 +1,8 @@
 """Real training swarms: ``p2ptrain peer`` processes on 127.0.0.1 training the digits example.
 
-* four peers started together reach the accuracy target and really average (bytes, rounds);
-* churn: one peer is SIGKILLed mid-training and a new one joins; the joiner starts from the
-  swarm's epoch and state (not from scratch), and everyone still reaches the target;
+* four peers started together train; one is SIGKILLed mid-training and a new one joins; the
+  joiner starts from the swarm's epoch and state (not from scratch), everyone reaches the
+  accuracy target, and the peers really averaged (bytes, rounds, identical parameters);
 * Ctrl+C (SIGINT) leaves a running peer cleanly with exit code 0.
 
 Events are read from each peer's JSON lines on stdout; every wait is bounded and every process is
@@ -34,25 +34,6 @@ def start_swarm(peers, n: int, *args: str) -> tuple[list, str]:
     return [first, *rest], addr
 
 
-def test_four_peers_reach_the_accuracy_target_together(peers):
-    swarm, _ = start_swarm(peers, 4, "--epochs", "50")
-    results = [p.done(timeout=180) for p in swarm]
-    stats = [{k: x.get(k) for k in ("rounds", "failed_rounds", "state_loads", "steps", "seconds", "dht_peers")}
-             for x in results]
-    for r in results:
-        assert r["epoch"] == 50
-        assert r["metrics"]["accuracy"] >= ACCURACY, results
-        assert r["bytes_sent"] > 0 and r["bytes_received"] > 0
-        # (not the last round's group size: a peer one round behind at the end, e.g. after a state
-        # load on a loaded machine, takes its last epoch alone once the others have left)
-        # A peer the OS starves for a second on a loaded machine falls ten epochs behind this fast
-        # run: it must catch up by loading the swarm's state, not train on alone from where it was.
-        assert r["rounds"] >= 25 or r["state_loads"] >= 1, ("a straggler must load the swarm's state", stats)
-    assert sum(r["rounds"] >= 25 for r in results) >= 3, ("the peers must have averaged most epochs together", stats)
-    digests = [r["params_digest"] for r in results]
-    assert max(digests.count(d) for d in digests) >= 2, "peers of a group end with identical parameters"
-
-
 def test_churn_a_peer_dies_and_a_new_one_catches_up(peers):
     # a 30 ms emulated compute step keeps the run long enough (~15 s) to kill and join in the middle
     args = ("--epochs", "60", "--compute-delay", "0.03")
@@ -67,9 +48,17 @@ def test_churn_a_peer_dies_and_a_new_one_catches_up(peers):
     assert started["epoch"] >= 10, "the joiner must start at the swarm's epoch, not from scratch"
     assert started["state_loads"] == 1, f"the joiner must load the swarm's state first: {joiner.errors()}"
     results = [p.done(timeout=200) for p in [*swarm, joiner]]
+    stats = [{k: x.get(k) for k in ("rounds", "failed_rounds", "state_loads", "steps", "seconds", "dht_peers")}
+             for x in results]
     for r in results:
         assert r["epoch"] == 60
         assert r["metrics"]["accuracy"] >= ACCURACY, results
+        assert r["bytes_sent"] > 0 and r["bytes_received"] > 0
+    # the survivors averaged most epochs together (a peer the OS starves for a second on a loaded
+    # machine falls behind this fast run and catches up by loading the swarm's state instead)
+    assert sum(r["rounds"] >= 30 for r in results[:3]) >= 2, ("the peers must have averaged most epochs", stats)
+    digests = [r["params_digest"] for r in results]
+    assert max(digests.count(d) for d in digests) >= 2, "peers of a group end with identical parameters"
 
 
 def test_sigint_leaves_cleanly(peers):
