@@ -177,10 +177,12 @@ def test_a_peer_blocked_in_a_round_or_a_load_keeps_its_report_alive(monkeypatch)
     asyncio.run(main())
 
 
-def test_a_refresh_asks_the_three_closest_holders_and_looks_the_key_up_again_when_due_or_when_most_fail(monkeypatch):
-    """A refresh costs a few RPCs, not a lookup over the whole swarm: after a full lookup it reads
-    from (and publishes to) the key's three closest holders; a new lookup follows after
-    ``relookup`` seconds, or at once after a refresh where most of those holders failed."""
+def test_a_refresh_reads_one_of_the_three_closest_holders_in_turn_and_looks_the_key_up_again_when_due_or_when_it_fails(
+        monkeypatch):
+    """A refresh costs a few RPCs, not a lookup over the whole swarm: after a full lookup it
+    publishes to the key's three closest holders and reads from one of them in turn (each holds
+    every report); a new lookup follows after ``relookup`` seconds, or at once after a refresh
+    whose holder failed."""
     import asyncio
     import types
 
@@ -190,11 +192,11 @@ def test_a_refresh_asks_the_three_closest_holders_and_looks_the_key_up_again_whe
     closest = [Contact(Identity().peer_id, ("127.0.0.1", 5000 + i)) for i in range(8)]
     asked: list[list | None] = []
     stored_to: list[list | None] = []
-    answering = [8]
+    answering = [True]
 
     async def get_owned(key, name, holders=None, **kw):
         asked.append(holders)
-        return OwnedRead({}, (holders or closest)[: answering[0]])
+        return OwnedRead({}, closest if holders is None else holders if answering[0] else [])
 
     async def store_owned(key, name, value, expiration, closest=None):
         stored_to.append(closest)
@@ -207,16 +209,115 @@ def test_a_refresh_asks_the_three_closest_holders_and_looks_the_key_up_again_whe
     async def main():
         tracker = progress.ProgressTracker(node, "run", "schema", target=64, relookup=5.0)
         await tracker.refresh_now()  # nothing known yet: a full lookup
-        tracker.report(0, 32, 100.0)
-        await tracker.refresh_now()
-        assert asked == [None, closest[:3]] and stored_to[-1] == closest[:3]
+        for epoch in (1, 2, 3):
+            tracker.report(epoch, 32, 100.0)
+            await tracker.refresh_now()
+            assert stored_to[-1] == closest[:3]
+        assert asked == [None, [closest[0]], [closest[1]], [closest[2]]]
         clock[0] += 6.0  # past relookup: a full lookup again
         await tracker.refresh_now()
         assert asked[-1] is None
-        answering[0] = 1  # two of the three fail: the next refresh looks the key up
+        answering[0] = False  # the holder asked fails: the next refresh looks the key up
         await tracker.refresh_now()
-        assert asked[-1] == closest[:3]
+        assert asked[-1] is not None
         await tracker.refresh_now()
         assert asked[-1] is None
+
+    asyncio.run(main())
+
+
+def _fake_node(store_owned, get_owned):
+    import types
+
+    return types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
+                                 store_owned=store_owned, get_owned=get_owned)
+
+
+def test_a_new_sample_count_is_published_every_few_seconds_or_once_the_epoch_looks_over(monkeypatch):
+    """Each reader checks the signature of every record that changed since its last read, so a
+    count that only grew is published every ``publish_every`` s (readers extrapolate in between),
+    while a new epoch or ready flag goes out at once, and so does the count once the estimate says
+    the target is reached (the epoch ends on published counts)."""
+    import asyncio
+    import time as clock
+
+    from dht import OwnedRead
+    from p2ptrain.optim import progress
+
+    stored: list[dict] = []
+
+    async def store_owned(key, name, value, expiration, closest=None):
+        stored.append(value)
+
+    async def get_owned(key, name, **kw):
+        return OwnedRead({}, [])
+
+    now = [clock.time()]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+
+    async def main():
+        tracker = progress.ProgressTracker(_fake_node(store_owned, get_owned), "run", "schema", target=1000,
+                                           ttl=30.0, publish_every=2.0)
+        await tracker.refresh_now()
+        assert [v["s"] for v in stored] == [0]
+        for samples in (32, 64, 96):  # the count grows, the epoch's end is far: kept back
+            now[0] += 0.5
+            tracker.report(0, samples, 64.0)
+            await tracker.refresh_now()
+        assert len(stored) == 1
+        now[0] += 0.6  # 2.1 s since the last publish: the count goes out
+        tracker.report(0, 128, 64.0)
+        await tracker.refresh_now()
+        assert [v["s"] for v in stored] == [0, 128]
+        now[0] += 0.1
+        tracker.report(1, 0, 64.0)  # a new epoch: at once
+        await tracker.refresh_now()
+        now[0] += 0.1
+        tracker.report(1, 0, 64.0, ready=True)  # ready: at once
+        await tracker.refresh_now()
+        assert [(v["e"], v["r"]) for v in stored[2:]] == [(1, False), (1, True)]
+        now[0] += 0.1
+        assert tracker.report(1, 1000, 64.0).due  # our own count reaches the target: at once
+        await tracker.refresh_now()
+        assert stored[-1]["s"] == 1000 and len(stored) == 5
+
+    asyncio.run(main())
+
+
+def test_reports_are_kept_across_reads_each_peers_newest_until_no_read_returns_it(monkeypatch):
+    """A refresh reads one holder: a report it lacks (a store that did not reach it) or holds in an
+    older version does not go back in the view; a peer that no read returns for ``ttl`` seconds
+    (its record expired everywhere) is forgotten."""
+    import asyncio
+    import time as clock
+
+    from dht import OwnedRead, OwnedValue
+    from p2ptrain.optim import progress
+
+    t0 = clock.time()
+    mono = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: mono[0])
+    replies: list[dict] = []
+
+    async def get_owned(key, name, **kw):
+        return OwnedRead({r.peer: OwnedValue(r.to_wire(), t0 + 60) for r in replies.pop(0)}, [])
+
+    async def store_owned(*args, **kwargs):
+        pass
+
+    def rep(i: int, epoch: int, at: float) -> PeerReport:
+        return PeerReport(PEERS[i], epoch, 10, 5.0, t0 + at, "schema", ("127.0.0.1", 4000 + i))
+
+    async def main():
+        tracker = progress.ProgressTracker(_fake_node(store_owned, get_owned), "run", "schema", target=10**6,
+                                           ttl=10.0)
+        replies.extend([[rep(1, 2, 0.0), rep(2, 2, 0.0)], [rep(1, 1, -1.0)], [rep(1, 3, 1.0)]])
+        view = await tracker.refresh_now()
+        assert {p.peer for p in view.training} == {tracker.me.peer, PEERS[1], PEERS[2]}
+        view = await tracker.refresh_now()  # an older report of peer 1, none of peer 2: both kept
+        assert view.epoch == 2 and {p.peer for p in view.peers} == {PEERS[1], PEERS[2]}
+        mono[0] += 11.0  # peer 2 not returned for longer than ttl: forgotten
+        view = await tracker.refresh_now()
+        assert view.epoch == 3 and {p.peer for p in view.training} == {tracker.me.peer, PEERS[1]}
 
     asyncio.run(main())

@@ -195,9 +195,14 @@ class ProgressTracker:
     until the published counts reach it: peers learn that the target was reached within a few
     milliseconds without polling the DHT all the time.
 
-    A refresh reads (and publishes to) only the ``holders`` peers closest to the key, one RPC each,
-    as a full lookup found them at most ``relookup`` seconds ago: its cost does not grow with the
-    swarm beyond the records themselves. A full lookup is redone sooner when half of them fail.
+    A refresh publishes to the ``holders`` peers closest to the key, as a full lookup found them at
+    most ``relookup`` seconds ago, and reads from one of them in turn (each holds every report;
+    reports are kept across reads, each peer's newest): its cost does not grow with the swarm beyond
+    the records themselves. A full lookup is redone sooner when the holder asked fails.
+
+    Every reader checks the signature of every record that changed since its last read, so a report
+    is republished only when others need it (see :meth:`_publish_due`): a new sample count goes out
+    every ``publish_every`` seconds (readers extrapolate in between), or at once near the epoch's end.
     """
 
     def __init__(self, node: DHTNode, run_id: str, schema: str, target: int, *, refresh: float = 0.5,
@@ -205,7 +210,8 @@ class ProgressTracker:
                  on_mismatch: Callable[[PeerID, str], None] | None = None,
                  judge: Callable[[list[PeerReport], PeerReport], dict[PeerID, str]] | None = None,
                  on_refused: Callable[[dict[PeerID, str]], None] | None = None,
-                 held: Callable[[], int] | None = None, holders: int = 3, relookup: float = 5.0):
+                 held: Callable[[], int] | None = None, holders: int = 3, relookup: float = 5.0,
+                 publish_every: float = 2.0):
         if target < 1:
             raise ValueError("target_batch_size must be at least 1")
         self.node = node
@@ -216,6 +222,7 @@ class ProgressTracker:
         self.min_refresh = min_refresh
         self.fast_refresh = fast_refresh
         self.ttl = ttl if ttl is not None else max(10.0, 6 * refresh)
+        self.publish_every = publish_every
         self._on_mismatch = on_mismatch
         #: verdicts on epoch claims (see ``claims``): the peers it refuses stay out of the view
         self._judge = judge
@@ -228,6 +235,8 @@ class ProgressTracker:
         self._published_at = 0.0  # the time in the report we last published
         self._hidden = False  # reading only (see start)
         self._reports: list[PeerReport] = []
+        #: each peer's newest report read, and when a read last returned it (monotonic)
+        self._known: dict[PeerID, tuple[PeerReport, float]] = {}
         self.view = summarize([], self._me, time.time(), target, self.ttl)
         self.mismatched: dict[PeerID, str] = {}
         self._epoch_started: float | None = None  # when our current epoch began (wall clock)
@@ -235,8 +244,9 @@ class ProgressTracker:
         self._wake = asyncio.Event()
         self._hurried = False  # a hurry() wake-up is pending (one per refresh, however many steps ask)
         self._last_refresh = 0.0  # loop time the last refresh began
-        self._closest: list[Contact] = []  # the key's closest peers, as the last read found them
+        self._closest: list[Contact] = []  # the key's closest peers, as the last full lookup found them
         self.holders = holders
+        self._turn = 0  # which of them the next read asks
         self.relookup = relookup
         self._looked_up_at = -math.inf  # monotonic time of the last full lookup of the key
         self._fresh = asyncio.Event()
@@ -344,13 +354,15 @@ class ProgressTracker:
         loop = asyncio.get_running_loop()
         while True:
             view = self.view
-            period = self.refresh
-            if view.reached or view.ready:
+            period = self.refresh  # (also while we are in a round: what we read changes nothing until it ends)
+            if self._me.ready:
+                pass
+            elif view.reached or view.ready:
                 period = self.min_refresh * 2
             elif view.due:
                 period = self.min_refresh
-            elif view.sps > 0:
-                period = min(period, max(self.min_refresh, view.eta / 3))
+            elif view.sps > 0:  # look when the estimate reaches the target: the others publish their counts then
+                period = min(period, max(self.min_refresh, view.eta))
             await wait_event(self._wake, period)
             if self._hurried:
                 await asyncio.sleep(self._last_refresh + self.fast_refresh - loop.time())
@@ -364,14 +376,14 @@ class ProgressTracker:
         if reach != self._me.reach:
             self._me = replace(self._me, addr=reach.addr, relays=reach.relays)
         me, now = self._me, time.time()
-        # A training thread blocked in a round or a state load reports nothing: republish what we
-        # published, as of now, before others take a report older than ``ttl`` for a dead peer's.
-        beat = me == self._published and now - self._published_at > self.ttl / 5
+        beat = me == self._published
         full = not self._closest or time.monotonic() - self._looked_up_at > self.relookup
-        asked = None if full else self._closest
+        asked = None
+        if not full:
+            asked, self._turn = [self._closest[self._turn % len(self._closest)]], self._turn + 1
         try:
             read = read_reports(self.node, self.key, asked)
-            if (me != self._published or beat) and not self._hidden:
+            if not self._hidden and self._publish_due(me, now):
                 # publish while reading, straight to the peers the last read found closest to the
                 # key (no lookup of its own): a refresh takes one lookup, not three
                 wire = replace(me, time=now) if beat else me
@@ -391,16 +403,10 @@ class ProgressTracker:
         found, read = result
         if full:
             self._looked_up_at = time.monotonic()
-        elif asked is not None and 2 * len(read.closest) < len(asked):
-            self._looked_up_at = -math.inf  # most holders failed: look the key up again next time
-        self._closest = read.closest[: self.holders]
-        reports = []
-        for report in found:
-            if report.schema != self.schema and report.peer != self.node.peer_id:
-                self._mismatch(report)
-                continue
-            reports.append(report)
-        self._reports = reports
+            self._closest = read.closest[: self.holders]
+        elif not read.closest:
+            self._looked_up_at = -math.inf  # the holder asked failed: look the key up again next time
+        self._reports = reports = self._merge(found)
         if self._judge is not None:
             now = time.time()
             refused = self._judge([r for r in reports if not r.left and now - r.time <= self.ttl], self._me)
@@ -410,6 +416,40 @@ class ProgressTracker:
                     self._on_refused(refused)
         self.view = self.estimate()
         self._fresh.set()
+
+    def _merge(self, found: list[PeerReport]) -> list[PeerReport]:
+        """Each peer's newest report of those read so far; a peer no read has returned for ``ttl``
+        seconds (its record expired) is forgotten."""
+        seen = time.monotonic()
+        for report in found:
+            if report.schema != self.schema and report.peer != self.node.peer_id:
+                self._mismatch(report)
+                continue
+            known = self._known.get(report.peer)
+            if known is None or report.time >= known[0].time:
+                self._known[report.peer] = (report, seen)
+            else:
+                self._known[report.peer] = (known[0], seen)
+        for peer, (_, at) in list(self._known.items()):
+            if seen - at > self.ttl:
+                del self._known[peer]
+        return [report for report, _ in self._known.values()]
+
+    def _publish_due(self, me: PeerReport, now: float) -> bool:
+        """Whether a refresh at ``now`` publishes ``me``: at once when anything but the sample count
+        changed (others wait on an epoch, a ready flag, an address), or while the estimate says the
+        epoch is over (its end is confirmed on published counts); a new count every ``publish_every``
+        s; the same report again, as of now, before others take it for a dead peer's (a training
+        thread blocked in a round or a state load reports nothing)."""
+        last = self._published
+        if last is None:
+            return True
+        age = now - self._published_at
+        if me == last:
+            return age > self.ttl / 5
+        if replace(me, samples=last.samples, sps=last.sps, time=last.time) != last:
+            return True
+        return self.view.due or age >= self.publish_every
 
     def _mismatch(self, report: PeerReport) -> None:
         if report.peer in self.mismatched or len(self.mismatched) >= 1000:
