@@ -11,7 +11,9 @@ on stdout next to the CLI's own events (all with a ``"t"`` = ``time.time()`` sta
 - ``{"event": "round", ...}``: one averaging decision: when the peer decided the epoch was over
   (``t_enter``), what it saw (estimated swarm samples, peers, ready peers, its own samples), how long
   ``step()`` paused for it, and the averaging result (matchmaking / all-reduce seconds, group size,
-  total weight = samples of the group).
+  total weight = samples of the group). A round that runs on while training goes on (delayed
+  updates, overlapped outer rounds) sends its result in a ``{"event": "result", ...}`` line of its
+  own: waiting for it here would put the round's time inside ``step()``.
 - ``{"event": "steps", ...}``: every epoch, seconds this peer spent inside ``step()`` vs outside.
 """
 
@@ -110,7 +112,8 @@ def _install() -> None:
             super()._outer_step(view)
             rec["pause"] = time.perf_counter() - p0
             rec["t_exit"] = time.time()
-            _wait_result(rec)
+            if not self.overlap_outer:  # (overlapped: the round is still running; its result comes apart)
+                _wait_result(rec)
             _emit(rec)
 
         def _maybe_average_state(self, epoch):  # periodic parameter/state averaging, where the optimizer has it
@@ -126,7 +129,7 @@ def _install() -> None:
             t_start = time.time()
             fut = super()._average(epoch, samples, view)
             rec = self._i_round if self._i_round is not None and self._i_round.get("epoch") == epoch else None
-            delayed = self.delay_updates and self.mode == "sync"
+            delayed = (self.delay_updates and self.mode == "sync") or self.overlap_outer  # (a "result" line)
             expected = view.num_peers + sum(1 for p in view.behind if p.epoch == epoch - 1)
 
             def done(f):

@@ -167,7 +167,7 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
     epoch_len = _med(windows) / (last - skip)
     # per round (epochs in the window)
     mm, ar, pause, spread, samples, group, failed, skipped, enter_to_avg = [], [], [], [], [], [], 0, 0, []
-    to_group, group_to_done, mm_last, h_done = [], [], [], []
+    to_group, group_to_done, mm_last, h_done, phases_last = [], [], [], [], []
     for e in range(skip, last):
         recs = rounds.get(e, [])
         res = results.get(e, [])
@@ -187,6 +187,7 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
             latest = max(merged, key=lambda r: r["t_enter"])
             if "mm" in latest:
                 mm_last.append(latest["mm"])
+                phases_last.append(latest.get("mm_stats", {}).get("marks", {}))
         if run["mode"].startswith("diloco"):
             h_done.extend(r.get("local_steps_done", 0) for r in merged)
         for r in merged:
@@ -209,7 +210,7 @@ def analyse(run: dict, skip: int, baseline_sps: float | None) -> dict:
         "epochs": (skip, last), "epoch_s": epoch_len, "compute_sps": _med(comp_sps), "pause_frac": _med(pause_frac),
         "cpu_pct": _med(cpu_pct), "mm": mm, "ar": ar, "pause": pause, "spread": spread, "samples": samples,
         "group": group, "failed": failed, "to_group": to_group, "group_to_done": group_to_done,
-        "mm_last": mm_last, "h_done": h_done,
+        "mm_last": mm_last, "phases_last": phases_last, "h_done": h_done,
         "state_s": [r["seconds"] for r in state_rounds if skip <= r["epoch"] < last], "skipped": skipped,
         "target": target, "enter_to_avg": enter_to_avg,
         "load": (run["load0"], run["load1"]), "timed_out": run["timed_out"],
@@ -267,7 +268,24 @@ def _fmt_dist(xs: list[float], unit: str = "s", scale: float = 1.0, digits: int 
     return f"{statistics.median(xs):.{digits}f} (p90 {p90:.{digits}f}, max {xs[-1]:.{digits}f}){unit}"
 
 
-def report(res: dict, base: float) -> None:
+#: matchmaking's phases (``Matchmaker.last_stats["marks"]``), in the order a round reaches them
+PHASES = ("registered", "first_read", "all_seen", "planned", "leading", "join_sent", "closed", "join_answered")
+
+
+def _phases(marks: list[dict], rtt: float) -> str:
+    """Median seconds (and RTTs) from a peer's start of matchmaking to each phase, over the rounds
+    that reached it (how many of them, when not all)."""
+    out = []
+    for ph in PHASES:
+        xs = [m[ph] for m in marks if ph in m]
+        if xs:
+            share = "" if len(xs) == len(marks) else f" [{len(xs)}/{len(marks)}]"
+            in_rtt = f" = {_med(xs) / rtt:.2f} RTT" if rtt else ""
+            out.append(f"{ph} {_med(xs):.3f} s{in_rtt}{share}")
+    return "; ".join(out) or "-"
+
+
+def report(res: dict, base: float, rtt: float = 0.0) -> None:
     m = res["mode"]
     print(f"\n[{m}] {res['n']} peers, epochs {res['epochs'][0]}..{res['epochs'][1]} "
           f"(window {res['window_s']:.1f} s, {res['epoch_s']:.2f} s per epoch), "
@@ -284,6 +302,7 @@ def report(res: dict, base: float) -> None:
     print(f"  first peer ending -> every group formed {_fmt_dist(res['to_group'])}; "
           f"then -> every peer's all-reduce done {_fmt_dist(res['group_to_done'])}")
     print(f"  matchmaking of the last peer to arrive (nobody left to wait for) {_fmt_dist(res['mm_last'])}")
+    print(f"  its phases, median from its start: {_phases(res['phases_last'], rtt)}")
     if res["state_s"]:
         print(f"  periodic state averaging (inside step()): {len(res['state_s'])} peer-rounds, "
               f"{_fmt_dist(res['state_s'])}")
@@ -376,7 +395,7 @@ def _main(a: argparse.Namespace, tb) -> None:
             print(f"\n[{run['mode']}] {res['error']}", flush=True)
             continue
         results.append(res)
-        report(res, base)
+        report(res, base, 2 * tb.delay_s if tb is not None else 0.0)
     print(f"\nbaseline {base:.0f} samples/s per peer (runs: {b0['swarm_sps']:.0f}, {b1['swarm_sps']:.0f}); "
           f"plain torch loop {plain:.0f}; {loadavg()}; total {time.monotonic() - t_start:.0f} s")
     rtt = 2 * tb.delay_s if tb is not None else 0.0  # the last peer's matchmaking in round trips
