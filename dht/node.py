@@ -17,22 +17,24 @@ under a shared key, read back as {PeerID: value}.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .autonat import probe_reachable, reserve_relays
 from .bootstrap import DialPlan
 from .config import DHTConfig
 from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable
-from .identity import Identity
+from .identity import Identity, PeerID
 from .latency import RttEstimator
 from .limits import Limits
 from .lookup import Lookups, key_bytes
 from .maintenance import Maintenance
 from .multiaddr import Multiaddr
 from .noise import SwarmKeyMismatch
+from .owned import OwnedValue, owned_values
 from .peercache import load_peer_cache
 from .protocol import NodeProtocol
 from .routing import Contact, RoutingTable, key_id, node_id_of
@@ -98,6 +100,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         self._tasks = TaskGroup("dht node", log=log)  # maintenance, lookups' queries, liveness checks
         self._rng = random.Random()
         self._received_at: dict[bytes, float] = {}  # key -> when a peer last replicated it to us
+        self._watches: dict[bytes, list[asyncio.Event]] = {}  # key -> set when a peer's write of it lands
         self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
         self._republish_started = time.monotonic()
         self._started = False
@@ -313,3 +316,30 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         """Store our entry under ``key``: ``value`` under our own ``name`` sub-key (``owned``), signed,
         so that ``get_owned(key, name)`` reads it back as ours. Otherwise as ``store``."""
         return await self.store(key, value, expiration, subkey=self.owned(name), closest=closest)
+
+    # ------------------------------------------------------------------ what this node holds
+
+    def local_owned(self, key: str | bytes, name: str, *, max_size: int | None = None) -> dict[PeerID, OwnedValue]:
+        """As ``get_owned(key, name).values``, from the records this node holds: no RPC. On one of a
+        key's holders a peer's write shows here half a round trip after it left (a read: a whole one)."""
+        limit = self.storage.max_value_size if max_size is None else max_size
+        return owned_values(self.storage.get(key_bytes(key), time.time()), name, self._verified, limit)
+
+    @contextlib.contextmanager
+    def watch(self, key: str | bytes) -> Iterator[asyncio.Event]:
+        """An event that every peer's write of ``key`` landing here sets (clear it to wait for the next)."""
+        kb = key_bytes(key)
+        event = asyncio.Event()
+        self._watches.setdefault(kb, []).append(event)
+        try:
+            yield event
+        finally:
+            events = self._watches.get(kb, [])
+            if event in events:
+                events.remove(event)
+            if not events:
+                self._watches.pop(kb, None)
+
+    def _key_stored(self, key: bytes) -> None:
+        for event in self._watches.get(key, ()):
+            event.set()

@@ -108,6 +108,7 @@ class NodeProtocol:
     storage: RecordStore
     _received_at: dict[bytes, float]
     _learn: Callable[[Connection], None]
+    _key_stored: Callable[[bytes], None]
 
     def _serve(self) -> None:
         """Register the handlers on the node's host."""
@@ -151,6 +152,8 @@ class NodeProtocol:
                 # A valid STORE for the key, newer or a copy of what we hold: its sender is spreading
                 # it to the k closest this period, so we need not republish it ourselves.
                 self._received_at[record.key] = time.monotonic()
+                if stored:
+                    self._key_stored(record.key)
                 results.append(stored)
             except InvalidRecord as e:
                 results.append(str(e)[:200])

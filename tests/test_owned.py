@@ -105,3 +105,24 @@ async def test_get_owned_from_holders_asks_only_them_and_says_which_answered(nod
     read = await reader.get_owned("round", "m", holders=holders, timeout=1.0)
     assert read.values[writer.peer_id].value == "here" and not lookups
     assert [c.peer_id for c in read.closest] == [c.peer_id for c in holders[1:]]
+
+
+async def test_a_holder_sees_entries_as_they_land_without_a_read(nodes):
+    """``watch`` is set by each peer's write of the key that lands here; ``local_owned`` reads what this
+    node holds, with no RPC (a matchmaking round sees its peers half a round trip sooner)."""
+    holder, a, b = nodes[1], nodes[2], nodes[3]
+    exp = time.time() + 60
+    here = [c for c in a.nearest_known("round") if c.peer_id == holder.peer_id]
+    assert here and holder.local_owned("round", "m") == {}
+    with holder.watch("round") as landed:
+        await a.store_owned("round", "m", "a's", exp, closest=here)
+        assert landed.is_set()
+        landed.clear()
+        await b.store_owned("other round", "m", "b's", exp, closest=here)
+        assert not landed.is_set()  # another key
+        await b.store_owned("round", "m", {"x": "a longer value"}, exp, closest=here)
+        assert landed.is_set()
+    assert holder.local_owned("round", "m") == {a.peer_id: OwnedValue("a's", exp),
+                                                b.peer_id: OwnedValue({"x": "a longer value"}, exp)}
+    assert holder.local_owned("round", "m", max_size=4) == {a.peer_id: OwnedValue("a's", exp)}
+    assert not holder._watches  # the watch is gone with its block
