@@ -75,10 +75,16 @@ class Board:
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER
         rnd.holders = self.node.nearest_known(rnd.key)[:_HOLDERS]
+        # We know fewer peers than a key has holders: each is one (and writes to us if it knows us),
+        # and a lookup would ask them only.
+        rnd.small = len(rnd.holders) < _HOLDERS
         # The schema summary only explains mismatches: publish it without waiting for it.
         self._spawn(self._publish_summary(rnd))
         self._spawn(self._store_entry(rnd, deadline))
-        self._spawn(self._look_up_holders(rnd, deadline))
+        if rnd.small:
+            rnd.looked_up.set()
+        else:
+            self._spawn(self._look_up_holders(rnd, deadline))
 
     async def _store_entry(self, rnd: MatchRound, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -89,6 +95,7 @@ class Board:
                 if rnd.holders:
                     sent = {c.peer_id for c in rnd.holders}
                     await self._store(rnd, rnd.holders)
+                    rnd.mark("registered")
                 await rnd.looked_up.wait()
                 missed = [c for c in rnd.holders if c.peer_id not in sent]
                 if rnd.state == "done" or (sent and not missed):
@@ -156,6 +163,12 @@ class Board:
                                          timeout=timeout)
         return read.values, None, {c.peer_id for c in chosen} - {c.peer_id for c in read.closest}
 
+    def local(self, rnd: MatchRound) -> dict[PeerID, Entry]:
+        """The entries our own node holds (no RPC): on a holder of the round's key (every peer of a
+        small swarm), a peer's entry shows here as soon as its write lands."""
+        values = self.node.local_owned(rnd.key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
+        return _parsed(values)
+
     async def registered(self, rnd: MatchRound, deadline: float) -> dict[PeerID, Member]:
         return {p: e.member for p, e in (await self.read(rnd, deadline)).items()}
 
@@ -177,8 +190,7 @@ class Board:
         rnd.holders = found if found is not None else [c for c in rnd.holders if c.peer_id not in dead]
         elapsed = loop.time() - t0
         self._latency = elapsed if self._latency is None else 0.7 * self._latency + 0.3 * elapsed
-        entries = ((peer, parse_entry(got.value, peer)) for peer, got in values.items())
-        return {peer: entry for peer, entry in entries if entry is not None}
+        return _parsed(values)
 
     async def check_schemas(self, rnd: MatchRound, deadline: float) -> None:
         """Explain (once per peer) why peers registered for this round are not candidates."""
@@ -200,3 +212,8 @@ class Board:
             if len(self._mismatches) < 1000:
                 self._mismatches[str(owner)] = message
                 log.warning("%s", message)
+
+
+def _parsed(values: dict[PeerID, OwnedValue]) -> dict[PeerID, Entry]:
+    entries = ((peer, parse_entry(got.value, peer)) for peer, got in values.items())
+    return {peer: entry for peer, entry in entries if entry is not None}

@@ -102,6 +102,7 @@ class JoinProtocol:
         lead.done = loop.create_future()
         rnd.lead = lead
         rnd.set_state("leading")
+        rnd.mark("leading")
         while True:
             if len(lead.joined) + 1 >= self.target_group_size or lead.expected <= set(lead.joined):
                 break
@@ -111,6 +112,7 @@ class JoinProtocol:
             lead.wake.clear()
             await wait_event(lead.wake, delay)
         lead.closed = True
+        rnd.mark("closed")
         log.debug("round %s: leading, closed with %d joined of %d expected (+%d unexpected)", rnd.round_id,
                   len(lead.joined), len(lead.expected), len(set(lead.joined) - lead.expected))
         members = [me] + sorted(lead.joined.values(), key=lambda m: score(m.peer_id, rnd.key))
@@ -138,9 +140,11 @@ class JoinProtocol:
                 "v": _VERSION, "prefix": self.prefix, "schema": self.schema.hash, "round": rnd.round_id,
                 "member": me.to_wire(), "remaining": remaining, "expect": others[:self.target_group_size],
             }
+            rnd.mark("join_sent")
             try:
                 reply = await self.node.host.call(leader.peer_id, leader.addr, JOIN_METHOD, args, timeout=remaining,
                                                   relays=leader.relays)
+                rnd.mark("join_answered")
             except (DHTError, OSError) as e:
                 log.debug("round %s: leader %s failed: %s", rnd.round_id, leader.peer_id, e)
                 failed.add(leader.peer_id)

@@ -8,15 +8,20 @@ One round, seen from one peer (``Matchmaker.form_group``):
    key, so peers with another model or codec never see us as a candidate; the summaries only serve
    to *explain* such a mismatch (a warning, once per peer, and ``mismatches()``). The entry goes out
    in the background, at once to the key's holders as our routing table knows them (no lookup
-   first: it lands half a round trip later), and to any others a full lookup then finds.
+   first: it lands half a round trip later), and to any others a full lookup then finds (none
+   where we know fewer peers than a key's 8 holders: they all are, and we are one).
 2. **Gather.** Read the key every 50 ms, backing off, reads overlapping (up to 4 in flight: on a
    slow link a read that just missed the others' entries must not cost a whole round trip more);
-   the first asks every holder we know, later ones 3 of them. Stop once at least
-   ``min_group_size`` peers are present and the set has not grown for the *settle window*
-   ``max(100 ms, 3 x measured DHT read latency, 2 x mean gap between the recent arrivals)``
-   (capped at a fifth of the timeout; at least 0.5 s, or a tenth of the timeout, while fewer
-   peers than the caller's ``expected`` are there), or as soon as another peer's join reaches us (it has
-   settled already), or when only the time to hand the group over is left before the deadline.
+   the first asks every holder we know, later ones 3 of them. Entries written to our own node (a
+   holder of the key, as every peer of a small swarm is) count as they land, without a read; in a
+   swarm smaller than a key's holders reads are then only a backstop, every 0.5 s.
+   Stop once at least ``min_group_size`` peers are present and the set has not grown for the
+   *settle window* ``max(100 ms, 3 x measured DHT read latency, 2 x mean gap between the recent
+   arrivals)`` (capped at a fifth of the timeout), or at once when the caller's ``expected`` peers
+   are all there. While some of those are missing the window is at least the *grace*: 1.5 x the
+   widest arrival spread of our recent rounds (stragglers seen after we grouped included), at least
+   0.5 s, at most a third of the timeout. Also stop as soon as another peer's join reaches us (it
+   has settled already), or when only the time to hand the group over is left before the deadline.
 3. **Plan.** Every peer splits what it saw the same way (``plan_groups``): members sorted by
    ``blake2b(peer id | round key)``, peers with an address first, dealt round-robin into
    ``ceil(n / target)`` groups, so sizes differ by at most one (40 peers, target 16: 14+13+13).
@@ -48,7 +53,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 from dht import DHTNode, PeerID, TaskGroup
@@ -59,7 +64,7 @@ from .claims import Entry
 from .group import Group, Member
 from .join import JoinDispatcher, JoinProtocol
 from .mm_state import MatchRound
-from .plan import MAX_ROUND_ID, settle_window
+from .plan import MAX_ROUND_ID, expected_grace, settle_window
 from .schema import Schema
 
 log = logging.getLogger("p2ptrain.matchmaking")
@@ -68,8 +73,7 @@ _FIRST_POLL = 0.05  # s: the first read period, backed off x1.5 while nothing ch
 _MAX_POLL = 0.5
 _KEPT_ROUNDS = 16  # finished rounds remembered, to answer late joins clearly
 _READS_IN_FLIGHT = 4  # overlapping polls of the round's key
-#: the settle window's floor while ``expected`` peers are not all there yet (see _gather)
-_EXPECTED_GRACE = 0.5
+_SPREAD_ROUNDS = 16  # recent rounds whose arrival spread sets the wait for expected peers
 
 
 class Matchmaker(JoinProtocol):
@@ -109,6 +113,7 @@ class Matchmaker(JoinProtocol):
         self.bandwidth = float(bandwidth)
         self.client_mode = node.client_mode if client_mode is None else client_mode
         self._rounds: OrderedDict[str, MatchRound] = OrderedDict()
+        self._spreads: deque[float] = deque(maxlen=_SPREAD_ROUNDS)  # first to last arrival of recent rounds, s
         self._tasks = TaskGroup("matchmaker", log=log)  # the board's writes and reads
         self._closed = False
         self.board = Board(node, prefix, schema, self._tasks.spawn)
@@ -182,7 +187,8 @@ class Matchmaker(JoinProtocol):
         deadline = started + timeout
         me = self.me(weight)
         least = self.min_group_size if min_size is None else max(1, min(min_size, self.target_group_size))
-        rnd = MatchRound(round_id, self.round_key(round_id), least)
+        self._note_spreads()
+        rnd = MatchRound(round_id, self.round_key(round_id), least, timeout)
         self._rounds[round_id] = rnd
         self._rounds.move_to_end(round_id)
         while len(self._rounds) > _KEPT_ROUNDS:
@@ -213,7 +219,7 @@ class Matchmaker(JoinProtocol):
                 self._tasks.spawn(self.board.mark_done(rnd))
             self.last_stats = {
                 "round": round_id, "group_size": group.size, "seconds": loop.time() - started,
-                "attempts": attempts, "dht_latency": self.latency,
+                "attempts": attempts, "dht_latency": self.latency, "marks": dict(rnd.marks),
             }
         if group.size == 1:
             log.info("round %s: nobody to average with within %.1f s; keeping our own tensors", round_id, timeout)
@@ -226,7 +232,9 @@ class Matchmaker(JoinProtocol):
         """Poll the round's key until the set of candidates settles; None at the deadline alone.
 
         Reads overlap (one starts every poll period, up to ``_READS_IN_FLIGHT`` at once): on a slow
-        link a poll takes a round trip, and a read that just missed an entry must not cost another."""
+        link a poll takes a round trip, and a read that just missed an entry must not cost another.
+        Entries that land at our own node (a holder of the key, as every peer of a small swarm is)
+        count at once, half a round trip before a read would bring them."""
         loop = asyncio.get_running_loop()
         rnd.lead, rnd.redirect = None, None
         rnd.join_hint.clear()
@@ -234,100 +242,129 @@ class Matchmaker(JoinProtocol):
         period = _FIRST_POLL
         last_growth = next_read = loop.time()
         candidates: dict[PeerID, Entry] = {}  # every peer seen as a candidate during this gather
+        finished: set[PeerID] = set()  # peers seen done (grouped already, or gave up)
         schema_task: asyncio.Task | None = None
         reads: set[asyncio.Task] = set()
         polls = answered = 0
         wake_at = deadline
-        try:
-            while True:
-                now = loop.time()
-                if now >= next_read and len(reads) < _READS_IN_FLIGHT:
-                    if self._closed:
-                        return None
-                    if polls % 8 == 0 and (schema_task is None or schema_task.done()):
-                        schema_task = self._tasks.spawn(self.board.check_schemas(rnd, deadline))
-                    polls += 1
-                    reads.add(self._tasks.spawn(self.board.read(rnd, deadline), awaited=True))
-                    next_read = now + period
-                    period = min(period * 1.5, _MAX_POLL, max(rnd.settle / 2, _FIRST_POLL))
-                    if expected is not None and len(candidates) + 1 < expected and now - last_growth < 1.0:
-                        # the expected stragglers are near: see the next one a poll after it lands
-                        period = _FIRST_POLL
-                # (a hint already set is not waited on again: that would return at once and spin)
-                hint = None if rnd.join_hint.is_set() else rnd.join_hint
-                timer = wake_at if len(reads) >= _READS_IN_FLIGHT else min(next_read, wake_at)
-                done = await _first_of(reads, hint, max(0.0, timer - loop.time()))
-                reads -= done
-                now, now_wall = loop.time(), time.time()
-                grew = False
-                finished = 0
-                for task in done:
-                    answered += 1
-                    entries = task.result()
-                    rnd.registered.update((p, e.member) for p, e in entries.items())
-                    for peer, entry in entries.items():
-                        if peer == me.peer_id:
-                            continue
-                        if entry.done:  # grouped already, or gave up (records expire shortly after)
-                            finished += 1
-                            # Peers we saw as candidates stay in the view while it settles, so that every
-                            # peer plans over the same set even after the first groups closed.
-                            continue
-                        if peer in failed:  # (counted above when done: a refusing leader is done)
-                            continue
-                        grew = grew or peer not in candidates
-                        candidates[peer] = entry
-                if grew:
-                    last_growth = now
-                    period = _FIRST_POLL
-                    next_read = min(next_read, now + period)
-                if not answered:
-                    continue
-                n = len(candidates) + 1
-                arrivals = [
-                    e.arrived for e in candidates.values() if now_wall - timeout - 60 <= e.arrived <= now_wall + 5
-                ] + [rnd.entry_value["t"] if rnd.entry_value else now_wall]
-                settle = rnd.settle = settle_window(self.latency, arrivals, timeout)
-                if expected is not None and n < expected:
-                    # Peers we were told to expect are still missing: on a loaded machine a process
-                    # that arrives a few hundred ms after a burst of others is common, and closing
-                    # without it splits the round. Wait a little longer for it (bounded: it may be gone).
-                    settle = max(settle, min(_EXPECTED_GRACE, 0.1 * timeout))
-                reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
-                if n >= rnd.min_size:
+        grace = expected_grace(self._spreads, self.latency, timeout)
+        with self.node.watch(rnd.key) as landed:
+            landed.set()  # (the entries of the peers that came before us may be here already)
+            try:
+                while True:
+                    now = loop.time()
+                    if now >= next_read and len(reads) < _READS_IN_FLIGHT:
+                        if self._closed:
+                            return None
+                        if polls % 8 == 0 and (schema_task is None or schema_task.done()):
+                            schema_task = self._tasks.spawn(self.board.check_schemas(rnd, deadline))
+                        polls += 1
+                        reads.add(self._tasks.spawn(self.board.read(rnd, deadline), awaited=True))
+                        next_read = now + period
+                        period = min(period * 1.5, _MAX_POLL, max(rnd.settle / 2, _FIRST_POLL))
+                        if rnd.small:  # (entries show as they land here: reads are a backstop)
+                            period = _MAX_POLL
+                        elif expected is not None and len(candidates) + 1 < expected and now - last_growth < 1.0:
+                            # the expected stragglers are near: see the next one a poll after it lands
+                            period = _FIRST_POLL
+                    # (an event already set is not waited on again: that would return at once and spin)
+                    events = [e for e in (rnd.join_hint, landed) if not e.is_set()]
+                    timer = wake_at if len(reads) >= _READS_IN_FLIGHT else min(next_read, wake_at)
+                    wait = 0.0 if landed.is_set() else max(0.0, timer - loop.time())
+                    done = await _first_of(reads, events, wait)
+                    reads -= done
+                    now, now_wall = loop.time(), time.time()
+                    views = [task.result() for task in done]
+                    answered += len(views)
+                    if landed.is_set():
+                        landed.clear()
+                        views.append(self.board.local(rnd))
+                    grew = False
+                    for entries in views:
+                        rnd.registered.update((p, e.member) for p, e in entries.items())
+                        for peer, entry in entries.items():
+                            rnd.arrivals[peer] = entry.arrived
+                            if peer == me.peer_id:
+                                continue
+                            if entry.done:  # grouped already, or gave up (records expire shortly after)
+                                finished.add(peer)
+                                # Peers we saw as candidates stay in the view while it settles, so that
+                                # every peer plans over the same set even after the first groups closed.
+                                continue
+                            if peer in failed:  # (counted above when done: a refusing leader is done)
+                                continue
+                            grew = grew or peer not in candidates
+                            candidates[peer] = entry
+                    if grew:
+                        last_growth = now
+                        if not rnd.small:
+                            period = _FIRST_POLL
+                            next_read = min(next_read, now + period)
+                    n = len(candidates) + 1
                     everyone = expected is not None and n >= expected
-                    if (now - last_growth >= settle or everyone or rnd.join_hint.is_set()
-                            or now >= deadline - reserve):
-                        log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
-                                  rnd.round_id, n, polls, settle, self.latency,
-                                  ", joined by a peer" if rnd.join_hint.is_set() else "")
-                        return [me] + [e.member for e in candidates.values()]
-                    wake_at = min(last_growth + settle, deadline - reserve)
-                else:
-                    if now >= deadline:
-                        return None
-                    if expected is not None and not candidates and finished + 1 >= expected:
-                        # everyone we were told to expect has grouped (or given up) without us:
-                        # nobody is left to meet, so do not wait out the deadline
-                        log.debug("round %s: the %d other expected peers are done; nobody left",
-                                  rnd.round_id, finished)
-                        return None
-                    wake_at = deadline
-        finally:
-            for task in reads:
-                task.cancel()
+                    if answered:
+                        rnd.mark("first_read")
+                    if everyone:
+                        rnd.mark("all_seen")
+                    elif not answered:  # (our own node's entries alone: only when they show everyone)
+                        continue
+                    arrivals = [
+                        e.arrived for e in candidates.values() if now_wall - timeout - 60 <= e.arrived <= now_wall + 5
+                    ] + [rnd.entry_value["t"] if rnd.entry_value else now_wall]
+                    settle = rnd.settle = settle_window(self.latency, arrivals, timeout)
+                    if expected is not None and n < expected:
+                        # Peers we were told to expect are still missing: on a loaded machine a process
+                        # that arrives a few hundred ms after a burst of others is common, and closing
+                        # without it splits the round. Wait for it as long as recent rounds' arrivals
+                        # were spread (bounded: it may be gone).
+                        settle = max(settle, grace)
+                    reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
+                    if n >= rnd.min_size:
+                        if (now - last_growth >= settle or everyone or rnd.join_hint.is_set()
+                                or now >= deadline - reserve):
+                            log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
+                                      rnd.round_id, n, polls, settle, self.latency,
+                                      ", joined by a peer" if rnd.join_hint.is_set() else "")
+                            rnd.mark("planned")
+                            return [me] + [e.member for e in candidates.values()]
+                        wake_at = min(last_growth + settle, deadline - reserve)
+                    else:
+                        if now >= deadline:
+                            return None
+                        if expected is not None and not candidates and len(finished) + 1 >= expected:
+                            # everyone we were told to expect has grouped (or given up) without us:
+                            # nobody is left to meet, so do not wait out the deadline
+                            log.debug("round %s: the %d other expected peers are done; nobody left",
+                                      rnd.round_id, len(finished))
+                            return None
+                        wake_at = deadline
+            finally:
+                for task in reads:
+                    task.cancel()
+
+    def _note_spreads(self) -> None:
+        """The arrival spread of each finished round not yet counted: the entries its gathers saw and
+        those our node holds now, stragglers that came after we grouped included."""
+        for rnd in self._rounds.values():
+            if rnd.state != "done" or rnd.spread_noted:
+                continue
+            rnd.spread_noted = True
+            arrivals = dict(rnd.arrivals)
+            arrivals.update((p, e.arrived) for p, e in self.board.local(rnd).items())
+            if len(arrivals) > 1:
+                self._spreads.append(min(max(arrivals.values()) - min(arrivals.values()), rnd.timeout))
 
 
-async def _first_of(tasks: set[asyncio.Task], event: asyncio.Event | None, timeout: float) -> set[asyncio.Task]:
-    """Wait until one of ``tasks`` is done, ``event`` is set or ``timeout`` passed; the tasks done."""
-    waiter = asyncio.ensure_future(event.wait()) if event is not None else None
-    waiting = tasks | ({waiter} if waiter is not None else set())
+async def _first_of(tasks: set[asyncio.Task], events: list[asyncio.Event], timeout: float) -> set[asyncio.Task]:
+    """Wait until one of ``tasks`` is done, one of ``events`` is set or ``timeout`` passed; the tasks done."""
+    waiters = {asyncio.ensure_future(event.wait()) for event in events}
+    waiting = tasks | waiters
     try:
         if waiting:
             await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         else:
             await asyncio.sleep(timeout)
     finally:
-        if waiter is not None:
+        for waiter in waiters:
             waiter.cancel()
     return {t for t in tasks if t.done()}

@@ -4,6 +4,7 @@ join protocol (``matchmaking.py``, ``board.py``, ``join.py``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from dht import Contact, PeerID
@@ -28,10 +29,11 @@ class Lead:
 class MatchRound:
     """One round's matchmaking at one peer: its role, its entry, what its reads found."""
 
-    def __init__(self, round_id: str, key: str, min_size: int):
+    def __init__(self, round_id: str, key: str, min_size: int, timeout: float):
         self.round_id = round_id
         self.key = key
         self.min_size = min_size  # the smallest group this round may form (else: alone)
+        self.timeout = timeout
         self.state = "gathering"  # gathering | leading | following | done
         self.changed = asyncio.Event()
         self.join_hint = asyncio.Event()
@@ -41,10 +43,19 @@ class MatchRound:
         self.entry_value: dict | None = None
         self.entry_expiration = 0.0
         self.registered: dict[PeerID, Member] = {}  # each peer as it registered (claims.verify_group)
+        self.arrivals: dict[PeerID, float] = {}  # each entry's registration time (unix), ours included
+        self.spread_noted = False  # (once over: its arrivals' spread counted, see Matchmaker._note_spreads)
         self.settle = MIN_SETTLE  # the last settle window used while gathering
         self.holders: list[Contact] = []  # peers that store the round's key (routing table, then lookups)
+        self.small = False  # we know fewer peers than a key's holders: we hold it, and see entries land
         self.reads = 0
         self.looked_up = asyncio.Event()  # the full lookup of the key is over: rnd.holders is its answer
+        self.started = time.monotonic()
+        self.marks: dict[str, float] = {}  # phase -> seconds since ``started``, first time reached
+
+    def mark(self, phase: str) -> None:
+        """Note when ``phase`` (registered, first_read, all_seen, planned, ...) was first reached."""
+        self.marks.setdefault(phase, time.monotonic() - self.started)
 
     def set_state(self, state: str) -> None:
         self.state = state

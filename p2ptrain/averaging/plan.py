@@ -13,6 +13,7 @@ from .group import Member
 
 MAX_ROUND_ID = 200  # characters of a round id (form_group's argument, a join's "round")
 MIN_SETTLE = 0.1  # s: the shortest settle window
+EXPECTED_GRACE = 0.5  # s: the shortest wait for peers we were told to expect (a tenth of the timeout if less)
 
 
 def score(peer: PeerID, round_key: str) -> int:
@@ -57,3 +58,16 @@ def settle_window(latency: float, arrivals: Iterable[float], timeout: float) -> 
     if len(recent) >= 2:
         window = max(window, 2.0 * (recent[-1] - recent[0]) / (len(recent) - 1))
     return min(window, max(MIN_SETTLE, 0.2 * timeout))
+
+
+def expected_grace(spreads: Iterable[float], latency: float, timeout: float) -> float:
+    """How long the set of peers must stay unchanged while some we were told to expect are missing.
+
+    ``1.5 x`` the widest first-to-last arrival spread of recent rounds plus two DHT reads: a peer
+    as late as the latest of them is still met. At least ``EXPECTED_GRACE`` (a tenth of the
+    timeout if less), at most a third of the timeout: an expected peer may be gone, and a hostile
+    arrival time must not hold a round for long.
+    """
+    floor = min(EXPECTED_GRACE, 0.1 * timeout)
+    widest = max(spreads, default=0.0)
+    return min(max(floor, 1.5 * widest + 2.0 * latency), max(floor, timeout / 3))
