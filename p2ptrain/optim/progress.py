@@ -157,11 +157,13 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
     not extrapolated.
     """
     latest: dict[PeerID, PeerReport] = {}
-    skip = set(ignored)
-    for r in reports:
-        if r.peer == me.peer or r.schema != me.schema or now - r.time > stale_after or r.left or r.peer in skip:
+    skip = {me.peer, *ignored}
+    oldest = now - stale_after
+    for r in reports:  # (called at every step: each PeerID hash is a Python call, so one lookup per report)
+        if r.time < oldest or r.left or r.schema != me.schema or r.peer in skip:
             continue
-        if r.peer not in latest or (r.epoch, r.time) > (latest[r.peer].epoch, latest[r.peer].time):
+        seen = latest.setdefault(r.peer, r)
+        if seen is not r and (r.epoch, r.time) > (seen.epoch, seen.time):
             latest[r.peer] = r
     everyone = [me, *latest.values()]
     epoch = max(r.epoch for r in everyone)
@@ -210,7 +212,7 @@ class ProgressTracker:
                  on_mismatch: Callable[[PeerID, str], None] | None = None,
                  judge: Callable[[list[PeerReport], PeerReport], dict[PeerID, str]] | None = None,
                  on_refused: Callable[[dict[PeerID, str]], None] | None = None,
-                 held: Callable[[], int] | None = None, holders: int = 3, relookup: float = 5.0,
+                 held: Callable[[], int] | None = None, holders: int = 3, relookup: float = 15.0,
                  publish_every: float = 2.0):
         if target < 1:
             raise ValueError("target_batch_size must be at least 1")
