@@ -14,8 +14,9 @@ in mixing-grid cells. Printed per mode and N, with ratios to the first N of the 
   * final test accuracy (mean and min over peers; target: N=64 within 1 point of N=8);
   * matchmaking time per gradient round (median over every peer's rounds; target <= 1.5x) and
     the mean group size;
-  * CPU seconds per peer and epoch (its process's CPU time over its peers: flat when no peer's
-    per-epoch work grows with N);
+  * CPU seconds per peer and epoch while training (its process's CPU time from its last peer's
+    join to its last peer's end of training, over its peers: flat when no peer's per-epoch work
+    grows with N), and over the whole run (start and join included);
   * the parameter spread after each epoch: max distance between two peers' parameters over the
     norm of their mean (``*``: an epoch that ended with a state round).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -59,6 +61,7 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"p2ptrain-scale-{mode}{n}-"))
     boot = DHT([], listen=("127.0.0.1", 0), swarm_key=False)
     epochs = args.epochs if args.epochs else (20 if mode == "sync" else 8)
+    load0 = os.getloadavg()[0]
     try:
         with Children(tag="scale") as kids:
             procs = math.ceil(n / args.per_proc)
@@ -74,7 +77,8 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
             reports: list[dict] = []
             t0 = time.monotonic()
             while len(reports) < n:
-                _, _, obj = kids.wait_for(lambda _n, e: "peer" in e, timeout=max(60.0, 600 - (time.monotonic() - t0)))
+                left = args.timeout - (time.monotonic() - t0)
+                _, _, obj = kids.wait_for(lambda _n, e: "peer" in e, timeout=max(60.0, left))
                 reports.append(obj)
         if args.verbose:
             for r in sorted(reports, key=lambda r: r["peer"]):
@@ -88,7 +92,9 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                 "mm": statistics.median(x[1] for x in rounds) if rounds else float("nan"),
                 "group": statistics.mean(x[2] for x in rounds) if rounds else 0.0,
                 "loads": sum(r["state_loads"] for r in reports), "spreads": spreads,
-                "cpu": statistics.mean(r.get("cpu_s", 0.0) for r in reports) / epochs}
+                "cpu": statistics.mean(r.get("cpu_s", 0.0) for r in reports) / epochs,
+                "train_cpu": statistics.mean(r.get("train_cpu_s", 0.0) for r in reports) / epochs,
+                "load": (load0, os.getloadavg()[0])}
     finally:
         boot.close()
         shutil.rmtree(out, ignore_errors=True)
@@ -98,12 +104,14 @@ def table(rows: list[dict]) -> None:
     base = rows[0]
     print(f"\n{rows[0]['mode']}: per-peer samples/s, accuracy, matchmaking per round ({loadavg()})")
     print("| N | samples/s per peer | ratio | accuracy (min) | d acc | matchmaking s | ratio | group | state loads "
-          "| CPU s per peer-epoch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| CPU s per peer-epoch: training (ratio), whole run | load (start-end) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n']} | {r['sps']:.1f} | {r['sps'] / base['sps']:.2f} | {100 * r['acc']:.1f} "
               f"({100 * r['acc_min']:.1f}) | {100 * (r['acc'] - base['acc']):+.1f} | {r['mm']:.3f} | "
-              f"{r['mm'] / base['mm']:.2f} | {r['group']:.1f} | {r['loads']} | {r['cpu']:.3f} |")
+              f"{r['mm'] / base['mm']:.2f} | {r['group']:.1f} | {r['loads']} | {r['train_cpu']:.3f} "
+              f"({r['train_cpu'] / max(base['train_cpu'], 1e-9):.2f}), {r['cpu']:.3f} | "
+              f"{r['load'][0]:.0f}-{r['load'][1]:.0f} |")
     every = STATE_EVERY[rows[0]["mode"]]
     print("parameter spread after each epoch (* = after a state round):")
     for r in rows:
@@ -122,6 +130,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, help="epochs (sync, default 20) / rounds (diloco, 8)")
     ap.add_argument("--lr", type=float, help="AdamW lr (default: sync 1e-2, diloco 3e-3)")
     ap.add_argument("--no-mixing", action="store_true", help="baseline: fixed groups, one key per round")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds one N's run may take (default 900)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--verbose", action="store_true",
                     help="print every peer's rounds (epoch, matchmaking s, group, cell) and distances")

@@ -5,9 +5,12 @@ large swarms on few cores (``benchmarks/scale.py``).
 ``first`` (of ``world``), joined through ``bootstrap``. Each trains in its own thread with steps
 that take ``step_s`` (the real forward and backward, then a sleep: emulated compute, the same for
 every peer whatever the swarm's size) until its optimizer reaches ``epochs``; after each epoch it
-writes its parameters (raw float32) to ``{out}/e{epoch}/p{index}.f32``. At the end it prints one
+writes its parameters (raw float32) to ``{out}/e{epoch}/p{index}.f32``. A peer done stays (serving
+its state) while another still reports an earlier epoch: one that missed the last round loads the
+state then, instead of training that epoch's whole target alone. At the end it prints one
 JSON line per peer: samples, training seconds, its rounds (epoch, matchmaking s, group size, cell),
-its test accuracy and the process's CPU seconds per peer. Logs go to stderr; the child dies with its parent.
+its test accuracy, the process's CPU seconds per peer, and those spent while its peers trained (from
+the last one's join to the last one's end of training). Logs go to stderr; the child dies with its parent.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
     out = Path(cfg["out"])
     try:
         report["seen"] = opt.wait_for_peers(world, timeout=cfg["join_timeout"])
+        report["cpu_joined"] = time.process_time()
         batches = task.batches(bs, seed=1, rank=index, world=world)
         samples, epoch, t_start = 0, 0, time.perf_counter()
         while opt.epoch < cfg["epochs"]:
@@ -80,11 +84,19 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
                 folder.mkdir(parents=True, exist_ok=True)
                 flat(model).numpy().tofile(folder / f"p{index}.f32")
         report.update(samples=samples, train_s=time.perf_counter() - t_start, rounds=opt.rounds,
-                      state_loads=opt.stats.state_loads)
+                      state_loads=opt.stats.state_loads, cpu_trained=time.process_time())
         opt.finish_round()
+        linger(opt, cfg["epochs"], timeout=cfg.get("linger_s", 60.0))
         report["accuracy"] = task.evaluate(model)["accuracy"]
     finally:
         opt.close()
+
+
+def linger(opt: DecentralizedOptimizer, epochs: int, timeout: float) -> None:
+    """Wait (at most ``timeout`` s) until no peer of the run reports an epoch before ``epochs``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.epoch < epochs for p in opt.tracker.view.training):
+        time.sleep(opt.tracker.refresh)  # (the tracker's own refreshes keep the view fresh)
 
 
 def main() -> None:
@@ -100,8 +112,10 @@ def main() -> None:
     for t in threads:
         t.join()
     cpu = time.process_time() / len(reports)  # (every thread of the process: its peers' share)
+    joined = max(r.pop("cpu_joined", 0.0) for r in reports)
+    trained = max(r.pop("cpu_trained", 0.0) for r in reports)
     for r in reports:
-        print(json.dumps({**r, "cpu_s": cpu}), flush=True)
+        print(json.dumps({**r, "cpu_s": cpu, "train_cpu_s": max(0.0, trained - joined) / len(reports)}), flush=True)
     for d in dhts:
         d.close()
 
