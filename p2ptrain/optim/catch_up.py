@@ -93,6 +93,7 @@ def load_state_from_peers(opt: DecentralizedOptimizer, view: SwarmView, missed: 
         opt.stats.last_state_in_place = result.placement.placed_bytes if result.placement is not None else 0
         opt._apply_shared_state(result.restore(), epoch)
         opt._untrained = opt._version
+        opt._partners = frozenset(result.contributors)  # (they hold the state we now train on)
         loaded = True
         opt.averager.service.link.observe_transfer(result.manifest.total_size, result.seconds)  # (deadlines)
         opt.state_sync.update_size()

@@ -27,6 +27,7 @@ from .shared_state import maybe_checkpoint
 from .warmup import warmed_step
 
 if TYPE_CHECKING:
+    from ..averaging import StepResult
     from .optimizer import DecentralizedOptimizer
 
 #: overlapped rounds: the share of its distance from the new outer parameters (the steps taken
@@ -96,26 +97,20 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
     with opt._state_lock:
         deltas = swap_back(opt)
         opt._version += 1
-    # met nobody while others were expected: stepping alone would leave us on a path of our own
-    # for good (pseudo-gradients averaged later never bring the outer parameters back together)
-    alone = result is not None and result.group_size == 1 and opt._last_expected > 1
-    if alone and not others_hold_our_epoch(opt):
-        opt._last_expected, alone = 1, False  # they left or are behind: we are the swarm, and step
+    missed = dropped(opt, result)
     with opt._state_lock:
-        if alone or (result is None and opt._last_expected > 1):
-            # The round failed midway (the buffer may hold part sums) or we missed it. Our update
-            # is lost; take the swarm's state rather than step alone (see catch_up.load_state_from_peers).
+        if missed:  # our update is lost; take the swarm's state (see catch_up.load_state_from_peers)
             for p, outer in zip(opt.params, opt._outer):
                 p.copy_(outer)
-            failed = True
         else:
-            failed = False
             _outer_update(opt, deltas)
+            # the peers that share our state now (none after a lone step)
+            opt._partners = frozenset(result.members) - {opt.dht.node.peer_id} if result is not None else frozenset()
             for p, outer in zip(opt.params, opt._outer):
                 p.copy_(outer)
             opt._applied = epoch + 1
             opt._version += 1
-    if failed:  # as a sync peer that missed its round: the next epoch, if a peer holds its update
+    if missed:  # as a sync peer that missed its round: the next epoch, if a peer holds its update
         opt.epoch = epoch + 1
         opt.stats.record(result, opt.epoch, opt.local_samples)
         opt._load_state_from_peers(opt.tracker.estimate(), missed=True)
@@ -133,6 +128,23 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
                 p.copy_(outer)
     maybe_checkpoint(opt)
     opt.tracker.report(opt.epoch, 0, opt._sps)
+
+
+def dropped(opt: DecentralizedOptimizer, result: StepResult | None) -> bool:
+    """Whether to drop our round's update for the swarm's state: the round failed midway (the
+    buffer may hold part sums), or we met nobody (a group of one; or no round, nobody looking due,
+    while we have partners: peers of our last round, whose reports may predate it) and another
+    peer may hold or be taking the update: one at or past our epoch (a fresh look), or a partner
+    still in the swarm. Stepping alone would leave us on a path of our own for good (averaged
+    pseudo-gradients never bring outer parameters back together)."""
+    if result is None and opt._last_expected > 1:
+        return True
+    if not (result.group_size == 1 if result is not None else opt._partners):
+        return False
+    if others_hold_our_epoch(opt) or any(p.peer in opt._partners for p in opt.tracker.view.training):
+        return True
+    opt._last_expected = 1  # they left or are behind: we are the swarm, and step
+    return False
 
 
 def _outer_update(opt: DecentralizedOptimizer, deltas: list[torch.Tensor]) -> None:

@@ -1,0 +1,52 @@
+"""When a blocking diloco round's update is dropped for the swarm's state (``diloco_step.dropped``):
+a peer that steps alone while another may be taking the round leaves the swarm for good."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from dht import Identity
+from p2ptrain.averaging import StepResult
+from p2ptrain.optim.diloco_step import dropped
+from p2ptrain.optim.progress import PeerReport, SwarmView
+
+
+def _report(peer, epoch):
+    return PeerReport(peer, epoch, 0, 1.0, 0.0, "s", addr=("127.0.0.1", 1))
+
+
+def test_a_peer_that_met_nobody_steps_alone_only_when_no_partner_of_its_last_round_is_left():
+    me, a, b = (Identity().peer_id for _ in range(3))
+    looks: list[int] = []
+
+    async def refresh_now(timeout=None):
+        assert timeout is not None  # (bounded: a silent DHT must not stall training)
+        looks.append(1)
+        return fake.tracker.view
+
+    def opt(expected, partners, view):
+        return types.SimpleNamespace(
+            _last_expected=expected, _partners=frozenset(partners), _applied=5, epoch=5, local_samples=0,
+            _paused=0.0, stats=types.SimpleNamespace(observe=lambda *a: None),
+            _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
+            tracker=types.SimpleNamespace(view=view, me=_report(me, 5), refresh_now=refresh_now))
+
+    # a (our partner in round 4) still reports epoch 3: a view older than that round (a loaded
+    # peer's DHT reads lag), in which we looked due alone and skipped round 5 while a took it
+    stale = SwarmView(epoch=5, samples=0, target=64, peers=[_report(me, 5)], behind=[_report(a, 3)])
+    fake = opt(1, {a}, stale)
+    assert dropped(fake, None) and looks == [1]  # load the state a holds; do not step alone
+    fake = opt(2, {a}, stale)  # the same in a round of ours that met nobody
+    assert dropped(fake, StepResult("e5", 1, [me])) and len(looks) == 2
+    # without partners of our own a peer behind is catching up (it will load ours): we are the swarm
+    fake = opt(2, set(), stale)
+    assert not dropped(fake, StepResult("e5", 1, [me])) and fake._last_expected == 1 and len(looks) == 3
+    fake = opt(1, set(), stale)  # (and a skipped round needs no look at the DHT)
+    assert not dropped(fake, None) and len(looks) == 3
+    # the partner left (its report is gone): we are the swarm again, and step
+    fake = opt(1, {a}, SwarmView(epoch=5, samples=0, target=64, peers=[_report(me, 5)], behind=[_report(b, 2)]))
+    assert not dropped(fake, None) and fake._last_expected == 1 and len(looks) == 4
+    # a round that failed midway, or met others, needs no look either
+    assert dropped(opt(2, {a}, stale), None) and not dropped(opt(2, {a}, stale), StepResult("e5", 2, [me, a]))
+    assert len(looks) == 4
