@@ -25,6 +25,8 @@ def catch_up_at_start(opt: DecentralizedOptimizer) -> None:
     """Where a new peer starts: the newest checkpoint, unless live peers are past it (then their
     state); the swarm sees it from then on, at that epoch (not at 0 while it resumes)."""
     view = opt.tracker.view
+    if len(view.training) == 1:  # nobody else: look once more (a first read under load can miss them all)
+        view = opt._loop.run(opt.tracker.wait_fresh(FRESH_LOOK))
     resumed = opt.checkpointer is not None and resume_from_checkpoint(opt, view)
     if view.epoch > opt.epoch and not resumed:  # the swarm has trained already: start from where it is
         opt._load_state_from_peers(view)

@@ -1,5 +1,6 @@
-"""When a blocking diloco round's update is dropped for the swarm's state (``diloco_step.dropped``):
-a peer that steps alone while another may be taking the round leaves the swarm for good."""
+"""A peer whose view of the swarm lags (DHT reads slow or failing under load) must not act as if it
+were alone: a diloco peer stepping alone leaves the swarm for good (``diloco_step.dropped``), and a
+joiner that starts from scratch trains on a model nobody else has (``catch_up_at_start``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import types
 
 from dht import Identity
 from p2ptrain.averaging import StepResult
+from p2ptrain.optim.catch_up import catch_up_at_start
 from p2ptrain.optim.diloco_step import dropped
 from p2ptrain.optim.progress import PeerReport, SwarmView
 
@@ -50,3 +52,33 @@ def test_a_peer_that_met_nobody_steps_alone_only_when_no_partner_of_its_last_rou
     # a round that failed midway, or met others, needs no look either
     assert dropped(opt(2, {a}, stale), None) and not dropped(opt(2, {a}, stale), StepResult("e5", 2, [me, a]))
     assert len(looks) == 4
+
+
+def test_a_new_peer_that_sees_nobody_looks_once_more_before_it_starts_from_scratch():
+    me, a = (Identity().peer_id for _ in range(2))
+    nobody = SwarmView(epoch=0, samples=0, target=64, peers=[_report(me, 0)])
+    swarm = SwarmView(epoch=7, samples=0, target=64, peers=[_report(a, 7)], behind=[_report(me, 0)])
+    looks, loads = [], []
+
+    async def wait_fresh(timeout):
+        assert 0 < timeout <= 5  # (bounded: the first peer of a swarm waits for nothing)
+        looks.append(1)
+        return fresh
+
+    async def publish():
+        return fresh
+
+    def start(first):
+        return types.SimpleNamespace(
+            epoch=0, checkpointer=None, _sps=0.0, _load_state_from_peers=loads.append,
+            _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
+            tracker=types.SimpleNamespace(view=first, wait_fresh=wait_fresh, publish=publish, report=lambda *a: None))
+
+    fresh = swarm  # the first read missed the swarm (it timed out): the second finds it, and we load its state
+    catch_up_at_start(start(nobody))
+    assert looks == [1] and loads == [swarm]
+    catch_up_at_start(start(swarm))  # seen at once: no second look
+    assert looks == [1] and loads == [swarm, swarm]
+    fresh = nobody  # the first peer of a swarm: one look more, and it starts alone
+    catch_up_at_start(start(nobody))
+    assert looks == [1, 1] and loads == [swarm, swarm]
