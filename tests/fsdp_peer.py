@@ -1,6 +1,8 @@
 """One rank of a peer that trains digits under FSDP2 (gloo, CPU) for tests/test_fsdp.py; with
-``--world 1 --plain`` a plain single-process peer. Prints JSON lines: ``started`` (rank 0: its
-multiaddrs), ``done`` (accuracy, epoch, mismatches; the rank's outer shard saved to ``--out``)."""
+``--world 1 --plain`` a plain single-process peer. Prints JSON lines: ``gated`` (with
+``--bootstrap-fifo``: set up, waiting to be told where to join), ``started`` (rank 0: its
+multiaddrs and epoch), ``epoch`` (rank 0, each new one), ``done`` (accuracy, epoch, mismatches; the
+rank's outer shard saved to ``--out``)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--peer", type=int, default=0, help="this peer's index (its data slice)")
     ap.add_argument("--peers", type=int, default=4, help="peers the data is split between")
     ap.add_argument("--bootstrap", default="")
+    ap.add_argument("--bootstrap-fifo", default="", help="read --bootstrap from this FIFO once set up (a head start)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--wait", type=int, default=0, help="peers to wait for before training")
     ap.add_argument("--plain", action="store_true")
@@ -50,6 +53,10 @@ def main() -> None:
                 fully_shard(layer)
         fully_shard(model)
         ranks = PeerRanks() if a.world > 1 else None
+    if a.bootstrap_fifo:  # (imports and the process group done: join once the test says where)
+        print(json.dumps({"event": "gated"}), flush=True)
+        with open(a.bootstrap_fifo) as fifo:
+            a.bootstrap = fifo.readline().strip()
     opt = DecentralizedOptimizer(
         task.make_optimizer(model.parameters()), run_id="fsdp-digits", mode="diloco", local_steps=8,
         outer_lr=0.7, batch_size_per_step=32, target_group_size=8, matchmaking_timeout=5.0, model=model,
@@ -57,7 +64,8 @@ def main() -> None:
         checkpoint_every=4 if a.ckpt_dir else None, checkpoint_dir=a.ckpt_dir or None, checkpoint_writers=1,
     )
     if opt.fsdp is None or opt.fsdp.rank == 0:
-        print(json.dumps({"event": "started", "multiaddrs": [str(m) for m in opt.dht.multiaddrs]}), flush=True)
+        print(json.dumps({"event": "started", "multiaddrs": [str(m) for m in opt.dht.multiaddrs],
+                          "epoch": opt.epoch}), flush=True)
     start_epoch = opt.epoch
     if a.wait:
         opt.wait_for_peers(a.wait, timeout=60)
