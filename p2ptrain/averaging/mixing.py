@@ -7,7 +7,9 @@ meet under one matchmaking key, one side's worth of them, so no peer ever reads 
 of the swarm. After a round a peer takes its rank in its group as its coordinate along that
 dimension, so the next dimension's cells draw one peer from each of the last round's groups: in
 a full grid ``d`` rounds give every peer the exact average of all, and any round mixes what
-separate groups averaged before.
+separate groups averaged before. A group short of its cell's size (a peer came late, or alone)
+keeps its coordinates: its ranks would put two peers on one coordinate and none on another, and
+the cells would drift further out of balance at every round.
 """
 
 from __future__ import annotations
@@ -83,10 +85,11 @@ class GridMixer:
         shape = self.shape(len(peers))
         return shape[k % len(shape)] if shape and math.prod(shape) == len(set(peers) | {self.me}) else None
 
-    def placed(self, k: int, peers: Sequence[bytes], rank: int) -> None:
-        """After round ``k``: our rank in its group becomes our coordinate along its dimension."""
+    def placed(self, k: int, peers: Sequence[bytes], rank: int, size: int) -> None:
+        """After round ``k``, in a group of ``size``: our rank in it becomes our coordinate along
+        its dimension, when the group filled its cell (else the coordinates stay)."""
         shape = self.shape(len(peers))
-        if shape and rank >= 0:
+        if shape and 0 <= rank < size and size >= shape[k % len(shape)]:
             self._place(shape, peers)[k % len(shape)] = rank % shape[k % len(shape)]
 
 

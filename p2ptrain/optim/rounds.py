@@ -80,7 +80,7 @@ async def placed(opt: DecentralizedOptimizer, cell: Cell, step: Awaitable[StepRe
     """Run a round and take our rank in its group as our coordinate along its dimension."""
     result = await step
     if cell.key and opt.mixer is not None:
-        opt.mixer.placed(cell.k, cell.peers, rank_in(result.members, opt.dht.node.peer_id))
+        opt.mixer.placed(cell.k, cell.peers, rank_in(result.members, opt.dht.node.peer_id), len(result.members))
     return result
 
 
