@@ -61,7 +61,7 @@ def main() -> None:
         task.make_optimizer(model.parameters()), run_id="fsdp-digits", mode="diloco", local_steps=8,
         outer_lr=0.7, batch_size_per_step=32, target_group_size=8, matchmaking_timeout=5.0, model=model,
         dht=rank_dht([a.bootstrap] if a.bootstrap else [], ranks, listen=("127.0.0.1", 0)),
-        checkpoint_every=4 if a.ckpt_dir else None, checkpoint_dir=a.ckpt_dir or None, checkpoint_writers=1,
+        checkpoint_every=4 if a.ckpt_dir else None, checkpoint_dir=a.ckpt_dir or None,
     )
     if opt.fsdp is None or opt.fsdp.rank == 0:
         print(json.dumps({"event": "started", "multiaddrs": [str(m) for m in opt.dht.multiaddrs],

@@ -75,7 +75,7 @@ def test_fsdp_peers_average_their_shards_a_joiner_catches_up_and_an_unsharded_pe
     procs: list[Rank] = []
     try:
         stop = tmp_path / "stop"  # A, B and C train until the epoch written there, once D is done
-        store = tmp_path / "store"  # (every rank of A and B checkpoints its shard there)
+        store = tmp_path / "store"  # (A's and B's ranks save every checkpoint of their shard there)
         # every process starts at once (imports take most of the time); B joins A once A is up, then
         # a joiner of two ranks, C, and a plain single-process peer of the same run, D, at epoch JOIN
         a = _peer(tmp_path, "a", 2, peer=0, wait=2, epochs=6, stop_file=stop, ckpt_dir=store)
