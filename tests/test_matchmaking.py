@@ -15,7 +15,7 @@ from p2ptrain.averaging.claims import parse_entry
 from p2ptrain.averaging.group import Group, Member
 from p2ptrain.averaging.join import JOIN_METHOD
 from p2ptrain.averaging.matchmaking import Matchmaker
-from p2ptrain.averaging.plan import plan_groups, settle_window
+from p2ptrain.averaging.plan import plan_groups, score, settle_window
 from p2ptrain.averaging.schema import schema_mismatch_message, tensor_schema
 
 FAST = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.5)
@@ -446,3 +446,22 @@ async def test_the_wait_for_an_expected_straggler_follows_the_arrival_spread_of_
         assert [g.size for g in first] == [2, 2, 1]
         second = await asyncio.gather(*(form(i, "s1") for i in range(3)))
     assert [g.size for g in second] == [3, 3, 3] and all(g == second[0] for g in second)
+
+
+async def test_a_join_does_not_end_the_gather_of_a_peer_that_still_misses_peers_it_expects(swarm):
+    """One peer, told to expect two (a stale view of the swarm), plans without the third and joins
+    its leader. The leader expects three: it stopped gathering at that join and closed without the
+    third, which came 0.3 s later and ended alone. It now waits for it, within its grace."""
+    make, mm = swarm
+    peers = await make(3)
+    mms = [mm(n) for n in peers]
+    key = mms[0].round_key("stale")
+    a, b, c = sorted(range(3), key=lambda i: score(peers[i].peer_id, key))  # a leads any plan it is in
+
+    async def form(i: int, delay: float, expected: int) -> Group:
+        await asyncio.sleep(delay)
+        return await mms[i].form_group("stale", timeout=5.0, expected=expected)
+
+    async with asyncio.timeout(8):
+        groups = await asyncio.gather(form(a, 0.0, 3), form(b, 0.05, 2), form(c, 0.3, 3))
+    assert [g.size for g in groups] == [3, 3, 3] and all(g == groups[0] for g in groups)

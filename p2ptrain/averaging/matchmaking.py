@@ -21,7 +21,8 @@ One round, seen from one peer (``Matchmaker.form_group``):
    are all there. While some of those are missing the window is at least the *grace*: 1.5 x the
    widest arrival spread of our recent rounds (stragglers seen after we grouped included), at least
    0.5 s, at most a third of the timeout. Also stop as soon as another peer's join reaches us (it
-   has settled already), or when only the time to hand the group over is left before the deadline.
+   has settled already) unless peers we expect are missing (its view may be staler than ours), or
+   when only the time to hand the group over is left before the deadline.
 3. **Plan.** Every peer splits what it saw the same way (``plan_groups``): members sorted by
    ``blake2b(peer id | round key)``, peers with an address first, dealt round-robin into
    ``ceil(n / target)`` groups, so sizes differ by at most one (40 peers, target 16: 14+13+13).
@@ -319,9 +320,11 @@ class Matchmaker(JoinProtocol):
                         # were spread (bounded: it may be gone).
                         settle = max(settle, grace)
                     reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
+                    # A join says its sender has settled: so do we, unless peers we expect are missing
+                    # (its view may be staler than ours; it waits for our answer meanwhile).
+                    joined = rnd.join_hint.is_set() and (expected is None or n >= expected)
                     if n >= rnd.min_size:
-                        if (now - last_growth >= settle or everyone or rnd.join_hint.is_set()
-                                or now >= deadline - reserve):
+                        if now - last_growth >= settle or everyone or joined or now >= deadline - reserve:
                             log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
                                       rnd.round_id, n, polls, settle, self.latency,
                                       ", joined by a peer" if rnd.join_hint.is_set() else "")
