@@ -10,13 +10,17 @@ nodes at their k closest, then --gets gets from random nodes (before churn). The
 nodes are killed at once and --joins (a fraction of N) new ones join; the same gets run at once
 (routing tables still full of the dead) and again after 2.5 republish intervals (replicas restored).
 Per phase: success, hops p50/p99/max (LookupResult.hops: the depth of the first holder, 0 = found
-locally) against the bound ceil(log2 N / log2 k) + 2, virtual get latency p50/p99, and CPU seconds.
+locally) against the bound ceil(log2 N / log2 k) + 2, virtual get latency p50/p99, and CPU seconds;
+after the join, the CPU cost of ``RoutingTable.closest`` on the nodes' tables against a scan of the
+whole table (what it did before), both in this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -24,6 +28,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dht.sim import GetStats, NetConfig, Simulation, hop_bound  # noqa: E402
+
+
+def closest_cost(sim: Simulation, calls: int = 20000) -> tuple[float, float]:
+    """Microseconds per ``RoutingTable.closest(target, k, exclude=one peer)`` on the simulated nodes'
+    tables (random nodes and targets, as a find_value reply), and per the whole-table scan it
+    replaced (``heapq.nsmallest`` over every contact), in the same run."""
+    rng, k = random.Random(1), sim.config.k
+    cases = [(n.routing, rng.getrandbits(256), {rng.choice(sim.nodes).peer_id})
+             for n in (rng.choice(sim.nodes) for _ in range(calls))]
+
+    def scan(table, target, exclude):
+        return heapq.nsmallest(k, (c for c in table if c.peer_id not in exclude), key=lambda c: c.node_id ^ target)
+
+    times = []
+    for fn in (lambda t, x, e: t.closest(x, k, exclude=e), scan):
+        t0 = time.perf_counter()
+        for table, target, exclude in cases:
+            fn(table, target, exclude)
+        times.append(1e6 * (time.perf_counter() - t0) / calls)
+    assert all(t.closest(x, k, exclude=e) == scan(t, x, e) for t, x, e in cases[:200])
+    return times[0], times[1]
 
 
 def phase(name: str, stats: GetStats, bound: int, cpu: float) -> dict:
@@ -49,6 +74,12 @@ def run(n: int, args: argparse.Namespace) -> dict:
     print(f"N={n}: joined in {join_cpu:.1f} s CPU ({sim.rpcs} RPCs, {sim.rpcs / n:.0f} per node, "
           f"{sim.loop.now - 1e6:.0f} s virtual)", flush=True)
     t = clock()
+    fast, scan = closest_cost(sim)
+    aside = clock() - t  # (not the simulation's)
+    size = sum(len(node.routing) for node in sim.nodes) / n
+    print(f"  RoutingTable.closest: {fast:.1f} us per call, a whole-table scan {scan:.1f} us ({scan / fast:.1f}x; "
+          f"{size:.0f} contacts per table)", flush=True)
+    t = clock()
     items = sim.store_many(args.keys)
     print(f"  stored {args.keys} keys in {clock() - t:.1f} s CPU", flush=True)
     rows = []
@@ -64,10 +95,10 @@ def run(n: int, args: argparse.Namespace) -> dict:
     repair_cpu = clock() - t
     t = clock()
     rows.append(phase("after repair", sim.get_many(items, args.gets), hop_bound(live, k), clock() - t))
-    total = clock() - t0
+    total = clock() - t0 - aside
     print(f"  repair period {repair_cpu:.1f} s CPU; total {total:.1f} s CPU, {sim.rpcs} RPCs", flush=True)
     return {"nodes": n, "live_after_churn": live, "join_cpu_s": join_cpu, "total_cpu_s": total,
-            "rpcs": sim.rpcs, "phases": rows}
+            "rpcs": sim.rpcs, "closest_us": fast, "scan_us": scan, "phases": rows}
 
 
 def main() -> None:

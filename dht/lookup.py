@@ -120,7 +120,7 @@ class Lookups:
                 for task in [t for t, at in due.items() if at <= now and t not in done]:
                     del due[task]
                     self._rtt.timed_out(pending[task].peer_id)
-                    lookup.on_failure(pending[task])
+                    lookup.on_timeout(pending[task])
                 for task in done:
                     contact = pending.pop(task)
                     due.pop(task, None)
@@ -152,7 +152,7 @@ class Lookups:
                     task.add_done_callback(_late_outcome)
         result.closest = lookup.result()
         result.queried = lookup.queried
-        self.routing.touch(target, time.monotonic())
+        self.routing.touch(target, time.monotonic(), result.closest)
         return result
 
     def _valid_records(self, wire: list, key: bytes) -> list[Record]:

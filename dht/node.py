@@ -203,8 +203,8 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             raise BootstrapError(self._bootstrap_failure(plan, loop.time() - t0))
         # Kademlia join: look ourselves up to fill the near buckets; the far ones are refreshed
         # in the background (``_maintain``) so that start() returns as soon as we are routable.
-        # Once more if no one answered: the table would hold the bootstrap peer alone, whose
-        # bucket, just touched, is not refreshed for a whole refresh_interval.
+        # Once more if no one answered: the table would hold the bootstrap peer alone until the
+        # first upkeep round.
         if not await self._lookup_nodes(self.node_id):
             await self._lookup_nodes(self.node_id)
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-import heapq
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .identity import PeerID
@@ -104,11 +103,13 @@ class KBucket:
 class RoutingTable:
     """Contacts grouped by the length of the id prefix they share with us (one bucket per length)."""
 
-    def __init__(self, own_id: int, k: int = 20, max_failures: int = 2):
+    def __init__(self, own_id: int, k: int = 20, max_failures: int = 2, ping_after: float = 60.0):
         self.own_id = own_id
         self.k = k
         self.max_failures = max_failures
+        self.ping_after = ping_after  # a contact heard from this recently needs no liveness ping
         self.buckets = [KBucket(k) for _ in range(ID_BITS)]
+        self._filled: set[int] = set()  # indices of the non-empty buckets
 
     def bucket_index(self, node_id: int) -> int:
         """Shared-prefix length with our id; ``ID_BITS`` for our own id (never stored)."""
@@ -121,15 +122,14 @@ class RoutingTable:
     def update(self, contact: Contact, now: float) -> Contact | None:
         """Record that we heard from ``contact``.
 
-        Returns the bucket's least-recently-seen contact when the bucket is full: the caller should
-        ping it and call ``remove`` if it does not answer (the newcomer, cached meanwhile, takes its
-        place). Returns None otherwise.
+        Returns the bucket's least-recently-seen contact when the bucket is full and that contact
+        was not heard from within ``ping_after``: the caller should ping it and call ``remove`` if it
+        does not answer (the newcomer, cached meanwhile, takes its place). Returns None otherwise.
         """
         index = self.bucket_index(contact.node_id)
         if not contact.dialable or index >= ID_BITS:
             return None
         bucket = self.buckets[index]
-        bucket.last_touched = now
         known = bucket.contacts.get(contact.peer_id)
         if known is not None:
             known.addr, known.relays, known.last_seen, known.failures = contact.addr, contact.relays, now, 0
@@ -139,14 +139,18 @@ class RoutingTable:
         if not bucket.is_full():
             bucket.replacements.pop(contact.peer_id, None)
             bucket.contacts[contact.peer_id] = contact
+            self._filled.add(index)
             return None
         bucket.add_replacement(contact)
-        return next(iter(bucket.contacts.values()))
+        oldest = next(iter(bucket.contacts.values()))
+        return oldest if now - oldest.last_seen >= self.ping_after else None
 
     def remove(self, peer_id: PeerID) -> None:
-        bucket = self._bucket_of(peer_id)
-        if bucket is not None:
-            bucket.remove(peer_id)
+        index = self.bucket_index(node_id_of(peer_id))
+        if index < ID_BITS:
+            self.buckets[index].remove(peer_id)
+            if not self.buckets[index].contacts:
+                self._filled.discard(index)
 
     def mark_failed(self, peer_id: PeerID, addr: tuple[str, int] | None = None) -> bool:
         """Count a failed request; evict after ``max_failures`` (one timeout may be a hiccup).
@@ -174,7 +178,8 @@ class RoutingTable:
         third party's may be a lie."""
         out = []
         for contact in hearsay:
-            known = self.get(contact.peer_id)
+            index = self.bucket_index(contact.node_id)
+            known = self.buckets[index].contacts.get(contact.peer_id) if index < ID_BITS else None
             out.append(contact if known is None or known.same_addrs(contact)
                        else Contact(contact.peer_id, known.addr, relays=known.relays))
         return out
@@ -193,32 +198,61 @@ class RoutingTable:
     def closest(
         self, target: int, count: int, exclude: Iterable[PeerID] = frozenset()
     ) -> list[Contact]:
-        """The ``count`` contacts nearest to ``target`` by exact XOR distance."""
-        excluded = set(exclude)
-        candidates = (c for c in self if c.peer_id not in excluded)
-        return heapq.nsmallest(count, candidates, key=lambda c: c.node_id ^ target)
+        """The ``count`` contacts nearest to ``target`` by exact XOR distance.
 
-    def touch(self, target_id: int, now: float) -> None:
-        """Note a lookup into ``target_id``'s bucket, so it need not be refreshed for a while."""
+        Each bucket covers one range of distances from ``target``, disjoint from the others', so
+        the buckets are taken nearest range first and only the contacts of those needed are
+        sorted: this runs on every lookup and every find reply, and the table holds hundreds."""
+        excluded = {node_id_of(p) for p in exclude}  # (ints: a PeerID hashes in Python)
+        diff = self.own_id ^ target
+        # bucket i's contacts differ from us first at bit i: their distances to target begin with
+        # diff's first i bits, then the opposite of diff's bit i
+        ranges = sorted((((diff >> (ID_BITS - 1 - i)) ^ 1) << (ID_BITS - 1 - i), i) for i in self._filled)
+        out: list[Contact] = []
+        for _, index in ranges:
+            found = [c for c in self.buckets[index].contacts.values() if c.node_id not in excluded]
+            found.sort(key=lambda c: c.node_id ^ target)
+            out += found[: count - len(out)]
+            if len(out) >= count:
+                break
+        return out
+
+    def touch(self, target_id: int, now: float, found: Sequence[Contact] = ()) -> None:
+        """Note a lookup into ``target_id``'s bucket, so it need not be refreshed for a while.
+
+        ``found``: the lookup's k closest that answered. Every bucket whose whole range lies
+        within the farthest of them was seen in full and counts as looked up too (a join's lookup
+        of itself covers the near buckets). Hearing from a contact is no lookup: a bucket that
+        traffic left half empty must still be refreshed (Kademlia's join refreshes the far ones)."""
         index = self.bucket_index(target_id)
         if index < ID_BITS:
             self.buckets[index].last_touched = now
+        if len(found) < self.k:
+            return
+        radius = max(c.node_id ^ target_id for c in found)
+        diff = self.own_id ^ target_id
+        for index in range(max(self._filled, default=-1) + 1):
+            shift = ID_BITS - 1 - index
+            if (((diff >> shift) ^ 1) + 1) << shift <= radius + 1:  # the range's end, as in closest
+                self.buckets[index].last_touched = now
 
     def buckets_to_refresh(self, now: float, interval: float, rng: random.Random) -> list[int]:
-        """A random lookup target for each stale bucket, up to the deepest non-empty one.
+        """A random lookup target for each bucket not full and not looked up within ``interval``,
+        up to the deepest non-empty one.
 
-        Deeper buckets cover ranges too small to hold any peer, so refreshing them is wasted work.
+        A full bucket is kept by traffic (a newcomer gets its oldest contact pinged); deeper buckets
+        cover ranges too small to hold any peer, so refreshing them is wasted work.
         """
-        deepest = max((i for i, b in enumerate(self.buckets) if b.contacts), default=-1)
+        deepest = max(self._filled, default=-1)
         targets = []
         for index in range(deepest + 1):
-            if now - self.buckets[index].last_touched >= interval:
+            if not self.buckets[index].is_full() and now - self.buckets[index].last_touched >= interval:
                 free_bits = ID_BITS - 1 - index  # bits below the first differing one
                 targets.append(self.own_id ^ ((1 << free_bits) | rng.getrandbits(free_bits)))
         return targets
 
 
-_NEW, _IN_FLIGHT, _RESPONDED, _FAILED = range(4)
+_NEW, _IN_FLIGHT, _RESPONDED, _FAILED, _LATE = range(5)
 
 
 class Lookup:
@@ -288,14 +322,27 @@ class Lookup:
         return True
 
     def on_response(self, contact: Contact, found: list[Contact]) -> None:
-        if not self._settle(contact, _RESPONDED):
+        peer = contact.peer_id
+        if self._state.get(peer) == _LATE:  # back into the window, as if it had answered in time
+            self._state[peer] = _RESPONDED
+            bisect.insort(self._order, (contact.node_id ^ self.target, peer))
+        elif not self._settle(contact, _RESPONDED):
             return
-        depth = self._depth[contact.peer_id] + 1
+        depth = self._depth[peer] + 1
         for new in found:
             self._add(new, depth)
 
     def on_failure(self, contact: Contact) -> None:
-        if self._settle(contact, _FAILED):
+        if self._state.get(contact.peer_id) == _LATE:
+            self._state[contact.peer_id] = _FAILED
+        elif self._settle(contact, _FAILED):
+            self._order.remove((contact.node_id ^ self.target, contact.peer_id))
+
+    def on_timeout(self, contact: Contact) -> None:
+        """A query ran past its adaptive timeout: it leaves the window, so the next contact is
+        asked, but a reply that still comes counts (``on_response``): a slow peer costs a hedge,
+        not its place among the closest."""
+        if self._settle(contact, _LATE):
             self._order.remove((contact.node_id ^ self.target, contact.peer_id))
 
     @property

@@ -269,7 +269,7 @@ class _LookupRun:
             return
         self.waiting.discard(contact.peer_id)
         self.node.rtt.timed_out(contact.peer_id)
-        self.lookup.on_failure(contact)
+        self.lookup.on_timeout(contact)
         self._pump()
 
     def _reply(self, contact: Contact, reply: Any) -> None:
@@ -299,7 +299,7 @@ class _LookupRun:
         self.result.closest = self.lookup.result()
         self.result.queried = self.lookup.queried
         self.result.ended = now
-        self.node.routing.touch(self.target, now)
+        self.node.routing.touch(self.target, now, self.result.closest)
         self.done(self.result)
 
 

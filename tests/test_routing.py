@@ -76,10 +76,11 @@ def test_full_bucket_returns_lrs_and_promotes_replacement_on_remove():
     p = peers_in_bucket(table, 0, 5)
     for i in range(3):
         assert table.update(contact(p[i]), now=i) is None
-    lrs = table.update(contact(p[3]), now=10)
+    assert table.update(contact(p[3]), now=59) is None  # the oldest answered within ping_after
+    lrs = table.update(contact(p[3]), now=60)
     assert lrs is not None and lrs.peer_id == p[0]
     assert p[3] not in table
-    assert table.update(contact(p[4]), now=11).peer_id == p[0]  # type: ignore[union-attr]
+    assert table.update(contact(p[4]), now=61).peer_id == p[0]  # type: ignore[union-attr]
     table.remove(p[0])  # the ping failed
     assert p[0] not in table and p[4] in table and p[3] not in table  # newest replacement wins
     assert len(table) == 3
@@ -114,8 +115,10 @@ def test_iteration_and_len():
     target=st.integers(0, 2**ID_BITS - 1),
     count=st.integers(0, 40),
     n=st.integers(0, 120),
+    near=st.integers(0, 8),
 )
-def test_closest_matches_brute_force(own, target, count, n):
+def test_closest_matches_brute_force(own, target, count, n, near):
+    target = own ^ (target >> near)  # near > 0: a target sharing a prefix with us, as our own lookups
     table = RoutingTable(own_id=own, k=8)
     for peer in _PEERS[:n]:
         table.update(contact(peer), now=0)
@@ -126,22 +129,40 @@ def test_closest_matches_brute_force(own, target, count, n):
     assert table.closest(target, count, exclude=exclude) == expected
 
 
-def test_refresh_targets_land_in_stale_buckets():
-    rng = random.Random(1)
+def _table_of(sizes: dict[int, int], now: float = 0) -> RoutingTable:
+    """A k=4 table holding ``sizes[i]`` contacts in bucket i."""
     table = RoutingTable(own_id=node_id_of(_PEERS[0]), k=4)
-    for peer in _PEERS[1:200]:
-        table.update(contact(peer), now=100)
-    deepest = max(i for i, b in enumerate(table.buckets) if b.contacts)
+    for index, count in sizes.items():
+        for peer in peers_in_bucket(table, index, count):
+            table.update(contact(peer), now=now)
+    return table
+
+
+def test_refresh_targets_land_in_stale_buckets_that_are_not_full():
+    rng = random.Random(1)
+    table = _table_of({0: 4, 1: 4, 2: 2, 4: 1}, now=3650)  # hearing from peers is no lookup
     targets = table.buckets_to_refresh(now=3700, interval=3600, rng=rng)
-    assert [table.bucket_index(t) for t in targets] == list(range(deepest + 1))
+    assert [table.bucket_index(t) for t in targets] == [2, 3, 4]  # not full, up to the deepest
     for target in targets:
         table.touch(target, now=3700)
     assert table.buckets_to_refresh(now=7299, interval=3600, rng=rng) == []
-    for index in range(1, deepest + 1):  # every bucket but the first touched again since
+    for index in (3, 4):  # looked up again since
         table.buckets[index].last_touched = 7000
     targets = table.buckets_to_refresh(now=7300, interval=3600, rng=rng)
-    assert [table.bucket_index(t) for t in targets] == [0]
+    assert [table.bucket_index(t) for t in targets] == [2]
     assert RoutingTable(own_id=1).buckets_to_refresh(0, 1, rng) == []
+
+
+def test_a_lookup_counts_for_every_bucket_its_k_closest_cover():
+    table = _table_of({0: 4, 1: 4, 2: 4, 3: 2, 5: 1})
+    found = table.closest(table.own_id, 4)  # a lookup of ourselves, as a join does
+    assert [table.bucket_index(c.node_id) for c in found] == [5, 3, 3, 2]
+    table.touch(table.own_id, now=100, found=found)
+    # every id in buckets 3 to 5 is nearer us than the farthest found: they were seen whole
+    assert [i for i, b in enumerate(table.buckets) if b.last_touched == 100] == [3, 4, 5]
+    target = found[-1].node_id ^ 1
+    table.touch(target, now=200, found=table.closest(target, 3))  # fewer than k found: its own bucket only
+    assert [i for i, b in enumerate(table.buckets) if b.last_touched == 200] == [2]
 
 
 class Network:
@@ -258,3 +279,21 @@ def test_lookup_asks_the_rest_of_the_window_at_once_after_the_closest_answered()
     assert [c.peer_id for c in lookup.next_queries()] == [peers[3]]  # peers[0] has not answered yet
     lookup.on_response(contact(peers[0]), [])
     assert [c.peer_id for c in lookup.next_queries()] == peers[4:8]  # the two closest answered
+
+
+def test_a_query_past_its_timeout_frees_its_slot_and_its_late_reply_still_counts():
+    peers = sorted(_PEERS[:8], key=node_id_of)  # target 0: the first is the closest
+    lookup = Lookup(0, [contact(p) for p in peers[:4]], k=3, alpha=1)
+    slow = lookup.next_queries()[0]
+    assert slow.peer_id == peers[0]
+    lookup.on_timeout(slow)
+    hedge = lookup.next_queries()
+    assert [c.peer_id for c in hedge] == [peers[1]]  # the next contact is asked meanwhile
+    lookup.on_response(hedge[0], [])
+    lookup.on_response(slow, [contact(peers[7])])  # late, but before the lookup ended
+    assert lookup.result()[0].peer_id == peers[0] and lookup.depth(contact(peers[7])) == 2
+    late_failure = lookup.next_queries()[0]
+    lookup.on_timeout(late_failure)
+    lookup.on_failure(late_failure)  # then the RPC itself failed: it stays out
+    lookup.on_response(late_failure, [])  # (a reply after a failure is ignored)
+    assert late_failure.peer_id not in [c.peer_id for c in lookup.result()]
