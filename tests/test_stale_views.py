@@ -1,6 +1,7 @@
 """A peer whose view of the swarm lags (DHT reads slow or failing under load) must not act as if it
 were alone: a diloco peer stepping alone leaves the swarm for good (``diloco_step.dropped``), and a
-joiner that starts from scratch trains on a model nobody else has (``catch_up_at_start``)."""
+joiner that starts from scratch trains on a model nobody else has (``catch_up_at_start``); the
+updates such peers skip must not leave the others behind them for good (``load_state_from_peers``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import types
 
 from dht import Identity
 from p2ptrain.averaging import StepResult
-from p2ptrain.optim.catch_up import catch_up_at_start
+from p2ptrain.optim.catch_up import catch_up_at_start, load_state_from_peers
 from p2ptrain.optim.diloco_step import dropped
 from p2ptrain.optim.progress import PeerReport, SwarmView
 
@@ -29,7 +30,7 @@ def test_a_peer_that_met_nobody_steps_alone_only_when_no_partner_of_its_last_rou
 
     def opt(expected, partners, view):
         return types.SimpleNamespace(
-            _last_expected=expected, _partners=frozenset(partners), _applied=5, epoch=5, local_samples=0,
+            _last_expected=expected, _partners=partners, _applied=5, epoch=5, local_samples=0,
             _paused=0.0, stats=types.SimpleNamespace(observe=lambda *a: None),
             _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
             tracker=types.SimpleNamespace(view=view, me=_report(me, 5), refresh_now=refresh_now))
@@ -37,21 +38,24 @@ def test_a_peer_that_met_nobody_steps_alone_only_when_no_partner_of_its_last_rou
     # a (our partner in round 4) still reports epoch 3: a view older than that round (a loaded
     # peer's DHT reads lag), in which we looked due alone and skipped round 5 while a took it
     stale = SwarmView(epoch=5, samples=0, target=64, peers=[_report(me, 5)], behind=[_report(a, 3)])
-    fake = opt(1, {a}, stale)
+    fake = opt(1, {a: 4}, stale)
     assert dropped(fake, None) and looks == [1]  # load the state a holds; do not step alone
-    fake = opt(2, {a}, stale)  # the same in a round of ours that met nobody
+    fake = opt(2, {a: 4}, stale)  # the same in a round of ours that met nobody
     assert dropped(fake, StepResult("e5", 1, [me])) and len(looks) == 2
     # without partners of our own a peer behind is catching up (it will load ours): we are the swarm
-    fake = opt(2, set(), stale)
+    fake = opt(2, {}, stale)
     assert not dropped(fake, StepResult("e5", 1, [me])) and fake._last_expected == 1 and len(looks) == 3
-    fake = opt(1, set(), stale)  # (and a skipped round needs no look at the DHT)
+    fake = opt(1, {}, stale)  # (and a skipped round needs no look at the DHT)
     assert not dropped(fake, None) and len(looks) == 3
-    # the partner left (its report is gone): we are the swarm again, and step
-    fake = opt(1, {a}, SwarmView(epoch=5, samples=0, target=64, peers=[_report(me, 5)], behind=[_report(b, 2)]))
+    # a partner of round 2 that reports epoch 3 reported after that round: it really is behind
+    fake = opt(1, {a: 2}, stale)
     assert not dropped(fake, None) and fake._last_expected == 1 and len(looks) == 4
+    # the partner left (its report is gone): we are the swarm again, and step
+    fake = opt(1, {a: 4}, SwarmView(epoch=5, samples=0, target=64, peers=[_report(me, 5)], behind=[_report(b, 2)]))
+    assert not dropped(fake, None) and fake._last_expected == 1 and len(looks) == 5
     # a round that failed midway, or met others, needs no look either
-    assert dropped(opt(2, {a}, stale), None) and not dropped(opt(2, {a}, stale), StepResult("e5", 2, [me, a]))
-    assert len(looks) == 4
+    assert dropped(opt(2, {a: 4}, stale), None) and not dropped(opt(2, {a: 4}, stale), StepResult("e5", 2, [me, a]))
+    assert len(looks) == 5
 
 
 def test_a_new_peer_that_sees_nobody_looks_once_more_before_it_starts_from_scratch():
@@ -82,3 +86,32 @@ def test_a_new_peer_that_sees_nobody_looks_once_more_before_it_starts_from_scrat
     fresh = nobody  # the first peer of a swarm: one look more, and it starts alone
     catch_up_at_start(start(nobody))
     assert looks == [1, 1] and loads == [swarm, swarm]
+
+
+def test_a_peer_that_loads_the_state_of_peers_that_skipped_an_update_takes_their_epoch():
+    """Peers that skipped an update nobody held report an epoch past their state's (9, holding 6):
+    a peer that loads their state and stays at its label falls behind them again at every step."""
+    me, a = (Identity().peer_id for _ in range(2))
+    view = SwarmView(epoch=9, samples=0, target=64, peers=[_report(a, 9)], behind=[_report(me, 5)])
+    fetched = types.SimpleNamespace(manifest=types.SimpleNamespace(meta={"epoch": 6}, total_size=1), seconds=0.1,
+                                    contributors={a: 1}, placement=None, restore=dict)
+
+    async def refresh_now(timeout=None):
+        return view
+
+    def load(overlap):
+        fake = types.SimpleNamespace(
+            _pending=None, epoch=5, _applied=5, _version=1, _untrained=0, delay_updates=False, overlap_outer=overlap,
+            _fetch_state=lambda view, at_least: fetched, _apply_shared_state=lambda state, epoch: None,
+            stats=types.SimpleNamespace(state_loads=0), state_sync=types.SimpleNamespace(update_size=lambda: None),
+            averager=types.SimpleNamespace(service=types.SimpleNamespace(
+                link=types.SimpleNamespace(observe_transfer=lambda *a: None))),
+            _grad_acc=[], _paused=0.0, _sps=0.0, _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)),
+            tracker=types.SimpleNamespace(report=lambda *a: None, refresh_now=refresh_now))
+        assert load_state_from_peers(fake, view)
+        return fake
+
+    fake = load(overlap=False)
+    assert fake.epoch == 9 and fake._partners == {a: 5}  # (a's reports up to epoch 5 predate that state)
+    # overlapped rounds: a peer reports the next epoch while its round is in flight, not a skip
+    assert load(overlap=True).epoch == 6

@@ -95,7 +95,7 @@ def load_state_from_peers(opt: DecentralizedOptimizer, view: SwarmView, missed: 
         opt.stats.last_state_in_place = result.placement.placed_bytes if result.placement is not None else 0
         opt._apply_shared_state(result.restore(), epoch)
         opt._untrained = opt._version
-        opt._partners = frozenset(result.contributors)  # (they hold the state we now train on)
+        opt._partners = dict.fromkeys(result.contributors, epoch - 1)  # (see diloco_step.dropped)
         loaded = True
         opt.averager.service.link.observe_transfer(result.manifest.total_size, result.seconds)  # (deadlines)
         opt.state_sync.update_size()
@@ -103,6 +103,10 @@ def load_state_from_peers(opt: DecentralizedOptimizer, view: SwarmView, missed: 
             # with delayed updates the providers' state trails their epoch by the round in
             # flight: join at their epoch (that update reaches us with the next state round)
             epoch = max(epoch, view.epoch)
+        elif not opt.overlap_outer:
+            # blocking rounds: providers past their state's epoch skipped an update nobody held;
+            # we hold what they hold, so we are at their epoch too (else we fall behind again)
+            epoch = max([epoch, *(p.epoch for p in view.training if p.peer in result.contributors)])
     except (StateTransferError, ValueError, KeyError, TypeError, RuntimeError) as e:
         missed = missed and not isinstance(e, NoProviders)  # (nobody holds the update we missed)
         if result is not None:  # fetched, but it does not fit us: not a state to follow either

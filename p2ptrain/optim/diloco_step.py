@@ -104,8 +104,9 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
                 p.copy_(outer)
         else:
             _outer_update(opt, deltas)
-            # the peers that share our state now (none after a lone step)
-            opt._partners = frozenset(result.members) - {opt.dht.node.peer_id} if result is not None else frozenset()
+            # the peers that share our state now, as of this round (none after a lone step)
+            me = opt.dht.node.peer_id
+            opt._partners = {m: epoch for m in result.members if m != me} if result is not None else {}
             for p, outer in zip(opt.params, opt._outer):
                 p.copy_(outer)
             opt._applied = epoch + 1
@@ -132,16 +133,17 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
 
 def dropped(opt: DecentralizedOptimizer, result: StepResult | None) -> bool:
     """Whether to drop our round's update for the swarm's state: the round failed midway (the
-    buffer may hold part sums), or we met nobody (a group of one; or no round, nobody looking due,
-    while we have partners: peers of our last round, whose reports may predate it) and another
-    peer may hold or be taking the update: one at or past our epoch (a fresh look), or a partner
-    still in the swarm. Stepping alone would leave us on a path of our own for good (averaged
-    pseudo-gradients never bring outer parameters back together)."""
+    buffer may hold part sums), or we met nobody (a group of one; or no round, as nobody looked
+    due, while we have partners) and another peer may hold or be taking the update: one at or
+    past our epoch (a fresh look), or a partner whose report predates the round we last shared
+    (it shows that round's epoch or an earlier one: views lag under load). Partners: the other
+    members of our last round, or the peers we loaded our state from. Stepping alone would leave
+    us on a path of our own for good (averaged pseudo-gradients never close the gap)."""
     if result is None and opt._last_expected > 1:
         return True
     if not (result.group_size == 1 if result is not None else opt._partners):
         return False
-    if others_hold_our_epoch(opt) or any(p.peer in opt._partners for p in opt.tracker.view.training):
+    if others_hold_our_epoch(opt) or any(p.epoch <= opt._partners.get(p.peer, -1) for p in opt.tracker.view.training):
         return True
     opt._last_expected = 1  # they left or are behind: we are the swarm, and step
     return False

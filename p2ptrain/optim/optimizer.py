@@ -304,7 +304,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.mixer = GridMixer(self.dht.node.peer_id.to_bytes(), target_group_size) if mixing else None
         self._cell = Cell()
         self._last_expected = 1
-        self._partners: frozenset[PeerID] = frozenset()  # peers holding our state (see diloco_step.dropped)
+        self._partners: dict[PeerID, int] = {}  # peers holding our state, as of an epoch (see diloco_step.dropped)
         self.state_sync = StateSync(self.dht.node.host, f"{run_id}/{mode}/state", self._shared_state, self._state_lock,
                                     settled=self._settled, settle_timeout=matchmaking_timeout,
                                     version=lambda: self._version)
