@@ -12,9 +12,9 @@ One round, seen from one peer (``Matchmaker.form_group``):
    where we know fewer peers than a key's 8 holders: they all are, and we are one).
 2. **Gather.** Read the key every 50 ms, backing off, reads overlapping (up to 4 in flight: on a
    slow link a read that just missed the others' entries must not cost a whole round trip more);
-   the first asks every holder we know, later ones 3 of them. Entries written to our own node (a
-   holder of the key, as every peer of a small swarm is) count as they land, without a read; in a
-   swarm smaller than a key's holders reads are then only a backstop, every 0.5 s.
+   the first asks every holder we know, later ones 3 of them. Once it answered, entries written to
+   our own node (a holder of the key, as every peer of a small swarm is) count as they land,
+   without a read (reads still find those of writers that do not know us yet).
    Stop once at least ``min_group_size`` peers are present and the set has not grown for the
    *settle window* ``max(100 ms, 3 x measured DHT read latency, 2 x mean gap between the recent
    arrivals)`` (capped at a fifth of the timeout), or at once when the caller's ``expected`` peers
@@ -235,7 +235,8 @@ class Matchmaker(JoinProtocol):
         Reads overlap (one starts every poll period, up to ``_READS_IN_FLIGHT`` at once): on a slow
         link a poll takes a round trip, and a read that just missed an entry must not cost another.
         Entries that land at our own node (a holder of the key, as every peer of a small swarm is)
-        count at once, half a round trip before a read would bring them."""
+        count at once, half a round trip before a read would bring them; the first decision waits
+        for the first read all the same."""
         loop = asyncio.get_running_loop()
         rnd.lead, rnd.redirect = None, None
         rnd.join_hint.clear()
@@ -263,9 +264,7 @@ class Matchmaker(JoinProtocol):
                         reads.add(self._tasks.spawn(self.board.read(rnd, deadline), awaited=True))
                         next_read = now + period
                         period = min(period * 1.5, _MAX_POLL, max(rnd.settle / 2, _FIRST_POLL))
-                        if rnd.small:  # (entries show as they land here: reads are a backstop)
-                            period = _MAX_POLL
-                        elif expected is not None and len(candidates) + 1 < expected and now - last_growth < 1.0:
+                        if expected is not None and len(candidates) + 1 < expected and now - last_growth < 1.0:
                             # the expected stragglers are near: see the next one a poll after it lands
                             period = _FIRST_POLL
                     # (an event already set is not waited on again: that would return at once and spin)
@@ -298,17 +297,17 @@ class Matchmaker(JoinProtocol):
                             candidates[peer] = entry
                     if grew:
                         last_growth = now
-                        if not rnd.small:
-                            period = _FIRST_POLL
-                            next_read = min(next_read, now + period)
+                        period = _FIRST_POLL
+                        next_read = min(next_read, now + period)
+                    if not answered:
+                        # (``expected`` comes from a view of the swarm up to a refresh old: a read of the
+                        # holders, a round trip, also finds peers that came with us, whom it may miss)
+                        continue
+                    rnd.mark("first_read")
                     n = len(candidates) + 1
                     everyone = expected is not None and n >= expected
-                    if answered:
-                        rnd.mark("first_read")
                     if everyone:
                         rnd.mark("all_seen")
-                    elif not answered:  # (our own node's entries alone: only when they show everyone)
-                        continue
                     arrivals = [
                         e.arrived for e in candidates.values() if now_wall - timeout - 60 <= e.arrived <= now_wall + 5
                     ] + [rnd.entry_value["t"] if rnd.entry_value else now_wall]
