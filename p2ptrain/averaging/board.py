@@ -75,13 +75,12 @@ class Board:
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER
         rnd.holders = self.node.nearest_known(rnd.key)[:_HOLDERS]
-        # We know fewer peers than a key has holders: each is one (and writes to us if it knows us),
-        # and a lookup would ask them only.
-        rnd.small = len(rnd.holders) < _HOLDERS
         # The schema summary only explains mismatches: publish it without waiting for it.
         self._spawn(self._publish_summary(rnd))
         self._spawn(self._store_entry(rnd, deadline))
-        if rnd.small:
+        # We know fewer peers than a key has holders: each is one (and writes to us if it knows us),
+        # and a lookup would ask them only.
+        if len(rnd.holders) < _HOLDERS:
             rnd.looked_up.set()
         else:
             self._spawn(self._look_up_holders(rnd, deadline))

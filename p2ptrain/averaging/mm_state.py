@@ -47,7 +47,6 @@ class MatchRound:
         self.spread_noted = False  # (once over: its arrivals' spread counted, see Matchmaker._note_spreads)
         self.settle = MIN_SETTLE  # the last settle window used while gathering
         self.holders: list[Contact] = []  # peers that store the round's key (routing table, then lookups)
-        self.small = False  # we know fewer peers than a key's holders: all are holders, no lookup needed
         self.reads = 0
         self.looked_up = asyncio.Event()  # the full lookup of the key is over: rnd.holders is its answer
         self.started = time.monotonic()
