@@ -140,7 +140,7 @@ async def bench_dht(n_nodes: int, n_procs: int, n_keys: int, n_gets: int, seed: 
                         "accepted_mean": statistics.fmean(a["accepted"] for a in accepted)}
         out["hops_target"] = math.ceil(math.log2(n_nodes) / math.log2(20)) + 2
         alive = {i: list(range(s)) for i, s in enumerate(sizes)}
-        out["get"], out["get_latest"] = await run_gets(procs, alive, keys, n_gets, rng, max(1, n_gets // 4))
+        out["get"], out["get_latest"] = await run_gets(procs, alive, keys, n_gets, rng, n_gets)
         log(f"N={n_nodes}: gets {out['get']}")
 
         # Remove exactly ceil(30%) of the nodes: SIGKILL whole processes (process 0, the bootstrap,
@@ -164,7 +164,7 @@ async def bench_dht(n_nodes: int, n_procs: int, n_keys: int, n_gets: int, seed: 
         log(f"N={n_nodes}: SIGKILLed {len(victims)} processes ({killed} nodes), stopped {target - killed} more; "
             f"waiting {wait:.0f} s (one republish period)")
         await asyncio.sleep(wait)  # time must pass: the republish period is a timer, not an event
-        after, out["after_kill_latest"] = await run_gets(procs, alive, keys, n_gets, rng, max(1, n_gets // 4))
+        after, out["after_kill_latest"] = await run_gets(procs, alive, keys, n_gets, rng, n_gets)
         after.update(killed=target, killed_frac=target / n_nodes, sigkilled_procs=len(victims), waited_s=wait)
         out["after_kill"] = after
         return out

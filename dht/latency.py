@@ -5,14 +5,19 @@ timeout of ``srtt + 4 * rttvar`` between a floor and a ceiling. A peer never mea
 node-wide estimate; with no measurement at all, the ceiling (the RPC timeout). A peer that ran
 past its timeout has its own doubled until it answers again (TCP's backoff), so a slow peer is
 waited for longer next time rather than asked and abandoned on every lookup.
+
+A lookup that must hear from all k closest (``latest``) also stops waiting for a query far slower
+than its siblings in the same lookup (``Stragglers``): the last of twenty replies is the tail of
+one, so one stalled peer would set the whole lookup's latency.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Hashable
 
-__all__ = ["RttEstimator"]
+__all__ = ["RttEstimator", "Stragglers"]
 
 _ALPHA, _BETA, _K = 1 / 8, 1 / 4, 4  # RFC 6298's gains and variance factor
 
@@ -71,3 +76,27 @@ class RttEstimator:
         if est is None:
             return self.ceiling
         return min(self.ceiling, max(self.floor, est.rto()))
+
+
+class Stragglers:
+    """One ``k``-wide lookup's reply times, and how long its queries are worth waiting for:
+    ``factor`` times the fastest quarter's reply time, and at least ``slack`` seconds more
+    (scheduling noise). A peer that much slower than the others asked under the same load is
+    stalled (its process waiting for a CPU, say): asking past it, or with enough copies in hand
+    leaving it behind, beats waiting out its adaptive timeout, which one slow period inflates."""
+
+    def __init__(self, k: int, factor: float = 3.0, slack: float = 0.005):
+        self.k, self.factor, self.slack = k, factor, slack
+        self._times: list[float] = []
+
+    def answered(self, seconds: float) -> None:
+        bisect.insort(self._times, seconds)
+
+    def cutoff(self, last_round: bool) -> float | None:
+        """Seconds after its sending at which a query is a straggler, once 2 replies came while the
+        lookup asks alpha at a time (a slow peer among the closest would hold up the last round)
+        and half of k in its last round (the copies it may end with); None before."""
+        if len(self._times) < (self.k // 2 if last_round else 2):
+            return None
+        fast = self._times[len(self._times) // 4]
+        return max(self.factor * fast, fast + self.slack)

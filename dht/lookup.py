@@ -18,7 +18,7 @@ from .config import DHTConfig
 from .connection import Connection
 from .errors import DHTError, InvalidRecord, ProtocolError
 from .identity import PeerID
-from .latency import RttEstimator
+from .latency import RttEstimator, Stragglers
 from .owned import OwnedRead, owned_values
 from .protocol import decode_contacts
 from .routing import Contact, Lookup, RoutingTable, key_id
@@ -100,7 +100,12 @@ class Lookups:
         # Queries not yet past their adaptive timeout -> when they will be. One past it leaves the
         # lookup's window (the next contact is asked instead) but its reply still counts if it
         # comes before the lookup ends: a slow peer costs a hedge, not its full RPC timeout.
+        # latest also asks past a query far slower than the others (``Stragglers``), and in its
+        # last round, which asks all k closest at once, leaves such a query behind: one stalled
+        # peer cannot hold up the whole lookup.
         due: dict[asyncio.Task, float] = {}
+        sent: dict[asyncio.Task, float] = {}
+        stragglers = Stragglers(self.config.k) if latest else None
         loop = asyncio.get_running_loop()
         found_from = 0
         try:
@@ -111,21 +116,27 @@ class Lookups:
                     else:
                         task = self._tasks.spawn(self._call(contact, method, arg), awaited=True)
                         pending[task] = contact
-                        due[task] = loop.time() + self._rtt.timeout(contact.peer_id)
+                        sent[task] = loop.time()
+                        due[task] = sent[task] + self._rtt.timeout(contact.peer_id)
                 if not pending or lookup.finished:
                     break
-                wait = max(0.0, min(due.values()) - loop.time()) if due else None
+                cutoff = stragglers.cutoff(lookup.last_round) if stragglers else None
+                until = {t: at if cutoff is None else min(at, sent[t] + cutoff) for t, at in due.items()}
+                wait = max(0.0, min(until.values()) - loop.time()) if until else None
                 done, _ = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 now = loop.time()
-                for task in [t for t, at in due.items() if at <= now and t not in done]:
-                    del due[task]
-                    self._rtt.timed_out(pending[task].peer_id)
-                    lookup.on_timeout(pending[task])
+                for task in [t for t, at in until.items() if at <= now and t not in done]:
+                    if due.pop(task) <= now:
+                        self._rtt.timed_out(pending[task].peer_id)
+                    lookup.on_timeout(pending[task], replace=not (latest and lookup.last_round))
                 for task in done:
                     contact = pending.pop(task)
                     due.pop(task, None)
+                    took = now - sent.pop(task)
                     try:
                         reply = task.result()
+                        if stragglers:
+                            stragglers.answered(took)
                         if want_records:
                             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
                                 raise ProtocolError("malformed find_value reply")
@@ -209,7 +220,8 @@ class Lookups:
 
     async def lookup_value(self, key: str | bytes, latest: bool = False) -> LookupResult:
         """Find records under ``key``. ``latest=False`` stops at the first peer that has some;
-        ``latest=True`` asks all k closest peers and merges (freshest value per sub-key)."""
+        ``latest=True`` asks all k closest peers and merges (freshest value per sub-key), leaving
+        behind, once half of them answered, one far slower than the others (``dht.latency``)."""
         kb = key_bytes(key)
         result = await self._run_lookup(key_id(kb), "find_value", kb, True, latest)
         now = time.time()

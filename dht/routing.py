@@ -110,6 +110,7 @@ class RoutingTable:
         self.ping_after = ping_after  # a contact heard from this recently needs no liveness ping
         self.buckets = [KBucket(k) for _ in range(ID_BITS)]
         self._filled: set[int] = set()  # indices of the non-empty buckets
+        self._evicted: OrderedDict[PeerID, None] = OrderedDict()  # lately, for failing: see vouched
 
     def bucket_index(self, node_id: int) -> int:
         """Shared-prefix length with our id; ``ID_BITS`` for our own id (never stored)."""
@@ -130,6 +131,7 @@ class RoutingTable:
         if not contact.dialable or index >= ID_BITS:
             return None
         bucket = self.buckets[index]
+        self._evicted.pop(contact.peer_id, None)
         known = bucket.contacts.get(contact.peer_id)
         if known is not None:
             known.addr, known.relays, known.last_seen, known.failures = contact.addr, contact.relays, now, 0
@@ -146,6 +148,11 @@ class RoutingTable:
         return oldest if now - oldest.last_seen >= self.ping_after else None
 
     def remove(self, peer_id: PeerID) -> None:
+        """Evict a peer that failed (a liveness ping, or ``max_failures`` requests)."""
+        self._evicted[peer_id] = None
+        self._evicted.move_to_end(peer_id)
+        if len(self._evicted) > 64 * self.k:
+            self._evicted.popitem(last=False)
         index = self.bucket_index(node_id_of(peer_id))
         if index < ID_BITS:
             self.buckets[index].remove(peer_id)
@@ -158,12 +165,15 @@ class RoutingTable:
         ``addr``: where the request went. A failure at another address than the one the table
         holds (say, one a third party named in a lookup reply) says nothing about the peer and
         is not counted: otherwise anyone could evict an honest peer by naming it at a dead address.
+        Our last contact stays: with none, a node could never rejoin (a join whose replies were lost).
         """
         contact = self.get(peer_id)
         if contact is None or (addr is not None and addr != contact.addr):
             return False
         contact.failures += 1
-        if contact.failures >= self.max_failures:
+        bucket = self.buckets[self.bucket_index(contact.node_id)]
+        last = len(self._filled) == 1 and len(bucket.contacts) == 1 and not bucket.replacements
+        if contact.failures >= self.max_failures and not last:
             self.remove(peer_id)
             return True
         return False
@@ -175,9 +185,12 @@ class RoutingTable:
     def vouched(self, hearsay: Iterable[Contact]) -> list[Contact]:
         """Contacts a third party named (a lookup reply), each at the address this table holds for
         its peer when it holds one: that address was learnt from the peer's own connection, the
-        third party's may be a lie."""
+        third party's may be a lie. Peers we evicted for failing are left out until heard from
+        directly: after a crash, others name the dead for a while, and each costs a lookup a query."""
         out = []
         for contact in hearsay:
+            if contact.peer_id in self._evicted:
+                continue
             index = self.bucket_index(contact.node_id)
             known = self.buckets[index].contacts.get(contact.peer_id) if index < ID_BITS else None
             out.append(contact if known is None or known.same_addrs(contact)
@@ -280,6 +293,8 @@ class Lookup:
         self._depth: dict[PeerID, int] = {}
         self._order: list[tuple[int, PeerID]] = []  # (distance, peer) sorted, failed ones removed
         self._in_flight = 0
+        self._late: dict[PeerID, bool] = {}  # queries past their timeout -> whether still in the window
+        self._answered = False
         self._stopped = False
         for contact in initial:
             self._add(contact, 1)
@@ -300,11 +315,9 @@ class Lookup:
     def next_queries(self) -> list[Contact]:
         if self._stopped:
             return []
-        queries, window = [], self._window()
-        # Kademlia's last round: once the alpha closest known have answered, the rest of the k
-        # closest are asked at once rather than alpha at a time (a round trip each)
-        limit = self.k if all(self._state[p] == _RESPONDED for p in window[: self.alpha]) else self.alpha
-        for peer in window:
+        queries = []
+        limit = self.k if self.last_round else self.alpha
+        for peer in self._window():
             if self._in_flight >= limit:
                 break
             if self._state[peer] == _NEW:
@@ -323,33 +336,49 @@ class Lookup:
 
     def on_response(self, contact: Contact, found: list[Contact]) -> None:
         peer = contact.peer_id
-        if self._state.get(peer) == _LATE:  # back into the window, as if it had answered in time
+        if peer in self._late:  # back into the window, as if it had answered in time
             self._state[peer] = _RESPONDED
-            bisect.insort(self._order, (contact.node_id ^ self.target, peer))
+            if not self._late.pop(peer):
+                bisect.insort(self._order, (contact.node_id ^ self.target, peer))
         elif not self._settle(contact, _RESPONDED):
             return
+        self._answered = True
         depth = self._depth[peer] + 1
         for new in found:
             self._add(new, depth)
 
     def on_failure(self, contact: Contact) -> None:
-        if self._state.get(contact.peer_id) == _LATE:
-            self._state[contact.peer_id] = _FAILED
+        peer = contact.peer_id
+        if peer in self._late:
+            self._state[peer] = _FAILED
+            if self._late.pop(peer):
+                self._order.remove((contact.node_id ^ self.target, peer))
         elif self._settle(contact, _FAILED):
-            self._order.remove((contact.node_id ^ self.target, contact.peer_id))
+            self._order.remove((contact.node_id ^ self.target, peer))
 
-    def on_timeout(self, contact: Contact) -> None:
-        """A query ran past its adaptive timeout: it leaves the window, so the next contact is
-        asked, but a reply that still comes counts (``on_response``): a slow peer costs a hedge,
-        not its place among the closest."""
+    def on_timeout(self, contact: Contact, replace: bool = True) -> None:
+        """A query ran past its timeout: it leaves the window, so the next contact is asked, but a
+        reply that still comes counts (``on_response``): a slow peer costs a hedge, not its place
+        among the closest. ``replace=False``: it stays, and the lookup no longer waits for it."""
         if self._settle(contact, _LATE):
-            self._order.remove((contact.node_id ^ self.target, contact.peer_id))
+            self._late[contact.peer_id] = not replace
+            if replace:
+                self._order.remove((contact.node_id ^ self.target, contact.peer_id))
+
+    @property
+    def last_round(self) -> bool:
+        """Kademlia's last round: the alpha closest known have answered, so the rest of the k
+        closest are asked at once rather than alpha at a time (a round trip each)."""
+        return all(self._state[p] == _RESPONDED for p in self._window()[: self.alpha])
 
     @property
     def finished(self) -> bool:
         if self._stopped:
             return True
-        return self._in_flight == 0 and all(self._state[p] != _NEW for p in self._window())
+        if self._in_flight or any(self._state[p] == _NEW for p in self._window()):
+            return False
+        # with no answer at all, a late query is all there is left to wait for (a join's bootstrap)
+        return self._answered or not self._late
 
     def stop(self) -> None:
         """End early (e.g. once a value is found): no further queries are issued."""

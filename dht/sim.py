@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from .config import DHTConfig
 from .errors import InvalidRecord
 from .identity import Identity, PeerID
-from .latency import RttEstimator
+from .latency import RttEstimator, Stragglers
 from .maintenance import republish_batches
 from .routing import Contact, Lookup, RoutingTable, key_id
 from .storage import Record, RecordStore, merge_records, validate_record
@@ -230,7 +230,7 @@ class SimNode:
 class _LookupRun:
     """``Lookups._run_lookup`` on the virtual clock: alpha-parallel queries, a hedge (the next
     contact is asked) once a query runs past its peer's adaptive timeout, a stop at the first
-    holder of the value unless ``latest``."""
+    holder of the value unless ``latest``; then stragglers are left behind (``Stragglers``)."""
 
     def __init__(self, node: SimNode, target: int, method: str, arg: Any, latest: bool,
                  done: Callable[[SimLookup], None]):
@@ -240,7 +240,9 @@ class _LookupRun:
         self.result = SimLookup(started=node.sim.loop.now)
         self.want_records = method == "find_value"
         self.outstanding = 0
-        self.waiting: set[PeerID] = set()  # asked, not answered, not yet past the adaptive timeout
+        self.waiting: dict[PeerID, Contact] = {}  # asked, not answered, not yet past a timeout
+        self.sent: dict[PeerID, float] = {}
+        self.stragglers = Stragglers(cfg.k) if latest else None
         self.found_from = 0
         self.ended = False
         if self.want_records:
@@ -258,25 +260,32 @@ class _LookupRun:
         node, sim = self.node, self.node.sim
         for contact in self.lookup.next_queries():
             self.outstanding += 1
-            self.waiting.add(contact.peer_id)
+            self.waiting[contact.peer_id], self.sent[contact.peer_id] = contact, sim.loop.now
             sim.call(node, contact, self.method, self.arg, lambda reply, c=contact: self._reply(c, reply))
-            sim.loop.call_at(sim.loop.now + node.rtt.timeout(contact.peer_id), self._due, contact)
+            sim.loop.call_at(sim.loop.now + node.rtt.timeout(contact.peer_id), self._due, contact, True)
         if self.outstanding == 0 or self.lookup.finished:
             self._finish()
 
-    def _due(self, contact: Contact) -> None:
+    def _due(self, contact: Contact, adaptive: bool) -> None:
         if self.ended or contact.peer_id not in self.waiting:
             return
-        self.waiting.discard(contact.peer_id)
-        self.node.rtt.timed_out(contact.peer_id)
-        self.lookup.on_timeout(contact)
+        del self.waiting[contact.peer_id]
+        if adaptive:
+            self.node.rtt.timed_out(contact.peer_id)
+        self.lookup.on_timeout(contact, replace=not (self.latest and self.lookup.last_round))
         self._pump()
 
     def _reply(self, contact: Contact, reply: Any) -> None:
         self.outstanding -= 1
-        self.waiting.discard(contact.peer_id)
+        self.waiting.pop(contact.peer_id, None)
         if self.ended:
             return
+        if self.stragglers and reply is not _FAILED:
+            loop = self.node.sim.loop
+            self.stragglers.answered(loop.now - self.sent[contact.peer_id])
+            cutoff = self.stragglers.cutoff(self.lookup.last_round)
+            for peer, waited in self.waiting.items() if cutoff is not None else ():
+                loop.call_at(self.sent[peer] + cutoff, self._due, waited, False)
         if reply is _FAILED:
             self.lookup.on_failure(contact)
         else:

@@ -36,11 +36,13 @@ def test_hop_bound():
 
 def test_a_call_to_a_dead_peer_fails_after_the_rpc_timeout_and_evicts_it_on_the_second():
     sim = Simulation(DHTConfig(rpc_timeout=2.0), NetConfig(loss=0.0), seed=3)
-    a, b = sim.add_node(), sim.add_node()
+    a, b, c = sim.add_node(), sim.add_node(), sim.add_node()
     sim.join(a)
     sim.join(b)
     sim.loop.run(done=lambda: b.joined)
-    assert b.peer_id in a.routing and a.peer_id in b.routing
+    sim.join(c)
+    sim.loop.run(done=lambda: c.joined)
+    assert b.peer_id in a.routing and a.peer_id in b.routing and c.peer_id in a.routing
     contact = a.routing.get(b.peer_id)
     b.alive = False
     outcomes: list[tuple[float, object]] = []
@@ -51,6 +53,11 @@ def test_a_call_to_a_dead_peer_fails_after_the_rpc_timeout_and_evicts_it_on_the_
     assert [round(t, 6) for t, _ in outcomes] == [2.0, 2.0]
     assert all(reply is not None for _, reply in outcomes)  # the failure marker, not ping's None
     assert b.peer_id not in a.routing  # max_failures = 2
+    c.alive = False
+    for _ in range(3):
+        sim.call(a, a.routing.get(c.peer_id), "ping", None, outcomes.append)
+        sim.loop.run(done=lambda n=len(outcomes) + 1: len(outcomes) == n)
+    assert list(a.routing) == [a.routing.get(c.peer_id)]  # the last contact stays: a can still rejoin
 
 
 def test_republish_batches_skip_keys_received_lately_and_keep_our_own_writes():

@@ -1,10 +1,11 @@
-"""RttEstimator: adaptive reply timeouts from measured round trips (sans-IO)."""
+"""RttEstimator: adaptive reply timeouts from measured round trips; Stragglers: when one lookup
+stops waiting for its slowest queries (sans-IO)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dht.latency import RttEstimator
+from dht.latency import RttEstimator, Stragglers
 
 
 def test_timeouts_follow_measurements_within_floor_and_ceiling():
@@ -47,3 +48,18 @@ def test_remembers_at_most_max_peers():
 def test_rejects_a_floor_above_the_ceiling():
     with pytest.raises(ValueError):
         RttEstimator(floor=3.0, ceiling=2.0)
+
+
+def test_a_straggler_is_a_query_far_slower_than_the_fastest_quarter_once_a_quorum_answered():
+    local = Stragglers(k=8)
+    local.answered(0.0005)
+    assert local.cutoff(last_round=False) is None  # one answer tells no straggler
+    for seconds in (0.0004, 0.0006):
+        local.answered(seconds)
+    assert local.cutoff(last_round=True) is None  # the last round waits for half of k
+    local.answered(0.030)  # one peer's process was waiting for a CPU
+    assert local.cutoff(last_round=True) == pytest.approx(0.0005 + 0.005)  # sub-millisecond: the slack
+    wide = Stragglers(k=8)
+    for seconds in (0.08, 0.1, 0.12, 0.15, 0.2, 0.9, 1.5, 1.6):
+        wide.answered(seconds)
+    assert wide.cutoff(last_round=True) == pytest.approx(3 * 0.12)  # three times the fastest quarter's

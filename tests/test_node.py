@@ -261,6 +261,32 @@ async def test_a_latest_lookup_does_not_wait_out_a_silent_peers_rpc_timeout(swar
     assert elapsed < config.rpc_timeout / 3, elapsed
 
 
+async def test_a_latest_lookup_ends_without_a_straggler_once_half_the_closest_answered(swarm):
+    """Every holder answering in a millisecond but one, whose reply takes a second: the lookup
+    ends without it, long before its adaptive timeout (at least ``hedge_floor``) would."""
+    config = DHTConfig(k=8, rpc_timeout=9.0, bootstrap_timeout=2.0, maintenance_period=60.0, hedge_floor=3.0)
+    make, nodes = swarm
+    await make(7, config)
+    slow = DHTNode(config=config)
+    answer = slow._rpc_find_value
+
+    async def late(conn, args):
+        await asyncio.sleep(1.0)
+        return await answer(conn, args)
+
+    slow._rpc_find_value = late  # type: ignore[method-assign]
+    nodes.append(slow)
+    await slow.start(nodes[0].multiaddrs)
+    reader = nodes[5]
+    assert await nodes[1].store("straggled", 5, time.time() + 60) >= 4
+    assert slow.peer_id in reader.routing
+    t0 = time.monotonic()
+    result = await reader.lookup_value("straggled", latest=True)
+    assert time.monotonic() - t0 < 0.5
+    assert [r.value for r in result.records] == [b"\x05"]
+    assert slow.peer_id not in {c.peer_id for c in result.closest}  # it never answered in time
+
+
 async def test_republish_skips_keys_received_since_an_overrunning_rounds_start():
     """A round that took longer than the period must not make every holder republish every key:
     a key received since our previous round began was spread by its sender this cycle."""

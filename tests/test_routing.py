@@ -297,3 +297,32 @@ def test_a_query_past_its_timeout_frees_its_slot_and_its_late_reply_still_counts
     lookup.on_failure(late_failure)  # then the RPC itself failed: it stays out
     lookup.on_response(late_failure, [])  # (a reply after a failure is ignored)
     assert late_failure.peer_id not in [c.peer_id for c in lookup.result()]
+
+
+def test_a_lookup_waits_for_a_late_query_only_while_nothing_answered():
+    peers = sorted(_PEERS[:2], key=node_id_of)
+    lookup = Lookup(0, [contact(peers[0])], k=3, alpha=1)  # a join: the bootstrap peer alone
+    only = lookup.next_queries()[0]
+    lookup.on_timeout(only)
+    assert not lookup.finished and lookup.next_queries() == []
+    lookup.on_response(only, [])
+    assert lookup.finished and [c.peer_id for c in lookup.result()] == peers[:1]
+    lookup = Lookup(0, [contact(p) for p in peers], k=3, alpha=2)
+    first, second = lookup.next_queries()
+    lookup.on_response(first, [])
+    lookup.on_timeout(second)
+    assert lookup.finished  # an answer came: a straggler costs no more than its timeout
+
+
+def test_a_peer_evicted_for_failing_is_not_taken_from_hearsay_until_heard_from():
+    table = RoutingTable(own_id=node_id_of(_PEERS[0]), k=4)
+    dead, live = peers_in_bucket(table, 0, 2)
+    for peer in (dead, live):
+        table.update(contact(peer), now=0)
+    table.mark_failed(dead)
+    table.mark_failed(dead)
+    assert dead not in table
+    named = [contact(dead), contact(live)]  # a lookup reply still naming the dead peer
+    assert [c.peer_id for c in table.vouched(named)] == [live]
+    table.update(contact(dead), now=5)  # it called us: alive after all
+    assert [c.peer_id for c in table.vouched(named)] == [dead, live]
