@@ -63,6 +63,7 @@ class PeerConfig:
     target_group_size: int = 16
     mixing: bool = True  # a swarm larger than a group averages in a grid of groups that turns every round
     matchmaking_timeout: float = 5.0
+    drain: float = 30.0  # at the end, seconds to stay for peers still behind (they load our state)
     device: str = "cpu"  # where the model trains: cpu, cuda, cuda:N (the wire and the state stay on the host)
     threads: int | None = None  # torch intra-op threads (default: torch's); 1 when many peers share a machine
     save: str | None = None  # write the final model here (safetensors), atomically
@@ -173,6 +174,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
                 on_event(_progress(opt, loss_ewma, steps, now - t0))
         elapsed = time.perf_counter() - t0
         opt.finish_round()  # (overlapped rounds: the last one in, the model the swarm's outer parameters)
+        _drain(opt, cfg, stop)
         model.eval()
         metrics = task.evaluate(model)
         if not leads:
@@ -194,6 +196,15 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             opt.close()
         if own_dht and dht is not None:
             dht.close()
+
+
+def _drain(opt: DecentralizedOptimizer, cfg: PeerConfig, stop: threading.Event) -> None:
+    """A peer that trained to the end stays until no peer is behind it (``cfg.drain`` s at most,
+    ended by ``stop``), so that stragglers load the final state instead of stepping alone."""
+    deadline = time.monotonic() + cfg.drain
+    while opt.epoch >= cfg.epochs and not stop.is_set() and time.monotonic() < deadline:
+        if opt.drain(min(1.0, deadline - time.monotonic())):
+            return
 
 
 def _wait_for_peers(opt: DecentralizedOptimizer, cfg: PeerConfig, on_event: Callable[[Event], None],

@@ -137,6 +137,36 @@ def test_a_peer_whose_partner_left_steps_with_its_own_gradients(nodes, caplog):
         b.close()
 
 
+def test_a_peer_that_finished_stays_until_the_one_behind_loaded_its_state(nodes):
+    """drain(): the peer behind meets a provider ahead of it, not a round with nobody (the test
+    above), and ends the run with the same parameters."""
+    ma, a = make(nodes(), 0, target=16, matchmaking_timeout=1.0, load_state_timeout=1.0)
+    mb, b = make(nodes(), 0, target=16)
+    try:
+        assert a.wait_for_peers(2, timeout=30) == 2 and b.wait_for_peers(2, timeout=30) == 2
+        gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+        trainers = [threading.Thread(target=train, args=(ma, a, gens[0], 2)),
+                    threading.Thread(target=train, args=(mb, b, gens[1], 2))]
+        for t in trainers:
+            t.start()
+        for t in trainers:
+            t.join(60)
+        assert a.epoch == b.epoch == 2
+        train(ma, a, gens[0], 3)  # a ends the run; b, stalled, is one epoch behind
+        assert a.epoch == 3 and b.epoch == 2
+        assert a.drain(timeout=1.0) is False  # (b reports epoch 2)
+        drained: list[bool] = []
+        drainer = threading.Thread(target=lambda: drained.append(a.drain(timeout=30)))
+        drainer.start()
+        step(mb, b, gens[1])
+        drainer.join(40)
+        assert drained == [True] and b.epoch == 3 and b.stats.state_loads == 1
+        assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    finally:
+        a.close()
+        b.close()
+
+
 def train(model: torch.nn.Module, opt: DecentralizedOptimizer, gen: torch.Generator, until: int) -> None:
     deadline = time.monotonic() + 60
     while opt.epoch < until and time.monotonic() < deadline:

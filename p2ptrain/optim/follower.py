@@ -64,6 +64,9 @@ class RankFollower(DecentralizedOptimizer):
     def wait_for_peers(self, n: int, timeout: float = 60.0) -> int:
         return int(self.ranks.decide())
 
+    def drain(self, timeout: float = 30.0) -> bool:
+        return True  # (the leader stays in the swarm for the peer)
+
     @property
     def mismatches(self) -> dict[str, str]:
         return {}

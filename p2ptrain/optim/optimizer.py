@@ -353,13 +353,25 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         returns how many there are. For launchers and tests that start a swarm together, so that
         the first peer does not train alone while the others are still starting. A peer counts
         once it holds its starting state (a checkpoint it resumed, or the swarm's)."""
+        view = self._wait_view(lambda v: v.num_peers + len(v.behind) >= n, timeout)
+        count = view.num_peers + len(view.behind)
+        return count if self.ranks is None else self.ranks.decide(count)
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Stay in the swarm, serving state, until no peer reports an epoch before ours (``timeout``
+        s at most): a run's last peers leave a straggler providers to catch up from, not a round
+        with nobody. True when nobody was left behind. Call it after the last step, before close."""
+        view = self._wait_view(lambda v: not any(p.epoch < self.epoch for p in v.training), timeout)
+        return not any(p.epoch < self.epoch for p in view.training)
+
+    def _wait_view(self, done: Callable[[SwarmView], bool], timeout: float) -> SwarmView:
+        """Fresh views of the swarm until ``done`` holds for one or ``timeout`` passes; the last."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             view = self._loop.run(self.tracker.wait_fresh(min(max(remaining, 0.0), 0.5)))
-            count = view.num_peers + len(view.behind)
-            if count >= n or remaining <= 0:
-                return count if self.ranks is None else self.ranks.decide(count)
+            if done(view) or remaining <= 0:
+                return view
 
     # ------------------------------------------------------------------ torch.optim.Optimizer face
 
