@@ -28,6 +28,7 @@ from dht import Host, Multiaddr, relayed_via
 
 from .background import DHT
 from .optim import DecentralizedOptimizer
+from .optim.fsdp import rank_dht, shard_model
 from .optim.ranks import PeerRanks, ddp, rank_device, rank_seed, stopping
 
 log = logging.getLogger("p2ptrain.run")
@@ -65,6 +66,7 @@ class PeerConfig:
     matchmaking_timeout: float = 5.0
     drain: float = 30.0  # at the end, seconds to stay for peers still behind (they load our state)
     device: str = "cpu"  # where the model trains: cpu, cuda, cuda:N (the wire and the state stay on the host)
+    fsdp: bool = False  # in a torchrun job: shard the model over the ranks (FSDP2), not replicate it (DDP)
     threads: int | None = None  # torch intra-op threads (default: torch's); 1 when many peers share a machine
     save: str | None = None  # write the final model here (safetensors), atomically
     checkpoint_every: int | None = None  # save a checkpoint every N global epochs (a few peers do)
@@ -96,18 +98,22 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
     device = resolve_device(cfg.device)
     ranks = PeerRanks.detect()  # a torchrun job: its ranks are one peer, rank 0 its leader
     leads = ranks is None or ranks.is_leader
+    fsdp = cfg.fsdp and ranks is not None  # (every rank a member of its shard's swarm, with a DHT node)
     if ranks is not None:
         device = rank_device(device)
     task = get_task(cfg.task, **cfg.task_options)
     batch_size = cfg.batch_size or task.default_batch_size
     own_dht = dht is None
-    if dht is None and leads:
+    if fsdp:
+        dht = rank_dht(list(cfg.bootstrap), ranks, dht, **rank_node_options(cfg, ranks.rank))
+    elif dht is None and leads:
         dht = DHT(list(cfg.bootstrap), listen=cfg.listen, key_file=cfg.key_file, announce_host=cfg.announce_host)
     opt: DecentralizedOptimizer | None = None
     dataset = None
     try:
         model = task.make_model(seed=cfg.seed).to(device)  # the same init on every device: built on the host
-        trained = model if ranks is None else ddp(model, device)  # (what the loss runs; DDP averages the ranks')
+        # (what the loss runs: DDP averages the ranks' gradients, FSDP shards the model over them)
+        trained = model if ranks is None else shard_model(model, device) if fsdp else ddp(model, device)
         opt = DecentralizedOptimizer(
             task.make_optimizer(model.parameters(), lr=cfg.lr), dht=dht, run_id=cfg.run_id or task.signature,
             target_batch_size=cfg.target_batch_size, batch_size_per_step=batch_size, mode=cfg.mode,
@@ -121,13 +127,13 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         )
         if stopping(stop, ranks):  # asked to stop while joining (e.g. Ctrl+C during the state download)
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
-        if dht is not None:
+        if leads:
             on_event({"event": "started", "peer_id": str(dht.peer_id),
                       "multiaddrs": [str(a) for a in dht.multiaddrs], "run_id": opt.run_id, "epoch": opt.epoch,
                       "state_loads": opt.stats.state_loads, "resumed_epoch": opt.stats.resumed_epoch,
-                      "params_digest": _digest(model), "ranks": 1 if ranks is None else ranks.world_size,
+                      "params_digest": _digest(opt), "ranks": 1 if ranks is None else ranks.world_size,
                       "config": {k: v for k, v in asdict(cfg).items() if k != "bootstrap"}})
-        if cfg.wait_peers > 1 and not _wait_for_peers(opt, cfg, on_event, stop):
+        if cfg.wait_peers > 1 and not _wait_for_peers(opt, cfg, on_event, stop, ranks):
             return {"event": "stopped", "epoch": opt.epoch, "stopped": True}
         data_seed = cfg.data_seed if cfg.data_seed is not None or not leads else \
             int.from_bytes(dht.peer_id.to_bytes()[-4:], "big")
@@ -145,8 +151,13 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         steps, loss_ewma, start_epoch = 0, math.nan, opt.epoch
         seen = _round_counters(opt.stats)
         model.train()
-        while opt.epoch < cfg.epochs and not stopping(stop, ranks, steps):
-            if cfg.max_steps is not None and steps >= cfg.max_steps:
+        while True:
+            done = opt.epoch >= cfg.epochs or (cfg.max_steps is not None and steps >= cfg.max_steps)
+            # (FSDP: the shard swarms' epochs may differ by a step, and a rank that is done must
+            # still take part in the model's collectives until all are)
+            todo = opt.fsdp.poll(done, stop.is_set()) if fsdp else \
+                "stop" if done or stopping(stop, ranks, steps) else "step"
+            if todo == "stop":
                 break
             x, y = next(batches)
             if device.type != "cpu":
@@ -158,7 +169,10 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
                 loss = ranks.forward_backward(lambda: task.loss(trained, (x, y)))
             if cfg.compute_delay > 0:
                 time.sleep(cfg.compute_delay)
-            opt.step()
+            if todo == "hold":
+                opt.fsdp.hold(batch_size)
+            else:
+                opt.step()
             opt.zero_grad()
             steps += 1
             if not leads:
@@ -179,12 +193,12 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         metrics = task.evaluate(model)
         if not leads:
             done = {"event": "done", "rank": ranks.rank, "epoch": opt.epoch, "metrics": metrics, "steps": steps,
-                    "params_digest": _digest(model)}
+                    "params_digest": _digest(opt)}
             on_event(done)
             return done
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
                 "stopped": stop.is_set(), "epochs_trained": opt.epoch - start_epoch,
-                "params_digest": _digest(model), "links": opt.dht.run(_links(opt.dht.node.host))}
+                "params_digest": _digest(opt), "links": opt.dht.run(_links(opt.dht.node.host))}
         if cfg.save:
             done["saved"] = save_model(model, cfg.save, {"run_id": opt.run_id, "epoch": str(opt.epoch)})
         on_event(done)
@@ -208,17 +222,18 @@ def _drain(opt: DecentralizedOptimizer, cfg: PeerConfig, stop: threading.Event) 
 
 
 def _wait_for_peers(opt: DecentralizedOptimizer, cfg: PeerConfig, on_event: Callable[[Event], None],
-                    stop: threading.Event) -> bool:
+                    stop: threading.Event, ranks: PeerRanks | None) -> bool:
     """Wait until ``cfg.wait_peers`` peers (this one included) are in the run, ``cfg.wait_timeout``
-    seconds at most, with a ``waiting`` event about once a second; False when stopped meanwhile."""
+    seconds at most, with a ``waiting`` event about once a second; False when stopped meanwhile.
+    ``ranks``: this peer's, which all end the wait when the leader does."""
     t0 = time.monotonic()
     deadline = None if cfg.wait_timeout is None else t0 + cfg.wait_timeout
     step = 0.0  # the first look is immediate: its event says at once that the peer waits
-    while not stopping(stop, opt.ranks):
-        count = opt.wait_for_peers(cfg.wait_peers, timeout=step)  # (the leader's count on every rank)
+    while not stopping(stop, ranks):
+        count = opt.wait_for_peers(cfg.wait_peers, timeout=step)
         now = time.monotonic()
         over = count >= cfg.wait_peers or (deadline is not None and now >= deadline)
-        if over if opt.ranks is None else opt.ranks.decide(over):
+        if over if ranks is None else ranks.decide(over):
             return True
         on_event({"event": "waiting", "peers": count, "want": cfg.wait_peers, "seconds": round(now - t0, 1),
                   "timeout": cfg.wait_timeout})
@@ -302,12 +317,24 @@ def save_model(model: torch.nn.Module, path: str, metadata: dict[str, str]) -> s
     return target
 
 
+def rank_node_options(cfg: PeerConfig, rank: int) -> dict[str, Any]:
+    """The DHT node options of rank ``rank`` of an FSDP peer: a fixed listen port and the key
+    file are the leader's; rank r listens on the port + r and keeps its identity in KEY.rank{r}."""
+    listen, key_file = cfg.listen, cfg.key_file
+    if rank and listen is not None and listen[1]:
+        listen = (listen[0], listen[1] + rank)
+    if rank and key_file:
+        key_file = f"{key_file}.rank{rank}"
+    return {"listen": listen, "key_file": key_file, "announce_host": cfg.announce_host}
+
+
 @torch.no_grad()
-def _digest(model: torch.nn.Module) -> str:
-    """A short hash of the parameters: peers that end in the same state print the same digest."""
+def _digest(opt: DecentralizedOptimizer) -> str:
+    """A short hash of the parameters (an FSDP rank's: its shards): peers that end in the same
+    state print the same digest."""
     import hashlib
 
     h = hashlib.blake2b(digest_size=8)
-    for p in model.parameters():
+    for p in opt.params:
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

@@ -79,7 +79,7 @@ def main() -> None:
         task.loss(model, next(batches)).backward()  # (FSDP's collectives: every rank takes part)
         epoch = opt.epoch
         if done and ranks is not None:  # no round past the epoch: only the step's own collective
-            ranks.sum(32)
+            opt.fsdp.hold(32)
         else:
             opt.step()
             steps += 1

@@ -223,7 +223,7 @@ def _config(args: argparse.Namespace) -> Any:
         compute_delay=args.compute_delay,
         delay_updates=args.delay_updates, overlap_outer=args.overlap_outer,
         target_group_size=args.target_group_size, mixing=not args.no_mixing, wait_peers=wait_peers,
-        wait_timeout=wait_timeout, device=args.device,
+        wait_timeout=wait_timeout, device=args.device, fsdp=args.fsdp,
         threads=args.threads, save=args.save,
         checkpoint_every=args.checkpoint_every, data_dir=args.data_dir, dataset=args.dataset,
         bootstrap=bootstrap, listen=listen, announce_host=args.announce_host, key_file=args.key_file,
@@ -239,7 +239,8 @@ _PER_PEER = {"data_seed", "threads", "device", "save", "data_dir", "compute_dela
 def join_flags(args: argparse.Namespace) -> list[str]:
     """The flags a peer needs to join this one's run: those that decide the run and the model
     (from flags, variables or the config file alike), and the private swarm's key as given."""
-    out = training_argv(argparse.Namespace(**{**vars(args), **{k: None for k in _PER_PEER}}))
+    per_peer = _PER_PEER - ({"nproc_per_node"} if args.fsdp else set())  # (FSDP: the same K on every peer)
+    out = training_argv(argparse.Namespace(**{**vars(args), **{k: None for k in per_peer}}))
     if getattr(args, "swarm_key_file", None):
         out += ["--swarm-key-file", args.swarm_key_file]
     return out

@@ -165,7 +165,7 @@ def _launch(args: argparse.Namespace, events: queue.Queue, children: list[_Child
     for i in range(args.peers):
         argv = [*child_python(), "-m", "p2ptrain", "peer", "--json", "--listen", "/ip4/127.0.0.1/tcp/0",
                 "--bootstrap", addr, *forwarded]  # a swarm on this machine: loopback, as its bootstrap peer
-        if i == 0:
+        if i == 0 and not args.fsdp:  # (FSDP: no rank holds the whole model; its checkpoints export it)
             argv += ["--save", save]
         if args.data_seed is None:
             argv += ["--data-seed", str(i)]

@@ -1,9 +1,12 @@
-"""``p2ptrain peer --nproc-per-node K``: one peer that is a torchrun job of K ranks (DDP inside).
+"""``p2ptrain peer --nproc-per-node K``: one peer that is a torchrun job of K ranks (DDP or FSDP inside).
 
 The command runs ``python -m torch.distributed.run`` (standalone, on this machine) with the same
 command line; each of its K workers sees ``$P2PTRAIN_RANK_WORKER``, joins the process group
 (gloo on the CPU, nccl on CUDA) and trains: rank 0 is the peer (DHT node, averaging with the
-swarm), the others follow it (see :mod:`p2ptrain.optim.ranks`).
+swarm), the others follow it (see :mod:`p2ptrain.optim.ranks`). With ``--fsdp`` the model is
+sharded over the ranks instead, and every rank averages its shard with the same rank of the
+other peers, through a DHT node of its own (:mod:`p2ptrain.optim.fsdp`). ``torchrun ... -m
+p2ptrain peer ...`` started by hand runs the same way.
 
 When a rank dies, torchrun stops the others (SIGTERM): the leader leaves the swarm cleanly and
 the swarm carries on without the peer. With ``--max-restarts N`` torchrun then starts all K
@@ -34,6 +37,10 @@ def add_ranks_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
                    help="run this peer as a torchrun job of K ranks (DDP inside: gloo on the CPU, nccl on CUDA); "
                    "rank 0 averages with the swarm for all of them (default: 1, one process)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="with --nproc-per-node (or under torchrun): shard the model over the ranks (FSDP2) instead "
+                   "of a replica on each; each rank averages its own shard with the same rank of the other peers, "
+                   "which must use --fsdp and the same K (a fixed --listen port: rank r listens on port + r)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="with --nproc-per-node: when a rank fails, torchrun restarts all ranks up to N times; "
                    "each restart rejoins the swarm as a newcomer (default: 0, the peer exits)")
@@ -48,14 +55,25 @@ def check_ranks_args(args: argparse.Namespace) -> None:
     if args.nproc_per_node > 1 and getattr(args, "dataset", None):
         raise ConfigError("--dataset is not supported with --nproc-per-node yet (the ranks would need "
                           "the swarm's shards without a DHT node of their own)")
+    if getattr(args, "fsdp", False) and args.nproc_per_node < 2 and not in_torchrun():
+        raise ConfigError("--fsdp shards the model over the ranks of a torchrun job: give --nproc-per-node K "
+                          "(K >= 2), or start this command with torchrun")
+    if getattr(args, "fsdp", False) and getattr(args, "save", None):
+        raise ConfigError("--save is not supported with --fsdp (no rank holds the whole model): use "
+                          "--checkpoint-every and export the ranks' checkpoints with p2ptrain ckpt export")
     if args.nproc_per_node > 1 and getattr(args, "script", None):
         raise ConfigError("--nproc-per-node runs --example peers; run your own script with torchrun directly "
                           "(DecentralizedOptimizer finds the process group itself)")
 
 
 def is_worker() -> bool:
-    """Whether this process is one of the ranks a ``--nproc-per-node`` peer started."""
-    return os.environ.get(WORKER_ENV) == "1"
+    """Whether this process is one of the ranks a ``--nproc-per-node`` peer (or torchrun) started."""
+    return os.environ.get(WORKER_ENV) == "1" or in_torchrun()
+
+
+def in_torchrun() -> bool:
+    """Whether torchrun started this process (its agent sets these for every worker)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
 def launch(args: argparse.Namespace) -> int:

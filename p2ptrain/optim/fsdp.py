@@ -8,7 +8,9 @@ number of ranks, or not sharded, meets it and is told why they never average: th
 in the schema). A joiner's ranks each load their shard from their shard's swarm. Each step's
 sample count is the peer's (summed over its ranks). The shard swarms keep their own epochs: a
 peer's ranks may cross a round a step apart, which FSDP does not mind (diloco's rounds come every
-``local_steps`` steps on every rank alike).
+``local_steps`` steps on every rank alike). In sync mode the ranks end their epochs at the step where
+any of them found it due: a rank in a round while its peer's other ranks wait for it in FSDP's
+collectives would hold up the other peers' rounds, which wait for that very peer.
 
 The rank's shards are plain tensors sharing storage with the DTensor parameters (the inner
 optimizer is moved onto them, and each step takes the DTensors' local gradients), so the
@@ -22,11 +24,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..checkpoint.shards import FSDP_LABEL
 from .ranks import PeerRanks
 
-__all__ = ["FsdpShard", "is_sharded", "rank_dht", "shard_run_id"]
+__all__ = ["FsdpShard", "is_sharded", "rank_dht", "shard_model", "shard_run_id"]
 
 
 def _dtensor() -> type | None:
@@ -54,9 +57,11 @@ class FsdpShard:
 
     ``optimizer``'s parameters must all be DTensors sharded on dim 0 over one 1-D mesh (what
     ``fully_shard`` makes); it is moved onto their local tensors (same storage: its steps update
-    the model). ``process_group``: the peer's ranks (default: the mesh's)."""
+    the model). ``process_group``: the peer's ranks (default: the mesh's). ``sync``: the optimizer's
+    mode is sync (its ranks agree on every step whether to end the epoch: :meth:`end_epoch`)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, process_group: dist.ProcessGroup | None = None,
+                 sync: bool = False):
         from torch.distributed.tensor import DTensor, Shard
 
         self.dparams: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
@@ -76,6 +81,7 @@ class FsdpShard:
         self.world_size: int = dist.get_world_size(group)
         self.ranks = PeerRanks(group) if self.world_size > 1 else None
         self.shapes = [list(p.shape) for p in self.dparams]
+        self.sync = sync
         with torch.no_grad():
             self.local: list[torch.Tensor] = [p.to_local().detach() for p in self.dparams]
         _move_optimizer(optimizer, dict(zip(map(id, self.dparams), self.local, strict=True)))
@@ -89,6 +95,27 @@ class FsdpShard:
             t.grad = None if d.grad is None else d.grad.to_local().detach()
         return batch_size if self.ranks is None else self.ranks.sum(batch_size)
 
+    def end_epoch(self, due: bool) -> bool:
+        """(sync mode, every step) Whether this peer's ranks end their epoch now: all of them once
+        any found it ``due``, so that they go to their rounds together."""
+        return bool(due) if self.ranks is None else self.ranks.sum(int(bool(due))) > 0
+
+    def hold(self, batch_size: int) -> None:
+        """A step of a rank that is done while others train on: their step's collectives, no step."""
+        if self.ranks is not None:
+            self.ranks.sum(batch_size)
+            if self.sync:
+                self.ranks.sum(0)
+
+    def poll(self, done: bool, stop: bool) -> str:
+        """(each step of a training loop) What this rank does, agreed by all: ``"stop"`` once any
+        rank was told to stop or all are ``done``, ``"hold"`` (see :meth:`hold`) while this one is
+        done and others are not, else ``"step"``. One all-reduce."""
+        if self.ranks is None:
+            return "stop" if done or stop else "step"
+        total = self.ranks.sum(int(done) + (self.world_size + 1) * int(stop))
+        return "stop" if total >= self.world_size else "hold" if done else "step"
+
     def zero_grad(self) -> None:
         """Drop the DTensors' gradients (FSDP accumulates into them otherwise)."""
         for d in self.dparams:
@@ -100,16 +127,43 @@ class FsdpShard:
         return {FSDP_LABEL: [self.rank, self.world_size, self.shapes]}
 
 
-def rank_dht(initial_peers: Sequence[Any] | None, ranks: PeerRanks | None, **kwargs: Any) -> Any:
+def rank_dht(initial_peers: Sequence[Any] | None, ranks: PeerRanks | None, dht: Any = None, **kwargs: Any) -> Any:
     """A DHT node for this rank, joining through ``initial_peers`` and its leader's node (so that
-    the ranks of a peer that starts a swarm find each other); ``kwargs`` go to :class:`p2ptrain.DHT`."""
+    the ranks of a peer that starts a swarm find each other); ``kwargs`` go to :class:`p2ptrain.DHT`.
+    ``dht``: the leader's node, already started (else one is made for it too)."""
     from ..background import DHT
 
     if ranks is None:
-        return DHT(initial_peers, **kwargs)
-    dht = DHT(initial_peers, **kwargs) if ranks.is_leader else None
+        return dht if dht is not None else DHT(initial_peers, **kwargs)
+    if ranks.is_leader and dht is None:
+        dht = DHT(initial_peers, **kwargs)
     leader = ranks.decide([str(a) for a in dht.multiaddrs] if dht is not None else None)
     return dht if dht is not None else DHT([*leader, *(initial_peers or [])], **kwargs)
+
+
+def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` under FSDP2 over the default process group, in place: every layer of its stacks
+    (the children of its ``nn.Sequential``/``nn.ModuleList``, outermost) a unit, the rest the root's.
+    (Tensors used outside their module's forward, such as a tied embedding, stay in the root.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        stack = isinstance(module, (nn.Sequential, nn.ModuleList))
+        for child in module.children():
+            if stack and any(p.requires_grad for p in child.parameters()):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def _move_optimizer(optimizer: torch.optim.Optimizer, local: dict[int, torch.Tensor]) -> None:

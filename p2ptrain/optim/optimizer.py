@@ -182,7 +182,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         # FSDP: this rank trains its shards, as a member of its shard's swarm (see optim/fsdp.py)
-        self.fsdp = FsdpShard(optimizer, process_group) if is_sharded(optimizer) else None
+        self.fsdp = FsdpShard(optimizer, process_group, sync=mode == "sync") if is_sharded(optimizer) else None
         if self.fsdp is not None:
             run_id = self.fsdp.run_id(run_id)
         peer_name = check_name(name)

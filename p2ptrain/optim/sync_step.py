@@ -41,9 +41,13 @@ def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
     opt.local_samples += bs
     view = opt.tracker.report(opt.epoch, opt.local_samples, opt._sps)
     opt.stats.observe(view, opt.epoch, opt.local_samples)
-    if view.epoch > opt.epoch + 1 or (view.epoch == opt.epoch + 1 and round_over(opt, view)):
+    behind = view.epoch > opt.epoch + 1 or (view.epoch == opt.epoch + 1 and round_over(opt, view))
+    due = view.epoch == opt.epoch + 1 or view.reached or view.ready
+    if opt.fsdp is not None:  # an FSDP peer's ranks end their epochs at one step (see optim/fsdp.py)
+        due = opt.fsdp.end_epoch(due and not behind)
+    if behind:
         fall_behind(opt, view)
-    elif view.epoch == opt.epoch + 1 or view.reached or view.ready:
+    elif due:
         # the published counts reach the target, or a peer is waiting for us, or peers already
         # moved on from our epoch (they may still be in its round): end the epoch and try to
         # join the round; if it has closed, apply_pending loads the swarm's state instead of
