@@ -15,7 +15,7 @@ from p2ptrain.averaging.claims import parse_entry
 from p2ptrain.averaging.group import Group, Member
 from p2ptrain.averaging.join import JOIN_METHOD
 from p2ptrain.averaging.matchmaking import Matchmaker
-from p2ptrain.averaging.plan import plan_groups, score, settle_window
+from p2ptrain.averaging.plan import Gathered, gather_verdict, plan_groups, score, settle_window
 from p2ptrain.averaging.schema import schema_mismatch_message, tensor_schema
 
 FAST = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.5)
@@ -99,6 +99,23 @@ def test_plan_leaders_are_never_client_mode():
         assert plan and all(g[0].addr is not None for g in plan)
         assert max(len(g) for g in plan) - min(len(g) for g in plan) <= 1
     assert plan_groups([_member(0, client=True)], "k", 4) == []
+
+
+def test_a_gather_stops_when_its_set_settles_or_holds_everyone_and_waits_longer_for_expected_peers():
+    g = Gathered(n=3, min_size=2, expected=None, finished=0, last_growth=10.0, settle=0.2, grace=0.9,
+                 reserve=0.1, deadline=15.0, joined=False)
+    assert gather_verdict(g, 10.1) == ("wait", pytest.approx(10.2))
+    assert gather_verdict(g, 10.25) == ("plan", 10.25)
+    missing = dataclasses.replace(g, expected=4)
+    assert gather_verdict(missing, 10.5) == ("wait", pytest.approx(10.9))  # the grace, not the settle window
+    assert gather_verdict(dataclasses.replace(missing, joined=True), 10.5)[0] == "wait"  # a join does not end it
+    assert gather_verdict(dataclasses.replace(g, joined=True), 10.05)[0] == "plan"
+    assert gather_verdict(dataclasses.replace(missing, n=4), 10.0)[0] == "plan"  # everyone expected is here
+    assert gather_verdict(dataclasses.replace(missing, grace=9.0), 14.95)[0] == "plan"  # the deadline's reserve
+    alone = dataclasses.replace(g, n=1, expected=3)
+    assert gather_verdict(alone, 11.0) == ("wait", 15.0)
+    assert gather_verdict(dataclasses.replace(alone, finished=2), 11.0) == ("alone", 11.0)  # they grouped
+    assert gather_verdict(alone, 15.0) == ("alone", 15.0)
 
 
 def test_settle_window_adapts():

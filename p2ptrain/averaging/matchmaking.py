@@ -65,7 +65,7 @@ from .claims import Entry
 from .group import Group, Member
 from .join import JoinDispatcher, JoinProtocol
 from .mm_state import MatchRound
-from .plan import MAX_ROUND_ID, expected_grace, settle_window
+from .plan import MAX_ROUND_ID, Gathered, expected_grace, gather_verdict, settle_window
 from .schema import Schema
 
 log = logging.getLogger("p2ptrain.matchmaking")
@@ -305,41 +305,27 @@ class Matchmaker(JoinProtocol):
                         continue
                     rnd.mark("first_read")
                     n = len(candidates) + 1
-                    everyone = expected is not None and n >= expected
-                    if everyone:
+                    if expected is not None and n >= expected:
                         rnd.mark("all_seen")
                     arrivals = [
                         e.arrived for e in candidates.values() if now_wall - timeout - 60 <= e.arrived <= now_wall + 5
                     ] + [rnd.entry_value["t"] if rnd.entry_value else now_wall]
-                    settle = rnd.settle = settle_window(self.latency, arrivals, timeout)
-                    if expected is not None and n < expected:
-                        # Peers we were told to expect are still missing: on a loaded machine a process
-                        # that arrives a few hundred ms after a burst of others is common, and closing
-                        # without it splits the round. Wait for it as long as recent rounds' arrivals
-                        # were spread (bounded: it may be gone).
-                        settle = max(settle, grace)
-                    reserve = min(max(0.1, 4 * self.latency), 0.3 * timeout)
-                    # A join says its sender has settled: so do we, unless peers we expect are missing
-                    # (its view may be staler than ours; it waits for our answer meanwhile).
-                    joined = rnd.join_hint.is_set() and (expected is None or n >= expected)
-                    if n >= rnd.min_size:
-                        if now - last_growth >= settle or everyone or joined or now >= deadline - reserve:
-                            log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
-                                      rnd.round_id, n, polls, settle, self.latency,
-                                      ", joined by a peer" if rnd.join_hint.is_set() else "")
-                            rnd.mark("planned")
-                            return [me] + [e.member for e in candidates.values()]
-                        wake_at = min(last_growth + settle, deadline - reserve)
-                    else:
-                        if now >= deadline:
-                            return None
-                        if expected is not None and not candidates and len(finished) + 1 >= expected:
-                            # everyone we were told to expect has grouped (or given up) without us:
-                            # nobody is left to meet, so do not wait out the deadline
-                            log.debug("round %s: the %d other expected peers are done; nobody left",
-                                      rnd.round_id, len(finished))
-                            return None
-                        wake_at = deadline
+                    rnd.settle = settle_window(self.latency, arrivals, timeout)
+                    seen = Gathered(n=n, min_size=rnd.min_size, expected=expected, finished=len(finished),
+                                    last_growth=last_growth, settle=rnd.settle, grace=grace,
+                                    reserve=min(max(0.1, 4 * self.latency), 0.3 * timeout), deadline=deadline,
+                                    joined=rnd.join_hint.is_set())
+                    verdict, wake_at = gather_verdict(seen, now)
+                    if verdict == "plan":
+                        log.debug("round %s: gathered %d peers in %d polls (settle %.3f s, latency %.3f s%s)",
+                                  rnd.round_id, n, polls, rnd.settle, self.latency,
+                                  ", joined by a peer" if rnd.join_hint.is_set() else "")
+                        rnd.mark("planned")
+                        return [me] + [e.member for e in candidates.values()]
+                    if verdict == "alone":
+                        log.debug("round %s: nobody to meet (%d of %d peers seen, %d others done)",
+                                  rnd.round_id, n, rnd.min_size, len(finished))
+                        return None
             finally:
                 for task in reads:
                     task.cancel()

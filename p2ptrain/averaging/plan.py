@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from dht import PeerID
 
@@ -71,3 +72,42 @@ def expected_grace(spreads: Iterable[float], latency: float, timeout: float) -> 
     floor = min(EXPECTED_GRACE, 0.1 * timeout)
     widest = max(spreads, default=0.0)
     return min(max(floor, 1.5 * widest + 2.0 * latency), max(floor, timeout / 3))
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What a gather has seen when it decides whether to stop (loop times in seconds)."""
+
+    n: int  # candidates, us included
+    min_size: int  # the smallest group worth planning
+    expected: int | None  # peers we were told to expect, us included (None: no hint)
+    finished: int  # other peers seen done (grouped already, or gave up)
+    last_growth: float  # when the candidates last grew
+    settle: float  # settle_window() of the arrivals seen
+    grace: float  # expected_grace(): the settle window while expected peers are missing
+    reserve: float  # time kept before the deadline to join and run the round
+    deadline: float
+    joined: bool  # a peer joined us: it has settled
+
+
+def gather_verdict(g: Gathered, now: float) -> tuple[str, float]:
+    """``("plan", now)``: plan with the candidates; ``("alone", now)``: nobody to meet; or
+    ``("wait", t)``: look again at loop time ``t`` at the latest (or when an entry lands).
+
+    A set that stayed unchanged for the settle window is final; so is one holding everyone
+    expected. While expected peers are missing the window is at least the grace, and a join does
+    not end it (the joiner's view may be staler than ours). Near the deadline we plan with whoever
+    is there; with too few, we give up at the deadline, or at once when everyone expected is done.
+    """
+    missing = g.expected is not None and g.n < g.expected
+    settle = max(g.settle, g.grace) if missing else g.settle
+    if g.n >= g.min_size:
+        if (now - g.last_growth >= settle or (g.expected is not None and not missing)
+                or (g.joined and not missing) or now >= g.deadline - g.reserve):
+            return "plan", now
+        return "wait", min(g.last_growth + settle, g.deadline - g.reserve)
+    if now >= g.deadline:
+        return "alone", now
+    if g.expected is not None and g.n == 1 and g.finished + 1 >= g.expected:
+        return "alone", now  # everyone we were told to expect grouped (or gave up) without us
+    return "wait", g.deadline
