@@ -8,11 +8,15 @@ from __future__ import annotations
 import asyncio
 import types
 
+import pytest
+
 from dht import Identity
 from p2ptrain.averaging import StepResult
-from p2ptrain.optim.catch_up import catch_up_at_start, load_state_from_peers
+from p2ptrain.checkpoint import ChunksUnavailableError
+from p2ptrain.optim.catch_up import catch_up_at_start, fetch_state, load_state_from_peers
 from p2ptrain.optim.diloco_step import dropped
 from p2ptrain.optim.progress import PeerReport, SwarmView
+from p2ptrain.optim.state_sync import StateSync, UntrustedState
 
 
 def _report(peer, epoch):
@@ -115,3 +119,49 @@ def test_a_peer_that_loads_the_state_of_peers_that_skipped_an_update_takes_their
     assert fake.epoch == 9 and fake._partners == {a: 5}  # (a's reports up to epoch 5 predate that state)
     # overlapped rounds: a peer reports the next epoch while its round is in flight, not a skip
     assert load(overlap=True).epoch == 6
+
+
+def test_a_state_load_that_fails_on_the_way_asks_its_only_provider_once_more_before_leaving_it_out():
+    """A download from the one peer that holds the state fails mid-transfer (a slow moment): it is
+    asked again at once, not left out of the view (we would look alone in it for the progress
+    ttl, and a diloco peer would step alone). A provider that fails twice, or whose state is not
+    to be believed, is left out."""
+    me, b = (Identity().peer_id for _ in range(2))
+    swarm = SwarmView(epoch=6, samples=0, target=64, peers=[_report(b, 6)], behind=[_report(me, 5)])
+    asked, ignored = [], []
+
+    class Tracker:
+        def __init__(self):
+            self.me, self.view = types.SimpleNamespace(peer=me), swarm
+
+        def ignore(self, peers):
+            ignored.extend(peers)
+            self.view = SwarmView(epoch=5, samples=0, target=64, peers=[], behind=[_report(me, 5)])
+
+        async def refresh_now(self, timeout=None):
+            return self.view
+
+    def load(*outcomes):
+        async def fetch(providers, timeout, into=None, **_vetting):
+            asked.append([p.peer for p in providers])
+            outcome = outcomes[len(asked) - 1]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        asked.clear(), ignored.clear()
+        fake = types.SimpleNamespace(
+            load_state_timeout=10.0, matchmaking_timeout=1.0, _strict=False, _state_cap=1 << 30, tracker=Tracker(),
+            state_sync=types.SimpleNamespace(choose=StateSync.choose, fetch=fetch),
+            _loop=types.SimpleNamespace(run=lambda coro: asyncio.run(coro)))
+        return fetch_state(fake, swarm, 6)
+
+    stalled = ChunksUnavailableError("no provider could supply chunks 3-7: stalled")
+    assert load(stalled, "state of epoch 6") == "state of epoch 6"
+    assert asked == [[b], [b]] and ignored == []
+    with pytest.raises(ChunksUnavailableError):  # twice: left out (a peer that claims what it cannot serve)
+        load(stalled, stalled)
+    assert asked == [[b], [b]] and ignored == [b]
+    with pytest.raises(UntrustedState):  # a state not to believe: left out at once, not asked again
+        load(UntrustedState("labelled epoch 1000000000"))
+    assert asked == [[b]] and ignored == [b]

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..checkpoint import StateTransferError
+from ..checkpoint import StateTooLargeError, StateTransferError
 from .progress import SwarmView
 from .rounds import FRESH_LOOK, round_result
 from .shared_state import placeable
-from .state_sync import NoProviders
+from .state_sync import NoProviders, UntrustedState
 
 if TYPE_CHECKING:
     from .optimizer import DecentralizedOptimizer
@@ -145,7 +145,12 @@ def fetch_state(opt: DecentralizedOptimizer, view: SwarmView, at_least: int, att
     fewer updates than ``at_least`` are no providers: theirs would take us back; while peers
     one epoch short of it (still in its round) may get there, we wait for them, at most a
     matchmaking timeout. NoProviders only when nobody held it: once holders failed us, their
-    error (a missed update that peers hold is not one to skip)."""
+    error (a missed update that peers hold is not one to skip).
+
+    A download that fails on the way (a slow or briefly unreachable provider) is asked again
+    once of the same providers when no other peer holds the state: leaving them out of the
+    view at once would leave us alone in it for the progress ttl. A state they served that is
+    not to be believed (UntrustedState, or larger than ours can be) leaves them out at once."""
     deadline = time.monotonic() + opt.load_state_timeout
     patience = time.monotonic() + opt.matchmaking_timeout
     strict = opt._strict
@@ -157,17 +162,25 @@ def fetch_state(opt: DecentralizedOptimizer, view: SwarmView, at_least: int, att
 
     attempt = 0
     failed: StateTransferError | None = None
+    failing: set[Any] = set()  # peers whose download failed on the way, not left out (yet)
+    retried: set[Any] = set()  # those of them asked once more
     while True:
         me = opt.tracker.me.peer
         others = [p for p in (*view.peers, *view.behind) if p.peer != me]
         # (a peer that skipped a round reports its epoch but holds fewer updates: no provider)
         holders = [p for p in others if p.epoch >= at_least and (p.held is None or p.held >= at_least)]
+        rest = [p for p in holders if p.peer not in failing]
+        if failing and rest:  # others hold it: ask them instead
+            opt.tracker.ignore(list(failing))
+            holders, failing = rest, set()
+        retried |= failing  # (else nobody does: the same ones once more)
         providers = opt.state_sync.choose(holders, quorum=strict)
         if not providers and time.monotonic() < min(patience, deadline) and any(
                 p.epoch == at_least - 1 and p.reach for p in others):
             view = opt._loop.run(opt.tracker.wait_fresh(0.5))
             continue
         if not providers and failed is not None:  # the ones that hold it failed us: not "nobody holds it"
+            opt.tracker.ignore(list(failing))
             raise failed
         if not providers:
             raise NoProviders(f"no peer at or past our epoch {at_least} serves it")
@@ -176,12 +189,18 @@ def fetch_state(opt: DecentralizedOptimizer, view: SwarmView, at_least: int, att
                                                       into=into, at_least=at_least, strict=strict,
                                                       max_total=opt._state_cap, newest=newest))
         except StateTransferError as e:
-            opt.tracker.ignore([p.peer for p in providers])
             failed = e
             attempt += 1
+            ids = {p.peer for p in providers}
+            if isinstance(e, (UntrustedState, StateTooLargeError)) or ids <= retried:  # not to believe, or twice
+                opt.tracker.ignore(list(ids))
+                failing -= ids
+            else:
+                failing |= ids
             if attempt == attempts or time.monotonic() >= deadline:
+                opt.tracker.ignore(list(failing))
                 raise
-            log.info("could not load the state from %d peer(s) (%s); asking others", len(providers), e)
+            log.info("could not load the state from %d peer(s) (%s); trying again", len(providers), e)
             view = opt._loop.run(opt.tracker.refresh_now())
 
 

@@ -41,6 +41,11 @@ class NoProviders(StateTransferError):
     """No peer serves a state as advanced as the one asked for."""
 
 
+class UntrustedState(StateTransferError):
+    """The providers served a state not to believe: labelled outside the epochs asked for, or
+    named by no majority of them."""
+
+
 class StateSync:
     """Serves ``state()`` (returns ``(epoch, nested state)``, called with the lock held) from the
     live tensors it returns (:mod:`p2ptrain.checkpoint.live`) and fetches other peers' state.
@@ -218,8 +223,8 @@ def vet(result: FetchResult, providers: list[PeerReport], at_least: int, strict:
     claimed = max(p.epoch for p in providers) if claimed is None else claimed
     who = ", ".join(p.peer.short() for p in providers[:4])
     if type(epoch) is not int or not at_least <= epoch <= claimed:
-        raise StateTransferError(f"the state from {who} is labelled epoch {epoch!r:.20}, not one between {at_least} "
-                                 f"and the {claimed} they report")
+        raise UntrustedState(f"the state from {who} is labelled epoch {epoch!r:.20}, not one between {at_least} "
+                             f"and the {claimed} they report")
     agreed, asked = result.votes
     if strict and asked >= 2 and 2 * agreed <= asked:
-        raise StateTransferError(f"only {agreed} of the {asked} peers asked ({who}) serve that state: no majority")
+        raise UntrustedState(f"only {agreed} of the {asked} peers asked ({who}) serve that state: no majority")
