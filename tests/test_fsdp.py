@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,34 @@ def test_the_world_size_is_in_the_schema_and_its_mismatch_names_both_sizes():
     said = schema_mismatch_message(sharded, three.summary(), peer="X", run="r")
     assert "over 3 ranks (FSDP world size 3)" in said and "ours over 2 ranks (world size 2)" in said, said
     assert parse_summary({**three.summary(), "k": 0}) is None  # (a peer's claim: bounded)
+
+
+def test_the_ranks_of_an_fsdp_peer_agree_on_ending_an_epoch_and_stopping_and_a_holding_rank_matches_the_steps():
+    """(no processes: the in-peer sums stand in) A rank whose shard swarm is not due ends its sync
+    epoch when another rank's is; a rank that holds takes part in as many collectives as a step
+    (else the peer's ranks deadlock); poll stops every rank on one's stop, or once all are done."""
+    from p2ptrain.optim.fsdp import FsdpShard
+
+    def rank(others: int, sync: bool = True) -> tuple[FsdpShard, list[int]]:
+        """A rank of 2 whose other rank adds ``others`` to every sum; the values it contributed."""
+        shard, sent = FsdpShard.__new__(FsdpShard), []
+        shard.sync, shard.world_size, shard.dparams, shard.local = sync, 2, [], []
+        shard.ranks = types.SimpleNamespace(sum=lambda v: sent.append(v) or v + others)
+        return shard, sent
+
+    shard, _ = rank(others=1)
+    assert shard.end_epoch(False) and shard.end_epoch(True)  # the other rank found it due: both end
+    shard, _ = rank(others=0)
+    assert not shard.end_epoch(False) and shard.end_epoch(True)
+    for sync in (True, False):  # a step's collectives: the batch's sum, then (sync) the epoch's end
+        stepping, held = rank(others=0, sync=sync), rank(others=0, sync=sync)
+        stepping[0].begin_step(32)
+        if sync:
+            stepping[0].end_epoch(False)
+        held[0].hold(32)
+        assert len(stepping[1]) == len(held[1]) == 1 + sync and held[1][0] == 32
+    assert rank(others=1)[0].poll(done=True, stop=False) == "stop"  # both done
+    assert rank(others=0)[0].poll(done=True, stop=False) == "hold"  # the other trains on
+    assert rank(others=0)[0].poll(done=False, stop=False) == "step"
+    assert rank(others=3)[0].poll(done=False, stop=False) == "stop"  # the other was told to stop
+    assert rank(others=0)[0].poll(done=False, stop=True) == "stop"
