@@ -52,8 +52,8 @@ def check_ranks_args(args: argparse.Namespace) -> None:
         raise ConfigError("--nproc-per-node must be at least 1")
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts cannot be negative")
-    if args.nproc_per_node > 1 and getattr(args, "dataset", None):
-        raise ConfigError("--dataset is not supported with --nproc-per-node yet (the ranks would need "
+    if (args.nproc_per_node > 1 or in_torchrun()) and getattr(args, "dataset", None):
+        raise ConfigError("--dataset is not supported with --nproc-per-node or torchrun yet (the ranks would need "
                           "the swarm's shards without a DHT node of their own)")
     if getattr(args, "fsdp", False) and args.nproc_per_node < 2 and not in_torchrun():
         raise ConfigError("--fsdp shards the model over the ranks of a torchrun job: give --nproc-per-node K "
