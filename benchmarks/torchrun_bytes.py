@@ -1,7 +1,8 @@
 """Bytes that cross the swarm per epoch, and samples/s: P peers of K ranks each (``p2ptrain peer
---nproc-per-node K``, DDP inside) against P*K single-process peers training the same run.
+--nproc-per-node K``, DDP inside, or FSDP with ``--fsdp``) against P*K single-process peers training
+the same run.
 
-    python benchmarks/torchrun_bytes.py [--peers 2] [--ranks 2] [--epochs 10] [--mode sync]
+    python benchmarks/torchrun_bytes.py [--peers 2] [--ranks 2] [--epochs 10] [--mode sync] [--fsdp]
 
 Both swarms train digits on this machine over loopback, one after the other, with the same total
 batch per step. A K-rank peer averages once for its K ranks, so the swarm moves about 1/K of the
@@ -22,7 +23,8 @@ def swarm(peers: int, ranks: int, args: argparse.Namespace) -> dict[str, float]:
     common = [sys.executable, "-m", "p2ptrain", "peer", "--json", "--listen", "/ip4/127.0.0.1/tcp/0",
               "--threads", "1", "--epochs", str(args.epochs), "--target-batch-size", str(args.target_batch_size),
               "--mode", args.mode, "--local-steps", str(args.local_steps), "--compute-delay", str(args.compute_delay),
-              "--nproc-per-node", str(ranks)]
+              "--nproc-per-node", str(ranks), *(["--fsdp"] if args.fsdp and ranks > 1 else [])]
+    fsdp = args.fsdp and ranks > 1  # (every rank averages its shard: all ranks' bytes count)
     with Children(f"torchrun-{ranks}") as kids:
         kids.spawn("peer0", [*common, "--wait-peers", str(peers)])
         _, _, started = kids.wait_for(lambda n, e: e.get("event") == "started", timeout=120)
@@ -30,11 +32,16 @@ def swarm(peers: int, ranks: int, args: argparse.Namespace) -> dict[str, float]:
             kids.spawn(f"peer{i}", [*common, "--bootstrap", started["multiaddrs"][0]])
         done: dict[str, dict] = {}
         t0 = time.monotonic()
-        while len(done) < peers:
-            name, _, e = kids.wait_for(lambda n, e: e.get("event") == "done" and "rank" not in e, timeout=600)
-            done[name] = e
+        shards: list[dict] = []
+        while len(done) < peers or len(shards) < (peers * (ranks - 1) if fsdp else 0):
+            name, _, e = kids.wait_for(lambda n, e: e.get("event") == "done" and ("rank" not in e or fsdp),
+                                       timeout=600)
+            if "rank" in e:
+                shards.append(e)
+            else:
+                done[name] = e
         wall = time.monotonic() - t0
-    sent = sum(e["bytes_sent"] for e in done.values())
+    sent = sum(e["bytes_sent"] for e in (*done.values(), *shards))
     # (samples/s over each peer's training loop: a torchrun peer's slower start is not counted)
     sps = sum(e["samples"] / e["seconds"] for e in done.values())
     return {"bytes_per_epoch": sent / args.epochs, "samples_per_s": sps,
@@ -50,9 +57,11 @@ def main() -> None:
     ap.add_argument("--mode", choices=["sync", "diloco"], default="sync")
     ap.add_argument("--local-steps", type=int, default=20, help="diloco H")
     ap.add_argument("--compute-delay", type=float, default=0.0, help="extra seconds per step (a bigger model)")
+    ap.add_argument("--fsdp", action="store_true", help="shard the model over each peer's ranks (FSDP) instead of DDP")
     args = ap.parse_args()
     sigterm_as_exit()
-    print(f"{args.peers} peers x {args.ranks} ranks against {args.peers * args.ranks} single-process peers, "
+    inside = "FSDP" if args.fsdp else "DDP"
+    print(f"{args.peers} peers x {args.ranks} {inside} ranks against {args.peers * args.ranks} single-process peers, "
           f"digits {args.mode}, {args.epochs} epochs; {loadavg()}", flush=True)
     ranked = swarm(args.peers, args.ranks, args)
     single = swarm(args.peers * args.ranks, 1, args)

@@ -194,6 +194,9 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         if not leads:
             done = {"event": "done", "rank": ranks.rank, "epoch": opt.epoch, "metrics": metrics, "steps": steps,
                     "params_digest": _digest(opt)}
+            if fsdp:  # (every rank averages its own shard with the swarm)
+                s = opt.stats
+                done.update(rounds=s.rounds, bytes_sent=s.bytes_sent, bytes_received=s.bytes_received)
             on_event(done)
             return done
         done = {**_progress(opt, loss_ewma, steps, elapsed), "event": "done", "metrics": metrics,
