@@ -27,6 +27,8 @@ _LINGER = 2.0  # s: our entry outlives our deadline by this much
 _READ_FANOUT = 3  # holders asked per poll once a full lookup has found them
 _FULL_LOOKUP_EVERY = 16  # polls between full lookups (new holders, dead ones replaced)
 _HOLDERS = 8  # a round's entries go to its key's closest few, so a round's cost does not grow with the swarm
+_TRUST_AFTER = 2  # lookups in a row that found the holders our table named: skip the next ones...
+_CHECK_EVERY = 8  # ...except one round in this many, which checks the table is still right
 _SUMMARY_HOLDERS = 3  # schema summaries: written to and read from the key's closest three
 
 
@@ -45,6 +47,8 @@ class Board:
         self._spawn = spawn
         self._mismatches: dict[str, str] = {}
         self._latency: float | None = None  # EWMA of DHT read latency, seconds
+        self._agreed = 0  # full lookups in a row whose holders our routing table had named
+        self._skipped = 0  # registrations since the last full lookup
         self.closed = False
 
     @property
@@ -69,21 +73,31 @@ class Board:
     def register(self, rnd: MatchRound, me: Member, timeout: float, deadline: float) -> None:
         """Write our entry for the round, in the background, at once to the key's holders as our
         routing table knows them (it lands half a round trip later), and to any others a full
-        lookup of the key then finds. Gathering does not wait for it: we count ourselves in any
+        lookup of the key then finds (skipped while recent lookups found what the table named). Gathering does not wait for it: we count ourselves in any
         case, and the others see us once it lands."""
         now_wall = time.time()
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER
-        rnd.holders = self.node.nearest_known(rnd.key)[:_HOLDERS]
+        known = self.node.nearest_known(rnd.key)
+        rnd.holders = known[:_HOLDERS]
         # The schema summary only explains mismatches: publish it without waiting for it.
         self._spawn(self._publish_summary(rnd))
         self._spawn(self._store_entry(rnd, deadline))
         # We know fewer peers than a key has holders: each is one (and writes to us if it knows us),
-        # and a lookup would ask them only.
-        if len(rnd.holders) < _HOLDERS:
+        # and a lookup would ask them only. Nor is one needed while recent lookups found the
+        # holders our table named (a lookup asks ~k peers: most of a round's RPCs in a large swarm).
+        if len(rnd.holders) < _HOLDERS or self._table_trusted():
             rnd.looked_up.set()
         else:
-            self._spawn(self._look_up_holders(rnd, deadline))
+            self._skipped = 0
+            self._spawn(self._look_up_holders(rnd, deadline, {c.peer_id for c in known}))
+
+    def _table_trusted(self) -> bool:
+        """Whether this registration may skip its full lookup (counted as skipped if so)."""
+        if self._agreed < _TRUST_AFTER or self._skipped + 1 >= _CHECK_EVERY:
+            return False
+        self._skipped += 1
+        return True
 
     async def _store_entry(self, rnd: MatchRound, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -110,16 +124,20 @@ class Board:
         assert rnd.entry_value is not None
         await self.node.store_owned(rnd.key, _MEMBER_SUBKEY, rnd.entry_value, rnd.entry_expiration, closest=holders)
 
-    async def _look_up_holders(self, rnd: MatchRound, deadline: float) -> None:
-        """The key's holders by a full lookup: the routing table's guess misses some in a large swarm."""
+    async def _look_up_holders(self, rnd: MatchRound, deadline: float, known: set[PeerID]) -> None:
+        """The key's holders by a full lookup: the routing table's guess misses some in a large
+        swarm. Whether our table already knew every holder found (``known``: its k nearest the key)
+        decides whether the next rounds trust it (a slow holder the lookup passed over is no miss)."""
         try:
             async with asyncio.timeout_at(deadline):
                 read = await self.node.get_owned(rnd.key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
             found = [c for c in read.closest if c.addr is not None][:_HOLDERS]
             if found:
                 rnd.holders = found
+            agreed = len(found) == _HOLDERS and all(c.peer_id in known for c in found)
+            self._agreed = self._agreed + 1 if agreed else 0
         except (TimeoutError, DHTError):
-            pass
+            self._agreed = 0
         finally:
             rnd.looked_up.set()
 
