@@ -35,8 +35,9 @@ RANK_TIMEOUT = 120.0
 def add_ranks_args(p: argparse.ArgumentParser) -> None:
     """``--nproc-per-node`` and ``--max-restarts`` (training flags: ``p2ptrain swarm`` passes them on)."""
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
-                   help="run this peer as a torchrun job of K ranks (DDP inside: gloo on the CPU, nccl on CUDA); "
-                   "rank 0 averages with the swarm for all of them (default: 1, one process)")
+                   help="run this peer as a torchrun job of K ranks (DDP inside, or FSDP with --fsdp: gloo on the "
+                   "CPU, nccl on CUDA); with DDP rank 0 averages with the swarm for all of them (default: 1, one "
+                   "process)")
     p.add_argument("--fsdp", action="store_true",
                    help="with --nproc-per-node (or under torchrun): shard the model over the ranks (FSDP2) instead "
                    "of a replica on each; each rank averages its own shard with the same rank of the other peers, "
