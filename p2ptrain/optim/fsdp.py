@@ -143,8 +143,8 @@ def rank_dht(initial_peers: Sequence[Any] | None, ranks: PeerRanks | None, dht: 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
     """``model`` under FSDP2 over the default process group, in place: every layer of its stacks
-    (the children of its ``nn.Sequential``/``nn.ModuleList``, outermost) a unit, the rest the root's.
-    (Tensors used outside their module's forward, such as a tied embedding, stay in the root.)"""
+    (the children of its ``nn.Sequential``/``nn.ModuleList``, outermost) a unit, the rest the root's,
+    which is whole during the model's own forward (e.g. an embedding it also uses as the tied head)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
