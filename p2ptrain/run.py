@@ -190,7 +190,8 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
         opt.finish_round()  # (overlapped rounds: the last one in, the model the swarm's outer parameters)
         _drain(opt, cfg, stop)
         model.eval()
-        metrics = task.evaluate(model)
+        # (an FSDP model gathers its shards to evaluate: a rank that died there is a RankFailure too)
+        metrics = task.evaluate(model) if ranks is None else ranks.together(lambda: task.evaluate(model))
         if not leads:
             done = {"event": "done", "rank": ranks.rank, "epoch": opt.epoch, "metrics": metrics, "steps": steps,
                     "params_digest": _digest(opt)}

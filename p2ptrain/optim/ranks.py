@@ -11,7 +11,7 @@ rank must call them in the same order. A collective that fails (a rank died) rai
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
@@ -27,6 +27,8 @@ LEADER = 0
 MAX_DECISION = 1 << 20
 #: bytes of the one broadcast that carries a decision (its length, then as much of it as fits)
 INLINE = 256
+
+T = TypeVar("T")
 
 
 class RankFailure(P2PTrainError, RuntimeError):
@@ -149,8 +151,13 @@ class PeerRanks:
     def forward_backward(self, loss: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``loss()`` and its backward on a DDP model, which talk to the other ranks (buffers, the
         gradient all-reduce): a rank that died makes them a RankFailure, not a bare RuntimeError."""
-        out: list[torch.Tensor] = []
-        self._run(lambda: out.append(loss()) or out[0].backward())
+        return self.together(lambda: (out := loss(), out.backward())[0])
+
+    def together(self, work: Callable[[], T]) -> T:
+        """``work()``, which talks to the other ranks (a DDP or FSDP forward, an evaluation): a rank
+        that died makes it a RankFailure, not a bare RuntimeError."""
+        out: list[T] = []
+        self._run(lambda: out.append(work()))
         return out[0]
 
     @staticmethod
