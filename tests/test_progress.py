@@ -321,3 +321,39 @@ def test_reports_are_kept_across_reads_each_peers_newest_until_no_read_returns_i
         assert view.epoch == 3 and {p.peer for p in view.training} == {tracker.me.peer, PEERS[1]}
 
     asyncio.run(main())
+
+
+def test_a_caller_looping_on_wait_fresh_gets_at_most_one_read_per_min_refresh():
+    """``wait_for_peers`` and ``drain`` loop on ``wait_fresh``: each call starts a refresh at once,
+    but no sooner than ``min_refresh`` after the last one, so such loops do not read the key's
+    holders back to back (64 peers joining at once did, hundreds of times a second)."""
+    import asyncio
+
+    from dht import OwnedRead
+    from p2ptrain.optim import progress
+
+    reads = [0]
+
+    async def store_owned(key, name, value, expiration, closest=None):
+        pass
+
+    async def get_owned(key, name, **kw):
+        reads[0] += 1
+        return OwnedRead({}, [])
+
+    async def main():
+        tracker = progress.ProgressTracker(_fake_node(store_owned, get_owned), "run", "schema", target=1000,
+                                           refresh=10.0, min_refresh=0.05)
+        await tracker.start()
+        loop = asyncio.get_running_loop()
+        start, views = loop.time(), 0
+        while loop.time() - start < 0.5:
+            await tracker.wait_fresh(1.0)
+            views += 1
+        took = loop.time() - start
+        await tracker.close()
+        return views, took
+
+    views, took = asyncio.run(main())
+    assert 3 <= views <= took / 0.05 + 2, (views, took)
+    assert reads[0] <= views + 2

@@ -245,6 +245,7 @@ class ProgressTracker:
         self._ignored: dict[PeerID, float] = {}  # peer -> monotonic time until which it is left out
         self._wake = asyncio.Event()
         self._hurried = False  # a hurry() wake-up is pending (one per refresh, however many steps ask)
+        self._asked = False  # a wait_fresh() wake-up is pending
         self._last_refresh = 0.0  # loop time the last refresh began
         self._closest: list[Contact] = []  # the key's closest peers, as the last full lookup found them
         self.holders = holders
@@ -346,8 +347,11 @@ class ProgressTracker:
         return await self.refresh_now(timeout)
 
     async def wait_fresh(self, timeout: float) -> SwarmView:
-        """Wait for the next completed refresh (at most ``timeout``), then return the view."""
+        """Wait for the next completed refresh (at most ``timeout``), then return the view. One
+        starts at once, but at most one per ``min_refresh`` for these: a caller that loops on this
+        (``wait_for_peers``, ``drain``) must not read the key's holders back to back."""
         self._fresh.clear()
+        self._asked = True
         self._wake.set()
         await wait_event(self._fresh, timeout)
         return self.view
@@ -366,10 +370,11 @@ class ProgressTracker:
             elif view.sps > 0:  # look when the estimate reaches the target: the others publish their counts then
                 period = min(period, max(self.min_refresh, view.eta))
             await wait_event(self._wake, period)
-            if self._hurried:
-                await asyncio.sleep(self._last_refresh + self.fast_refresh - loop.time())
+            if self._hurried or self._asked:
+                gap = self.fast_refresh if self._hurried else self.min_refresh
+                await asyncio.sleep(self._last_refresh + gap - loop.time())
             self._wake.clear()
-            self._hurried = False
+            self._hurried = self._asked = False
             self._last_refresh = loop.time()
             await self._refresh()
 
