@@ -86,17 +86,10 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
         report.update(samples=samples, train_s=time.perf_counter() - t_start, rounds=opt.rounds,
                       state_loads=opt.stats.state_loads, cpu_trained=time.process_time())
         opt.finish_round()
-        linger(opt, cfg["epochs"], timeout=cfg.get("linger_s", 60.0))
+        opt.drain(timeout=cfg.get("linger_s", 60.0))  # (stragglers load our state before we leave)
         report["accuracy"] = task.evaluate(model)["accuracy"]
     finally:
         opt.close()
-
-
-def linger(opt: DecentralizedOptimizer, epochs: int, timeout: float) -> None:
-    """Wait (at most ``timeout`` s) until no peer of the run reports an epoch before ``epochs``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.epoch < epochs for p in opt.tracker.view.training):
-        time.sleep(opt.tracker.refresh)  # (the tracker's own refreshes keep the view fresh)
 
 
 def main() -> None:
