@@ -82,8 +82,8 @@ class Stragglers:
     """One ``k``-wide lookup's reply times, and how long its queries are worth waiting for:
     ``factor`` times the fastest quarter's reply time, and at least ``slack`` seconds more
     (scheduling noise). A peer that much slower than the others asked under the same load is
-    stalled (its process waiting for a CPU, say): asking past it, or with enough copies in hand
-    leaving it behind, beats waiting out its adaptive timeout, which one slow period inflates."""
+    stalled (its process waiting for a CPU, say): with enough copies in hand, leaving it behind
+    beats waiting out its adaptive timeout, which one slow period inflates."""
 
     def __init__(self, k: int, factor: float = 3.0, slack: float = 0.005):
         self.k, self.factor, self.slack = k, factor, slack
@@ -92,11 +92,10 @@ class Stragglers:
     def answered(self, seconds: float) -> None:
         bisect.insort(self._times, seconds)
 
-    def cutoff(self, last_round: bool) -> float | None:
-        """Seconds after its sending at which a query is a straggler, once 2 replies came while the
-        lookup asks alpha at a time (a slow peer among the closest would hold up the last round)
-        and half of k in its last round (the copies it may end with); None before."""
-        if len(self._times) < (self.k // 2 if last_round else 2):
+    def cutoff(self) -> float | None:
+        """Seconds after its sending at which a query is a straggler, once half of k answered (the
+        copies the lookup may end with); None before."""
+        if len(self._times) < self.k // 2:
             return None
         fast = self._times[len(self._times) // 4]
         return max(self.factor * fast, fast + self.slack)

@@ -88,7 +88,7 @@ class Lookups:
     async def _run_lookup(self, target: int, method: str, arg: bytes, want_records: bool,
                           latest: bool) -> LookupResult:
         lookup = Lookup(target, self.routing.closest(target, self.config.k), self.config.k,
-                        self.config.alpha, own_peer=self.peer_id)
+                        self.config.alpha, own_peer=self.peer_id, wide=latest)
         result = LookupResult(records=[])
         if want_records:
             local = self.storage.get(arg, time.time())
@@ -100,9 +100,9 @@ class Lookups:
         # Queries not yet past their adaptive timeout -> when they will be. One past it leaves the
         # lookup's window (the next contact is asked instead) but its reply still counts if it
         # comes before the lookup ends: a slow peer costs a hedge, not its full RPC timeout.
-        # latest also asks past a query far slower than the others (``Stragglers``), and in its
-        # last round, which asks all k closest at once, leaves such a query behind: one stalled
-        # peer cannot hold up the whole lookup.
+        # latest, which asks every contact of its window at once (``Lookup.wide``), also leaves
+        # behind a query far slower than the others once half of k answered (``Stragglers``): one
+        # stalled peer cannot hold up the whole lookup.
         due: dict[asyncio.Task, float] = {}
         sent: dict[asyncio.Task, float] = {}
         stragglers = Stragglers(self.config.k) if latest else None
@@ -120,7 +120,7 @@ class Lookups:
                         due[task] = sent[task] + self._rtt.timeout(contact.peer_id)
                 if not pending or lookup.finished:
                     break
-                cutoff = stragglers.cutoff(lookup.last_round) if stragglers else None
+                cutoff = stragglers.cutoff() if stragglers else None
                 until = {t: at if cutoff is None else min(at, sent[t] + cutoff) for t, at in due.items()}
                 wait = max(0.0, min(until.values()) - loop.time()) if until else None
                 done, _ = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
@@ -128,7 +128,7 @@ class Lookups:
                 for task in [t for t, at in until.items() if at <= now and t not in done]:
                     if due.pop(task) <= now:
                         self._rtt.timed_out(pending[task].peer_id)
-                    lookup.on_timeout(pending[task], replace=not (latest and lookup.last_round))
+                    lookup.on_timeout(pending[task], replace=not latest)
                 for task in done:
                     contact = pending.pop(task)
                     due.pop(task, None)

@@ -236,7 +236,8 @@ class _LookupRun:
                  done: Callable[[SimLookup], None]):
         cfg = node.sim.config
         self.node, self.target, self.method, self.arg, self.latest, self.done = node, target, method, arg, latest, done
-        self.lookup = Lookup(target, node.routing.closest(target, cfg.k), cfg.k, cfg.alpha, own_peer=node.peer_id)
+        self.lookup = Lookup(target, node.routing.closest(target, cfg.k), cfg.k, cfg.alpha, own_peer=node.peer_id,
+                             wide=latest)
         self.result = SimLookup(started=node.sim.loop.now)
         self.want_records = method == "find_value"
         self.outstanding = 0
@@ -272,7 +273,7 @@ class _LookupRun:
         del self.waiting[contact.peer_id]
         if adaptive:
             self.node.rtt.timed_out(contact.peer_id)
-        self.lookup.on_timeout(contact, replace=not (self.latest and self.lookup.last_round))
+        self.lookup.on_timeout(contact, replace=not self.latest)
         self._pump()
 
     def _reply(self, contact: Contact, reply: Any) -> None:
@@ -283,7 +284,7 @@ class _LookupRun:
         if self.stragglers and reply is not _FAILED:
             loop = self.node.sim.loop
             self.stragglers.answered(loop.now - self.sent[contact.peer_id])
-            cutoff = self.stragglers.cutoff(self.lookup.last_round)
+            cutoff = self.stragglers.cutoff()
             for peer, waited in self.waiting.items() if cutoff is not None else ():
                 loop.call_at(self.sent[peer] + cutoff, self._due, waited, False)
         if reply is _FAILED:

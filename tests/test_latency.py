@@ -53,13 +53,12 @@ def test_rejects_a_floor_above_the_ceiling():
 def test_a_straggler_is_a_query_far_slower_than_the_fastest_quarter_once_a_quorum_answered():
     local = Stragglers(k=8)
     local.answered(0.0005)
-    assert local.cutoff(last_round=False) is None  # one answer tells no straggler
     for seconds in (0.0004, 0.0006):
         local.answered(seconds)
-    assert local.cutoff(last_round=True) is None  # the last round waits for half of k
+    assert local.cutoff() is None  # a lookup waits for half of k
     local.answered(0.030)  # one peer's process was waiting for a CPU
-    assert local.cutoff(last_round=True) == pytest.approx(0.0005 + 0.005)  # sub-millisecond: the slack
+    assert local.cutoff() == pytest.approx(0.0005 + 0.005)  # sub-millisecond: the slack
     wide = Stragglers(k=8)
     for seconds in (0.08, 0.1, 0.12, 0.15, 0.2, 0.9, 1.5, 1.6):
         wide.answered(seconds)
-    assert wide.cutoff(last_round=True) == pytest.approx(3 * 0.12)  # three times the fastest quarter's
+    assert wide.cutoff() == pytest.approx(3 * 0.12)  # three times the fastest quarter's

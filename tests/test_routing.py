@@ -279,6 +279,11 @@ def test_lookup_asks_the_rest_of_the_window_at_once_after_the_closest_answered()
     assert [c.peer_id for c in lookup.next_queries()] == [peers[3]]  # peers[0] has not answered yet
     lookup.on_response(contact(peers[0]), [])
     assert [c.peer_id for c in lookup.next_queries()] == peers[4:8]  # the two closest answered
+    wide = Lookup(0, [contact(p) for p in peers[1:9]], k=8, alpha=2, wide=True)
+    first = wide.next_queries()  # a latest read: the whole window in its first round
+    assert [c.peer_id for c in first] == peers[1:9]
+    wide.on_response(first[0], [contact(peers[0])])
+    assert [c.peer_id for c in wide.next_queries()] == [peers[0]]  # a closer peer at once, 7 in flight
 
 
 def test_a_query_past_its_timeout_frees_its_slot_and_its_late_reply_still_counts():
