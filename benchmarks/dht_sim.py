@@ -2,7 +2,7 @@
 """Thousands of DHT nodes in one process (``dht.sim``): lookup hops and get success under churn.
 
     python benchmarks/dht_sim.py --nodes 256 1024 4096 [--keys 500] [--gets 2000] [--churn 0.3]
-                                 [--joins 0.1] [--loss 0.01] [--seed 0] [--json out.json]
+                                 [--joins 0.1] [--loss 0.01] [--seed 0] [--latest-gets 0] [--json out.json]
 
 For each N, on a virtual clock with the real routing table, lookup and record store: N nodes join
 one every 50 ms (bootstrap ping, lookup of self, bucket refresh), --keys values are stored by random
@@ -12,7 +12,8 @@ nodes are killed at once and --joins (a fraction of N) new ones join; the same g
 Per phase: success, hops p50/p99/max (LookupResult.hops: the depth of the first holder, 0 = found
 locally) against the bound ceil(log2 N / log2 k) + 2, virtual get latency p50/p99, and CPU seconds;
 after the join, the CPU cost of ``RoutingTable.closest`` on the nodes' tables against a scan of the
-whole table (what it did before), both in this run.
+whole table (what it did before), both in this run. --latest-gets N: before and after churn, also N
+latest=True gets alpha-paced (the baseline) and wide (``Lookup.wide``, the default), alternating twice.
 """
 
 from __future__ import annotations
@@ -63,6 +64,22 @@ def phase(name: str, stats: GetStats, bound: int, cpu: float) -> dict:
     return row
 
 
+def latest_rows(sim: Simulation, items: list, name: str, gets: int) -> list[dict]:
+    """``gets`` latest=True gets alpha-paced, then wide (``Lookup.wide``), twice, on the same network."""
+    rows = []
+    for wide in (False, True, False, True):
+        sim.wide_latest = wide
+        stats = sim.get_many(items, gets, latest=True)
+        rows.append({"phase": name, "wide": wide, "success": stats.success, "queried_per_get": stats.queried / gets,
+                     "latency_p50_ms": 1000 * stats.latency_percentile(0.5),
+                     "latency_p99_ms": 1000 * stats.latency_percentile(0.99)})
+        print(f"  {name:<14} latest=True {'wide' if wide else 'alpha-paced'}: success {100 * stats.success:.2f}% "
+              f"of {gets}, latency p50/p99 {rows[-1]['latency_p50_ms']:.0f}/{rows[-1]['latency_p99_ms']:.0f} ms, "
+              f"{rows[-1]['queried_per_get']:.1f} contacts asked per get", flush=True)
+    sim.wide_latest = True
+    return rows
+
+
 def run(n: int, args: argparse.Namespace) -> dict:
     sim = Simulation(net=NetConfig(loss=args.loss), seed=args.seed)
     k = sim.config.k
@@ -85,11 +102,13 @@ def run(n: int, args: argparse.Namespace) -> dict:
     rows = []
     t = clock()
     rows.append(phase("before churn", sim.get_many(items, args.gets), hop_bound(n, k), clock() - t))
+    latest = latest_rows(sim, items, "before churn", args.latest_gets) if args.latest_gets else []
     sim.kill(args.churn)
     sim.grow(round(args.joins * n))
     live = len(sim.live())
     t = clock()
     rows.append(phase("after churn", sim.get_many(items, args.gets), hop_bound(live, k), clock() - t))
+    latest += latest_rows(sim, items, "after churn", args.latest_gets) if args.latest_gets else []
     t = clock()
     sim.run_for(2.5 * sim.config.republish_interval)
     repair_cpu = clock() - t
@@ -98,7 +117,7 @@ def run(n: int, args: argparse.Namespace) -> dict:
     total = clock() - t0 - aside
     print(f"  repair period {repair_cpu:.1f} s CPU; total {total:.1f} s CPU, {sim.rpcs} RPCs", flush=True)
     return {"nodes": n, "live_after_churn": live, "join_cpu_s": join_cpu, "total_cpu_s": total,
-            "rpcs": sim.rpcs, "closest_us": fast, "scan_us": scan, "phases": rows}
+            "rpcs": sim.rpcs, "closest_us": fast, "scan_us": scan, "phases": rows, "latest": latest}
 
 
 def main() -> None:
@@ -110,6 +129,8 @@ def main() -> None:
     p.add_argument("--joins", type=float, default=0.1, help="new nodes joining after the kill, a fraction of N")
     p.add_argument("--loss", type=float, default=0.01, help="probability that a message is lost")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--latest-gets", type=int, default=0,
+                   help="also this many latest=True gets per phase, alpha-paced and wide alternating (twice)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     results = [run(n, args) for n in args.nodes]

@@ -237,7 +237,7 @@ class _LookupRun:
         cfg = node.sim.config
         self.node, self.target, self.method, self.arg, self.latest, self.done = node, target, method, arg, latest, done
         self.lookup = Lookup(target, node.routing.closest(target, cfg.k), cfg.k, cfg.alpha, own_peer=node.peer_id,
-                             wide=latest)
+                             wide=latest and node.sim.wide_latest)
         self.result = SimLookup(started=node.sim.loop.now)
         self.want_records = method == "find_value"
         self.outstanding = 0
@@ -356,6 +356,7 @@ class GetStats:
     succeeded: int
     hops: list[int]
     latency: list[float]
+    queried: int = 0  # contacts the gets asked, all together
 
     @property
     def success(self) -> float:
@@ -386,6 +387,7 @@ class Simulation:
         self.nodes: list[SimNode] = []
         self.by_addr: dict[tuple[str, int], SimNode] = {}
         self.rpcs = 0  # requests sent, for cost reports
+        self.wide_latest = True  # latest lookups ask their whole window at once (False: alpha-paced, to compare)
 
     # ------------------------------------------------------------------ network
 
@@ -518,7 +520,7 @@ class Simulation:
         self.loop.run(done=lambda: left[0] == 0)
         return items
 
-    def get_many(self, items: list[tuple[bytes, bytes]], count: int) -> GetStats:
+    def get_many(self, items: list[tuple[bytes, bytes]], count: int, latest: bool = False) -> GetStats:
         """``count`` gets of stored items, each from a random live node; runs until all answer.
         A get succeeds when it finds the value that was stored."""
         stats = GetStats(asked=count, succeeded=0, hops=[], latency=[])
@@ -527,6 +529,7 @@ class Simulation:
 
         def got(value: bytes, result: SimLookup) -> None:
             left[0] -= 1
+            stats.queried += result.queried
             if any(r.value == value for r in result.records):
                 stats.succeeded += 1
                 stats.hops.append(result.hops)
@@ -534,7 +537,7 @@ class Simulation:
 
         for _ in range(count):
             key, value = self.rng.choice(items)
-            self.rng.choice(live).get(key, lambda result, v=value: got(v, result))
+            self.rng.choice(live).get(key, lambda result, v=value: got(v, result), latest)
         self.loop.run(done=lambda: left[0] == 0)
         return stats
 

@@ -134,3 +134,13 @@ def test_gets_succeed_after_churn_and_republishing_restores_the_replicas(churned
     sim.run_for(sim.config.republish_interval * 2.5)
     assert min(_live_holders(sim, key) for key, _ in items) >= sim.config.k - 2
     assert sim.get_many(items, 300).success == 1.0
+
+
+def test_a_latest_read_asks_its_whole_window_at_once_and_ends_sooner(churned):
+    sim, items, _ = churned
+    sim.wide_latest = False  # alpha-paced: alpha queries, then the rest of the k closest
+    paced = sim.get_many(items, 100, latest=True)
+    sim.wide_latest = True
+    wide = sim.get_many(items, 100, latest=True)
+    assert paced.success == wide.success == 1.0
+    assert wide.latency_percentile(0.5) < 0.8 * paced.latency_percentile(0.5)
