@@ -73,8 +73,9 @@ class Board:
     def register(self, rnd: MatchRound, me: Member, timeout: float, deadline: float) -> None:
         """Write our entry for the round, in the background, at once to the key's holders as our
         routing table knows them (it lands half a round trip later), and to any others a full
-        lookup of the key then finds (skipped while recent lookups found what the table named). Gathering does not wait for it: we count ourselves in any
-        case, and the others see us once it lands."""
+        lookup of the key then finds (skipped while recent lookups found what the table named).
+        Gathering does not wait for it: we count ourselves in any case, and the others see us once
+        it lands."""
         now_wall = time.time()
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
         rnd.entry_expiration = now_wall + timeout + _LINGER
