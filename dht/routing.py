@@ -218,9 +218,7 @@ class RoutingTable:
         sorted: this runs on every lookup and every find reply, and the table holds hundreds."""
         excluded = {node_id_of(p) for p in exclude}  # (ints: a PeerID hashes in Python)
         diff = self.own_id ^ target
-        # bucket i's contacts differ from us first at bit i: their distances to target begin with
-        # diff's first i bits, then the opposite of diff's bit i
-        ranges = sorted((((diff >> (ID_BITS - 1 - i)) ^ 1) << (ID_BITS - 1 - i), i) for i in self._filled)
+        ranges = sorted((_nearest_in_bucket(diff, i), i) for i in self._filled)
         out: list[Contact] = []
         for _, index in ranges:
             found = [c for c in self.buckets[index].contacts.values() if c.node_id not in excluded]
@@ -245,8 +243,8 @@ class RoutingTable:
         radius = max(c.node_id ^ target_id for c in found)
         diff = self.own_id ^ target_id
         for index in range(max(self._filled, default=-1) + 1):
-            shift = ID_BITS - 1 - index
-            if (((diff >> shift) ^ 1) + 1) << shift <= radius + 1:  # the range's end, as in closest
+            # (the bucket's farthest distance is its nearest plus the width of its range, less one)
+            if _nearest_in_bucket(diff, index) + (1 << (ID_BITS - 1 - index)) <= radius + 1:
                 self.buckets[index].last_touched = now
 
     def buckets_to_refresh(self, now: float, interval: float, rng: random.Random) -> list[int]:
@@ -263,6 +261,14 @@ class RoutingTable:
                 free_bits = ID_BITS - 1 - index  # bits below the first differing one
                 targets.append(self.own_id ^ ((1 << free_bits) | rng.getrandbits(free_bits)))
         return targets
+
+
+def _nearest_in_bucket(diff: int, index: int) -> int:
+    """The smallest XOR distance to a target from any id of bucket ``index`` (``diff``: our id ^
+    the target's). Its ids differ from ours first at bit ``index``, so their distances begin with
+    ``diff``'s first ``index`` bits, then the opposite of its bit ``index``, then anything."""
+    shift = ID_BITS - 1 - index
+    return ((diff >> shift) ^ 1) << shift
 
 
 _NEW, _IN_FLIGHT, _RESPONDED, _FAILED, _LATE = range(5)
