@@ -121,7 +121,7 @@ class Lookups:
                 if not pending or lookup.finished:
                     break
                 cutoff = stragglers.cutoff() if stragglers else None
-                until = {t: at if cutoff is None else min(at, sent[t] + cutoff) for t, at in due.items()}
+                until = due if cutoff is None else {t: min(at, sent[t] + cutoff) for t, at in due.items()}
                 wait = max(0.0, min(until.values()) - loop.time()) if until else None
                 done, _ = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 now = loop.time()
