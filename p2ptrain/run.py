@@ -219,9 +219,11 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
 def _drain(opt: DecentralizedOptimizer, cfg: PeerConfig, stop: threading.Event) -> None:
     """A peer that trained to the end stays until no peer is behind it (``cfg.drain`` s at most,
     ended by ``stop``), so that stragglers load the final state instead of stepping alone."""
+    if opt.epoch < cfg.epochs:  # (stopped early: peers behind us are not waiting for our end)
+        return
     deadline = time.monotonic() + cfg.drain
-    while opt.epoch >= cfg.epochs and not stop.is_set() and time.monotonic() < deadline:
-        if opt.drain(min(1.0, deadline - time.monotonic())):
+    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+        if opt.drain(min(1.0, left)):
             return
 
 

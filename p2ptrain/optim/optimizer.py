@@ -361,8 +361,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Stay in the swarm, serving state, until no peer reports an epoch before ours (``timeout``
         s at most): a run's last peers leave a straggler providers to catch up from, not a round
         with nobody. True when nobody was left behind. Call it after the last step, before close."""
-        view = self._wait_view(lambda v: not any(p.epoch < self.epoch for p in v.training), timeout)
-        return not any(p.epoch < self.epoch for p in view.training)
+        def nobody_behind(view: SwarmView) -> bool:
+            return not any(p.epoch < self.epoch for p in view.training)
+
+        return nobody_behind(self._wait_view(nobody_behind, timeout))
 
     def _wait_view(self, done: Callable[[SwarmView], bool], timeout: float) -> SwarmView:
         """Fresh views of the swarm until ``done`` holds for one or ``timeout`` passes; the last."""
