@@ -209,8 +209,12 @@ def test_four_peers_train_from_a_cid_they_never_had(tmp_path, corpus):
         assert not any(t.is_alive() for t in threads)
         reads = collections.Counter(i for d in datasets for i in d.read[0])
         assert sorted(reads) == list(range(len(index.shards))) and set(reads.values()) == {1}  # coverage: once each
-        assert all(d.read[0] for d in datasets)  # every peer had shards to read
-        assert all(len(v) > 3 and v[-1] < v[0] for v in losses.values())
+        # each read exactly its rendezvous share (which may be empty: 11 shards over 4 peers leave
+        # one without a shard in about 1 run in 6), and those that read something learned
+        ids = [p.peer_id for p in peers]
+        assert [sorted(d.read[0]) for d in datasets] == [sorted(assigned(index.id, 0, len(index.shards), ids, me))
+                                                          for me in ids]
+        assert all(len(losses[k]) > 3 and losses[k][-1] < losses[k][0] for k, d in enumerate(datasets) if d.read[0])
         # peer 3 leaves: the other three cover every shard of epoch 1 between them
         datasets[3].close()
         epoch1 = [set(d.assignment(1)) for d in datasets[:3]]
