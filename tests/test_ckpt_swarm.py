@@ -349,6 +349,50 @@ async def test_checkpointer_finds_the_newest_fetching_it_when_only_the_swarm_has
     assert choose_writers(ids[:1], 3, 2) == ids[:1]
 
 
+async def test_a_save_due_while_one_is_written_waits_for_it_unless_the_state_moved_on(peers):
+    """Epochs faster than the disk: the newest due save waits behind the one in flight and is
+    written when the disk is free (a run's last checkpoint is never lost that way); one whose
+    epoch the state has left by then is dropped, counted in ``skipped``."""
+    import threading
+
+    from p2ptrain.checkpoint.autosave import Checkpointer
+
+    async with asyncio.timeout(30):
+        (a,) = await peers(1)
+        ck = Checkpointer(a.node, None, RUN, a.store, every=1, server=StateServer(a.node.host), meta={})  # type: ignore[arg-type]
+        now = {"epoch": 1}
+        gate, reading = threading.Event(), threading.Event()
+
+        def state():  # a save reads the state, then stays "in flight" until the gate opens
+            epoch = now["epoch"]
+            reading.set()
+            gate.wait(10)
+            return epoch, make_state(epoch)
+
+        lock = threading.Lock()
+        assert ck.maybe_save(1, [], state, lock)
+        assert await asyncio.to_thread(reading.wait, 10)
+        for epoch in (2, 3):  # 1 is being written; 2 waits behind it, then 3 takes its place
+            now["epoch"] = epoch
+            assert ck.maybe_save(epoch, [], state, lock)
+        gate.set()
+        info = await asyncio.to_thread(ck.flush, 20)
+        assert info is not None and info.epoch == 3 and ck.saved == 2 and ck.skipped == 1
+        assert [i.epoch for i in a.store.list(RUN)] == [3, 1]
+
+        gate.clear()
+        reading.clear()
+        now["epoch"] = 4
+        assert ck.maybe_save(4, [], state, lock)
+        assert await asyncio.to_thread(reading.wait, 10)
+        assert ck.maybe_save(5, [], state, lock)  # waits; by the time the disk is free the state is at 6
+        now["epoch"] = 6
+        gate.set()
+        assert await asyncio.to_thread(ck.flush, 20) is None
+        assert ck.saved == 3 and ck.skipped == 2 and a.store.latest(RUN).epoch == 4
+        await asyncio.to_thread(ck.wait, 5)
+
+
 async def test_a_rotten_blob_on_a_providers_disk_is_never_served(peers):
     async with asyncio.timeout(30):
         rotten, good, me = await peers(3)

@@ -51,6 +51,10 @@ log = logging.getLogger("p2ptrain.checkpoint")
 _RETRY_FIRST, _RETRY_MAX = 0.5, 4.0
 
 
+class _MovedOn(Exception):
+    """A queued save found the state past the epoch it was due for (args: the state's epoch)."""
+
+
 def choose_writers(peers: Iterable[PeerID], epoch: int, writers: int) -> list[PeerID]:
     """The ``writers`` peers that save the checkpoint of ``epoch``: the lowest
     ``blake3(peer id bytes || epoch as 8 bytes)``. Every peer computes it alone from the peers it
@@ -102,7 +106,8 @@ class Checkpointer:
         self._last_epoch: int | None = None
         self.saved = 0  # checkpoints this peer wrote
         self.last_saved: CheckpointInfo | None = None
-        self.skipped = 0  # due checkpoints skipped because the previous save was still running
+        self.skipped = 0  # due checkpoints dropped: the state moved past their epoch before the disk was free
+        self._queued: concurrent.futures.Future | None = None  # the one due save waiting for the one in flight
         self._on_saved = on_saved  # called in the save thread
 
     async def start(self) -> None:
@@ -113,7 +118,7 @@ class Checkpointer:
 
     def flush(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait until the checkpoint being written (if any) is on disk; returns it (None when
-        nothing was in flight or the save failed). TimeoutError after ``timeout`` seconds."""
+        nothing was in flight or the save failed or was skipped). TimeoutError after ``timeout`` seconds."""
         future = self._future
         if future is None:
             return None
@@ -130,7 +135,7 @@ class Checkpointer:
         except TimeoutError:
             log.warning("a checkpoint save was still running at close; it is abandoned (nothing half-written "
                         "becomes visible)")
-        self._future = None
+        self._future = self._queued = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -144,27 +149,34 @@ class Checkpointer:
                    lock: AbstractContextManager[Any]) -> bool:
         """From the training thread, after the update of ``epoch`` was applied: start saving
         ``state()`` (read with ``lock`` held, in a worker thread) if the checkpoint is due and
-        this peer is one of its writers among ``peers``. Returns whether a save started."""
+        this peer is one of its writers among ``peers``. Returns whether a save started (or waits
+        for the one in flight)."""
         if not self.due(epoch):
             return False
         self._last_epoch = epoch
         if self.node.peer_id not in choose_writers([*peers, self.node.peer_id], epoch, self.writers):
             return False
-        if self._future is not None and not self._future.done():
-            # saving more often than the disk keeps up with would only queue copies of the state
-            self.skipped += 1
-            log.info("skipping the checkpoint of epoch %d: the previous one is still being written", epoch)
-            return False
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-ckpt")
-        self._future = self._executor.submit(self._save, state, lock)
+        # While a save is in flight the newest due one waits behind it (one, not a queue of copies
+        # of the state): it reads the state when the disk is free, if that is still this epoch's.
+        if self._queued is not None and self._queued.cancel():
+            self.skipped += 1
+        busy = self._future is not None and not self._future.done()
+        self._future = self._executor.submit(self._save, state, lock, epoch if busy else None)
+        self._queued = self._future if busy else None
         return True
 
-    def _save(self, state: Callable[[], tuple[int, Any]], lock: AbstractContextManager[Any]) -> CheckpointInfo | None:
+    def _save(self, state: Callable[[], tuple[int, Any]], lock: AbstractContextManager[Any],
+              due: int | None = None) -> CheckpointInfo | None:
+        """Snapshot ``state()`` and write it; ``due``: give up (counted in ``skipped``) when the
+        state's epoch is no longer that one (a save that waited for the previous one)."""
         seen: dict[str, int] = {}
 
         def read() -> Any:  # called by build_snapshot with the lock held
             epoch, obj = state()
+            if due is not None and epoch != due:
+                raise _MovedOn(epoch)
             seen["epoch"] = epoch
             return obj
 
@@ -175,6 +187,11 @@ class Checkpointer:
             info = self.store.save(manifest, buffer, run_id=self.run_id, epoch=epoch, identity=self.node.identity)
             del buffer
             gc = self.store.gc(self.keep)
+        except _MovedOn as e:
+            self.skipped += 1
+            log.info("skipped the checkpoint of epoch %d: the previous save ended after the state reached epoch %d",
+                     due, e.args[0])
+            return None
         except Exception as e:  # noqa: BLE001 - a failed save (disk full, ...) must not stop training
             log.warning("could not save a checkpoint: %s: %s", type(e).__name__, e)
             return None
