@@ -16,11 +16,11 @@ from typing import Any, Callable, NamedTuple
 
 from .config import DHTConfig
 from .connection import Connection
-from .errors import DHTError, InvalidRecord, ProtocolError
+from .errors import DHTError, InvalidRecord, ProtocolError, RPCError
 from .identity import PeerID
 from .latency import RttEstimator, Stragglers
 from .owned import OwnedRead, owned_values
-from .protocol import decode_contacts
+from .protocol import decode_contacts, value_request
 from .routing import Contact, Lookup, RoutingTable, key_id
 from .storage import Record, RecordStore, VerifiedOwners, merge_records, validate_record
 from .tasks import TaskGroup
@@ -70,12 +70,21 @@ class Lookups:
     _tasks: TaskGroup
     _rtt: RttEstimator
 
+    async def _request(self, contact: Contact, method: str, args: Any, timeout: float) -> Any:
+        """One RPC; a find_value in ``value_request``'s filtered form that the peer refuses (an
+        older version) is asked again in the plain form."""
+        try:
+            return await self.host.call(contact.peer_id, contact.addr, method, args, timeout, relays=contact.relays)
+        except RPCError:
+            if method != "find_value" or not isinstance(args, list):
+                raise
+        return await self.host.call(contact.peer_id, contact.addr, method, args[0], timeout, relays=contact.relays)
+
     async def _call(self, contact: Contact, method: str, args: Any) -> Any:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
-            result = await self.host.call(contact.peer_id, contact.addr, method, args, self.config.rpc_timeout,
-                                          relays=contact.relays)
+            result = await self._request(contact, method, args, self.config.rpc_timeout)
         except DHTError:
             self.routing.mark_failed(contact.peer_id, contact.addr)
             raise
@@ -110,11 +119,14 @@ class Lookups:
         found_from = 0
         try:
             while True:
-                for contact in lookup.next_queries():
+                queries = lookup.next_queries()
+                radius = lookup.radius() if want_records and queries else None
+                args = arg if radius is None else value_request(arg, radius, lookup.window_ids())
+                for contact in queries:
                     if self._tasks.closed:  # a closed node reaches no one
                         lookup.on_failure(contact)
                     else:
-                        task = self._tasks.spawn(self._call(contact, method, arg), awaited=True)
+                        task = self._tasks.spawn(self._call(contact, method, args), awaited=True)
                         pending[task] = contact
                         sent[task] = loop.time()
                         due[task] = sent[task] + self._rtt.timeout(contact.peer_id)
@@ -229,12 +241,12 @@ class Lookups:
         return result
 
     async def _read_from(self, key: bytes, holders: list[Contact], timeout: float) -> LookupResult:
-        """The records of ``key`` that ``holders`` (one RPC each, no lookup) and this node hold;
-        ``closest``: the holders that answered. Unmerged: a peer's newest is chosen by the caller."""
+        """The records of ``key`` that ``holders`` (one RPC each asking for no contacts, no lookup)
+        and this node hold; ``closest``: the holders that answered. Unmerged: a peer's newest is
+        chosen by the caller."""
 
         async def ask(contact: Contact) -> list[Record]:
-            reply = await self.host.call(contact.peer_id, contact.addr, "find_value", key, timeout,
-                                         relays=contact.relays)
+            reply = await self._request(contact, "find_value", value_request(key, 0), timeout)
             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
                 raise ProtocolError("malformed find_value reply")
             return self._valid_records(reply[0][:MAX_REPLY_RECORDS], key)

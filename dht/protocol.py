@@ -18,13 +18,15 @@ from .identity import PeerID
 from .multiaddr import parse_circuits
 from .quota import address_group
 from .relay import relayed_via
-from .routing import Contact, RoutingTable, key_id
+from .routing import ID_BITS, Contact, RoutingTable, key_id
 from .storage import Record, RecordStore
 from .transport import Host
 from .wire import MAX_MESSAGE
 
 #: bytes of records one find_value reply may carry: the rest of the 1 MiB message is for contacts
 _REPLY_RECORD_BUDGET = MAX_MESSAGE - 64 * 1024
+_PREFIX_SHIFT = ID_BITS - 64  # a find_value names the contacts it knows by their node ids' first 64 bits
+_MAX_KNOWN = 256  # of them at most
 
 
 def encode_contacts(contacts: Iterable[Contact]) -> list:
@@ -93,6 +95,31 @@ def _within_reply_budget(records: list[Record]) -> list[Record]:
     return out
 
 
+def value_request(key: bytes, within: int | None = None, known: Iterable[int] = ()) -> Any:
+    """find_value's argument: the key alone (the k closest contacts come back), or with ``within``
+    only contacts nearer the key than that distance and not among ``known`` (node ids, sent as
+    64-bit prefixes); ``within=0``: records only. A lookup needs no contact farther than its
+    window's k-th nor one already in its window; a read from known holders needs none."""
+    if within is None:
+        return key
+    ids = b"".join((i >> _PREFIX_SHIFT).to_bytes(8, "big") for i in known)
+    return [key, within.to_bytes((within.bit_length() + 7) // 8, "big"), ids]
+
+
+def _value_request(args: Any) -> tuple[bytes, int | None, set[int]]:
+    """(key, within, known prefixes) from find_value's argument, in either of ``value_request``'s forms."""
+    key, within, known = args if isinstance(args, list) and len(args) == 3 else (args, None, b"")
+    if not (isinstance(key, bytes) and len(key) <= 1024):
+        raise ProtocolError("key must be bytes of at most 1024")
+    if within is None:
+        return key, None, set()
+    if not (isinstance(within, bytes) and len(within) <= 32 and isinstance(known, bytes)
+            and len(known) % 8 == 0 and len(known) <= _MAX_KNOWN * 8):
+        raise ProtocolError("malformed find_value bounds")
+    ids = {int.from_bytes(known[i:i + 8], "big") for i in range(0, len(known), 8)}
+    return key, int.from_bytes(within, "big"), ids
+
+
 def _target(args: Any) -> int:
     if not (isinstance(args, bytes) and len(args) == 32):
         raise ProtocolError("target must be 32 bytes")
@@ -130,10 +157,13 @@ class NodeProtocol:
 
     async def _rpc_find_value(self, conn: Connection, args: Any) -> Any:
         self._learn(conn)
-        if not (isinstance(args, bytes) and len(args) <= 1024):
-            raise ProtocolError("key must be bytes of at most 1024")
-        records = _within_reply_budget(self.storage.get(args, time.time()))
-        closest = self.routing.closest(key_id(args), self.config.k, exclude={conn.remote_peer})
+        key, within, known = _value_request(args)
+        records = _within_reply_budget(self.storage.get(key, time.time()))
+        k = self.config.k
+        closest = [] if within == 0 else self.routing.closest(key_id(key), k + len(known),
+                                                              exclude={conn.remote_peer}, within=within)
+        if known:
+            closest = [c for c in closest if c.node_id >> _PREFIX_SHIFT not in known][:k]
         return [[r.to_wire() for r in records], encode_contacts(closest)]
 
     async def _rpc_dialback(self, conn: Connection, args: Any) -> Any:

@@ -209,19 +209,25 @@ class RoutingTable:
                 yield from bucket.contacts.values()
 
     def closest(
-        self, target: int, count: int, exclude: Iterable[PeerID] = frozenset()
+        self, target: int, count: int, exclude: Iterable[PeerID] = frozenset(), within: int | None = None
     ) -> list[Contact]:
-        """The ``count`` contacts nearest to ``target`` by exact XOR distance.
+        """The ``count`` contacts nearest to ``target`` by exact XOR distance (only those nearer
+        than ``within`` when given).
 
         Each bucket covers one range of distances from ``target``, disjoint from the others', so
         the buckets are taken nearest range first and only the contacts of those needed are
         sorted: this runs on every lookup and every find reply, and the table holds hundreds."""
         excluded = {node_id_of(p) for p in exclude}  # (ints: a PeerID hashes in Python)
         diff = self.own_id ^ target
+        bound = 1 << ID_BITS if within is None else within
         ranges = sorted((_nearest_in_bucket(diff, i), i) for i in self._filled)
         out: list[Contact] = []
-        for _, index in ranges:
-            found = [c for c in self.buckets[index].contacts.values() if c.node_id not in excluded]
+        for nearest, index in ranges:
+            if nearest >= bound:
+                break
+            # (dict's view: an OrderedDict's own looks every key up again, a Python-level PeerID hash)
+            found = [c for c in dict.values(self.buckets[index].contacts)
+                     if c.node_id not in excluded and c.node_id ^ target < bound]
             found.sort(key=lambda c: c.node_id ^ target)
             out += found[: count - len(out)]
             if len(out) >= count:
@@ -400,6 +406,14 @@ class Lookup:
         """The k closest contacts that answered."""
         responded = (p for _, p in self._order if self._state[p] == _RESPONDED)
         return [self._contacts[p] for _, p in zip(range(self.k), responded)]
+
+    def radius(self) -> int | None:
+        """The distance a contact must beat to enter the window (its k-th); None while it has room."""
+        return self._order[self.k - 1][0] if len(self._order) >= self.k else None
+
+    def window_ids(self) -> list[int]:
+        """The node ids of the window's contacts: what a reply need not name again."""
+        return [d ^ self.target for d, _ in self._order[: self.k]]
 
     def depth(self, contact: Contact) -> int:
         """The hop at which we learned of ``contact`` (1 = it was in our own table)."""

@@ -123,9 +123,10 @@ class SimNode:
         now, k = self.sim.loop.now, self.sim.config.k
         if method == "find_node":
             return self.routing.closest(arg, k, exclude={caller.peer_id})
-        if method == "find_value":
-            closest = self.routing.closest(key_id(arg), k, exclude={caller.peer_id})
-            return self.storage.get(arg, now), closest
+        if method == "find_value":  # (``protocol.value_request``: the key, or it with the asker's window)
+            key, within, known = arg if isinstance(arg, tuple) else (arg, None, frozenset())
+            closest = self.routing.closest(key_id(key), k + len(known), exclude={caller.peer_id}, within=within)
+            return self.storage.get(key, now), [c for c in closest if c.node_id not in known][:k]
         if method == "store":
             results = []
             for record in arg:
@@ -259,10 +260,13 @@ class _LookupRun:
         if self.ended:
             return
         node, sim = self.node, self.node.sim
-        for contact in self.lookup.next_queries():
+        queries = self.lookup.next_queries()
+        radius = self.lookup.radius() if self.want_records and queries else None
+        arg = self.arg if radius is None else (self.arg, radius, frozenset(self.lookup.window_ids()))
+        for contact in queries:
             self.outstanding += 1
             self.waiting[contact.peer_id], self.sent[contact.peer_id] = contact, sim.loop.now
-            sim.call(node, contact, self.method, self.arg, lambda reply, c=contact: self._reply(c, reply))
+            sim.call(node, contact, self.method, arg, lambda reply, c=contact: self._reply(c, reply))
             sim.loop.call_at(sim.loop.now + node.rtt.timeout(contact.peer_id), self._due, contact, True)
         if self.outstanding == 0 or self.lookup.finished:
             self._finish()

@@ -215,7 +215,8 @@ def _rpc_strategies(target: Target) -> dict[str, st.SearchStrategy]:
         "host.addrs": ANY | mutated({"port": 4001, "relays": [circuit]}, circuits | EDGE_INTS),
         "ping": ANY,
         "find_node": ANY | st.binary(min_size=30, max_size=34),
-        "find_value": ANY | st.binary(max_size=1100),
+        "find_value": ANY | st.binary(max_size=1100)
+        | st.tuples(st.binary(max_size=1100), st.binary(max_size=40) | JUNK, st.binary(max_size=2100) | JUNK).map(list),
         "store": ANY | st.lists(RECORD | JUNK, max_size=8)
         | st.integers(250, 300).map(lambda n: [[b"k%d" % i, None, b"\xc0", time.time() + 60, None] for i in range(n)]),
         "p2ptrain.mm.join": ANY | mutated(join) | mutated(join, member | st.just(-1.0) | st.just(1e9)),

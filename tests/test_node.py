@@ -14,7 +14,10 @@ from dht import (
     Identity,
     InvalidRecord,
     Multiaddr,
+    ProtocolError,
 )
+from dht.protocol import value_request
+from dht.routing import key_id
 from dht.storage import Record, sign_record
 
 FAST = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.2, republish_interval=0.5)
@@ -304,3 +307,77 @@ async def test_republish_skips_keys_received_since_an_overrunning_rounds_start()
     node._received_at = {b"fresh": time.monotonic() - 5.0, b"stale": time.monotonic() - 11.0}
     await node.republish()  # ...so "fresh", received since, is not ours to spread
     assert sent == [b"stale"]
+
+
+async def test_find_value_names_only_the_contacts_nearer_than_asked_that_the_asker_lacks(swarm):
+    """``value_request``'s bounds: contacts nearer the key than ``within`` and not among the asker's
+    known ids; ``within=0``: records only. The plain form still names the k closest."""
+    make, nodes = swarm
+    await make(8)
+    server, asker, key = nodes[0], nodes[1], b"bounded"
+    full = server.routing.closest(key_id(key), FAST.k, exclude={asker.peer_id})
+    assert len(full) >= 4
+    ids = [c.peer_id.to_bytes() for c in full]
+
+    async def named(args) -> list[bytes]:
+        records, contacts = await asker.host.call(server.peer_id, None, "find_value", args, 2.0)
+        return [c[0] for c in contacts]
+
+    assert await named(key) == ids
+    within = full[3].node_id ^ key_id(key)
+    assert await named(value_request(key, within, [full[0].node_id])) == ids[1:3]
+    assert await named(value_request(key, 0)) == []
+
+
+def _serve_find_value(node: DHTNode, replies: list, older: bool = False) -> list:
+    """Wrap ``node``'s find_value: the contacts of each reply go to ``replies``. ``older``: refuse
+    every form but the plain key, as a peer from before ``value_request``'s bounds; returns the
+    refused arguments."""
+    honest, refused = node._rpc_find_value, []
+
+    async def find_value(conn, args):
+        if older and not isinstance(args, bytes):
+            refused.append(args)
+            raise ProtocolError("key must be bytes of at most 1024")
+        reply = await honest(conn, args)
+        replies.append(reply[1])
+        return reply
+
+    node.host.on_request("find_value", find_value)
+    return refused
+
+
+async def test_a_holder_read_asks_for_records_only_and_an_older_peer_is_still_read(swarm):
+    """``get_owned(holders=...)`` asks each holder for records without contacts (none to look up
+    or decode); a holder that refuses that form is asked again with the plain key."""
+    make, nodes = swarm
+    await make(6)
+    reader = nodes[5]
+    for i, writer in enumerate(nodes[1:4]):
+        await writer.store_owned("members", "m", i, time.time() + 60)
+    holders = (await reader.get_owned("members", "m")).closest
+    by_id = {nd.peer_id: nd for nd in nodes}
+    replies: list = []
+    refused = _serve_find_value(by_id[holders[0].peer_id], [], older=True)
+    for contact in holders[1:]:
+        _serve_find_value(by_id[contact.peer_id], replies)
+    read = await reader.get_owned("members", "m", holders=holders)
+    assert sorted(v.value for v in read.values.values()) == [0, 1, 2]
+    assert {c.peer_id for c in read.closest} == {c.peer_id for c in holders}  # the older one too
+    assert len(refused) == 1 and len(replies) == len(holders) - 1 and not any(replies)
+
+
+async def test_a_latest_lookup_with_a_full_window_still_reads_an_older_peer(swarm):
+    """k=4 among 10 nodes: a latest lookup's window is full from its first queries, so it asks in
+    the bounded form; a holder that refuses that form is asked again and its record counts."""
+    config = DHTConfig(k=4, rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.2)
+    make, nodes = swarm
+    await make(10, config)
+    writer, reader = nodes[1], nodes[9]
+    assert await writer.store("fresh", 7, time.time() + 60) >= 3
+    nearest = (await reader.lookup_value("fresh", latest=True)).closest[0].peer_id
+    older = next(nd for nd in nodes if nd.peer_id == nearest)
+    older.storage.store(Record(b"fresh", None, b"\x08", time.time() + 90), time.time())  # a newer value, there only
+    refused = _serve_find_value(older, [], older=True)
+    result = await reader.lookup_value("fresh", latest=True)
+    assert [r.value for r in result.records] == [b"\x08"] and refused

@@ -84,7 +84,8 @@ def _poisoned(node: DHTNode) -> dict[bytes, list]:
 
         async def find_value(conn: Any, args: Any) -> Any:
             reply = await honest(conn, args)
-            wire = wires.get(args) if isinstance(args, bytes) else None
+            key = args[0] if isinstance(args, list) and args else args  # (the key, or [key, bounds...])
+            wire = wires.get(key) if isinstance(key, bytes) else None
             return [[wire], reply[1]] if wire is not None else reply
 
         node.host.on_request("find_value", find_value)
