@@ -5,9 +5,11 @@ peers (the baseline), then the same number of hosts of which ``--nat`` sit behin
 their own (``Testbed(nat=...)``, ``--behind-nat``; the public ones ``--relay``). Prints, for the
 NAT'd swarm, the share of the averaging work (values of the group rounds' vectors) the NAT'd peers
 owned against their share of the declared bandwidth, the share of NAT'd pairs holding a direct
-(hole-punched) connection at the end, and both swarms' accuracy.
+(hole-punched) connection at the end, and both swarms' accuracy. ``--nat-bandwidth F``: the NAT'd
+peers declare ``--bandwidth F`` (the public ones 1.0), so their expected share is F*nat/(F*nat + public).
 
     python benchmarks/nat_swarm.py [--hosts 8] [--nat 4] [--epochs 30] [--nat-type cone|symmetric]
+                                   [--nat-bandwidth 0.5] [--skip-public]
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def swarm(args: argparse.Namespace, nat: list[int]) -> dict:
              "--compute-delay", str(args.compute_delay)]
     t0 = time.monotonic()
     with Testbed(args.hosts, rate=args.rate, delay=args.delay, loss=args.loss, nat=nat, nat_type=args.nat_type) as tb:
-        runs = train_swarm(tb, train, timeout=args.timeout, start_timeout=300)
+        runs = train_swarm(tb, train, timeout=args.timeout, start_timeout=300,
+                           per_host={i: ["--bandwidth", str(args.nat_bandwidth)] for i in nat})
     done = [d for _, d in runs]
     accuracy = [d["metrics"]["accuracy"] for d in done]
     out = {"seconds": round(time.monotonic() - t0, 1), "accuracy_mean": round(statistics.mean(accuracy), 4),
@@ -40,7 +43,8 @@ def swarm(args: argparse.Namespace, nat: list[int]) -> dict:
     if nat:
         owned = sum(d["owned_values"] for d in done)
         out["nat_owned_share"] = round(sum(done[i]["owned_values"] for i in nat) / owned, 3) if owned else 0.0
-        out["nat_bandwidth_share"] = round(len(nat) / args.hosts, 3)  # (equal declared bandwidths)
+        declared = args.nat_bandwidth * len(nat)
+        out["nat_bandwidth_share"] = round(declared / (declared + args.hosts - len(nat)), 3)
         ids = [s["peer_id"] for s, _ in runs]
         pairs = list(itertools.combinations(nat, 2))
 
@@ -65,6 +69,8 @@ def main() -> int:
     p.add_argument("--loss", default=None)
     p.add_argument("--nat-type", default="cone", choices=("cone", "symmetric"))
     p.add_argument("--timeout", type=float, default=400.0, help="seconds a swarm may train")
+    p.add_argument("--nat-bandwidth", type=float, default=1.0, help="the bandwidth the NAT'd peers declare")
+    p.add_argument("--skip-public", action="store_true", help="run only the swarm with NAT'd peers")
     args = p.parse_args()
     ok, why = available()
     if not ok:
@@ -72,10 +78,12 @@ def main() -> int:
         return 2
     if not 0 < args.nat < args.hosts:
         p.error("--nat must be between 1 and --hosts - 1 (host 0 is the public bootstrap)")
-    public = swarm(args, [])
+    public = None if args.skip_public else swarm(args, [])
     behind = swarm(args, list(range(args.hosts - args.nat, args.hosts)))
-    print(json.dumps({"public": public, "nat": behind,
-                      "accuracy_ratio": round(behind["accuracy_mean"] / public["accuracy_mean"], 4)}, indent=1))
+    out = {"public": public, "nat": behind}
+    if public:
+        out["accuracy_ratio"] = round(behind["accuracy_mean"] / public["accuracy_mean"], 4)
+    print(json.dumps(out, indent=1))
     return 0
 
 

@@ -64,6 +64,7 @@ class PeerConfig:
     target_group_size: int = 16
     mixing: bool = True  # a swarm larger than a group averages in a grid of groups that turns every round
     matchmaking_timeout: float = 5.0
+    bandwidth: float = 1.0  # declared to groups, relative to the other peers': all-reduce shards are sized by it
     drain: float = 30.0  # at the end, seconds to stay for peers still behind (they load our state)
     device: str = "cpu"  # where the model trains: cpu, cuda, cuda:N (the wire and the state stay on the host)
     fsdp: bool = False  # in a torchrun job: shard the model over the ranks (FSDP2), not replicate it (DDP)
@@ -121,7 +122,7 @@ def run_peer(cfg: PeerConfig, on_event: Callable[[Event], None] = lambda e: None
             inner_warmup_steps=cfg.inner_warmup_steps, compression=cfg.compression,
             aggregation=cfg.aggregation, delay_updates=cfg.delay_updates, overlap_outer=cfg.overlap_outer,
             target_group_size=cfg.target_group_size, mixing=cfg.mixing,
-            matchmaking_timeout=cfg.matchmaking_timeout, checkpoint_every=cfg.checkpoint_every,
+            matchmaking_timeout=cfg.matchmaking_timeout, bandwidth=cfg.bandwidth, checkpoint_every=cfg.checkpoint_every,
             checkpoint_dir=cfg.data_dir, model=model, trusted_writers=cfg.trusted_writers, name=cfg.name,
             receipts_file=cfg.receipts_file,
         )

@@ -81,7 +81,8 @@ def test_swarm_checks_its_options_before_starting_any_peer(monkeypatch, capsys):
     monkeypatch.setattr(swarm_cmd, "_Child", no_child)
     for argv, needle in ((["--epochs", "-3"], "--epochs must be at least 1"),
                          (["--mode", "diloco", "--outer-lr", "0"], "--outer-lr must be positive"),
-                         (["--wait-peers", "-1"], "--wait-peers cannot be negative")):
+                         (["--wait-peers", "-1"], "--wait-peers cannot be negative"),
+                         (["--bandwidth", "0"], "--bandwidth must be a positive number")):
         assert main(["swarm", *argv]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err, err
@@ -216,7 +217,7 @@ def test_who_waits_for_whom(tmp_path, monkeypatch):
     """The first peer of a new swarm waits for a second, as long as it takes; a joining or client
     peer does not; --wait-peers from a flag, a variable or the config file overrides both (60 s)."""
     from p2ptrain.cli import build_parser
-    from p2ptrain.cli.peer_cmd import _config
+    from p2ptrain.cli.peer_cmd import _config, join_flags
     from p2ptrain.config import apply_config
 
     monkeypatch.chdir(tmp_path)
@@ -234,6 +235,10 @@ def test_who_waits_for_whom(tmp_path, monkeypatch):
         apply_config(args, build_parser, argv, env)
         cfg = _config(args)
         assert (cfg.wait_peers, cfg.wait_timeout) == expected, (argv, env)
+    # a declared bandwidth is each peer's own: it reaches the peer's config, never another peer's flags
+    args = build_parser().parse_args(["peer", "--bandwidth", "0.5"])
+    apply_config(args, build_parser, ["peer", "--bandwidth", "0.5"], {})
+    assert _config(args).bandwidth == 0.5 and "--bandwidth" not in join_flags(args)
 
 
 def test_first_peer_waiting_reports_and_stops_cleanly(tmp_path):

@@ -115,6 +115,10 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-outer", action="store_true",
                    help="diloco: run each outer round during the next inner steps instead of pausing for it "
                         "(one more model-sized buffer; the same on every peer)")
+    p.add_argument("--bandwidth", type=float, default=1.0, metavar="X",
+                   help="this peer's upload bandwidth relative to the swarm's usual peer (default 1.0; 0.5 on a link "
+                        "half as fast): the share of each round's all-reduce it serves is sized by it, at most 2x "
+                        "the group's median")
     p.add_argument("--wait-peers", type=int, metavar="N",
                    help="wait (up to 60 s) for N peers, this one included, before training, so a swarm started "
                    "together trains together; 1: train at once (default: a peer that starts a new swarm, with no "
@@ -170,6 +174,9 @@ def check_training_args(args: argparse.Namespace) -> None:
         raise ConfigError("--threads must be at least 1")
     if args.compute_delay < 0:
         raise ConfigError("--compute-delay cannot be negative")
+    if not 0 < args.bandwidth < 1e15:
+        raise ConfigError("--bandwidth must be a positive number, relative to the usual peer's (1.0); a peer that "
+                          "should serve no share of the averaging runs with --client")
     if args.wait_peers is not None and args.wait_peers < 0:
         raise ConfigError("--wait-peers cannot be negative (1 trains at once)")
     check_ranks_args(args)
@@ -220,7 +227,7 @@ def _config(args: argparse.Namespace) -> Any:
         target_batch_size=args.target_batch_size, batch_size=args.batch_size, local_steps=args.local_steps,
         lr=args.lr, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         inner_warmup_steps=args.inner_warmup_steps, epochs=args.epochs, seed=args.seed, data_seed=args.data_seed,
-        compute_delay=args.compute_delay,
+        compute_delay=args.compute_delay, bandwidth=args.bandwidth,
         delay_updates=args.delay_updates, overlap_outer=args.overlap_outer,
         target_group_size=args.target_group_size, mixing=not args.no_mixing, wait_peers=wait_peers,
         wait_timeout=wait_timeout, device=args.device, fsdp=args.fsdp,
@@ -233,7 +240,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 #: options each peer picks for itself: a joining peer need not repeat them
 _PER_PEER = {"data_seed", "threads", "device", "save", "data_dir", "compute_delay", "wait_peers", "checkpoint_every",
-             "nproc_per_node", "max_restarts"}
+             "nproc_per_node", "max_restarts", "bandwidth"}
 
 
 def join_flags(args: argparse.Namespace) -> list[str]:

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .netns import Testbed
@@ -66,10 +66,12 @@ class Proc:
 
 
 def train_swarm(tb: Testbed, train: list[str], timeout: float = 200.0, start_timeout: float = 90.0,
-                clients: Iterable[int] = ()) -> list[tuple[Event, Event]]:
+                clients: Iterable[int] = (),
+                per_host: Mapping[int, list[str]] | None = None) -> list[tuple[Event, Event]]:
     """Train ``p2ptrain peer --json *train`` on every host of ``tb`` (host 0 first, the others
     bootstrapping from it; hosts behind NAT with ``--behind-nat``, the others with ``--relay``;
-    hosts in ``clients`` as a client-mode trainer, ``agent train --client``, which listens nowhere);
+    hosts in ``clients`` as a client-mode trainer, ``agent train --client``, which listens nowhere;
+    ``per_host[i]``: more flags for host i);
     each host's (started, done) events, in host order. Raises if a peer fails. ``start_timeout``:
     seconds each peer may take to start (importing torch on a loaded machine is most of it)."""
     peer = [sys.executable, "-m", "p2ptrain", "peer", "--json", *train]
@@ -78,6 +80,7 @@ def train_swarm(tb: Testbed, train: list[str], timeout: float = 200.0, start_tim
 
     def start(i: int, extra: list[str]) -> Proc:
         h = tb.hosts[i]
+        extra = [*extra, *(per_host or {}).get(i, [])]
         if i in clients:
             return Proc(tb, i, [*client, "--data-seed", str(i), *extra])
         mode = ["--behind-nat"] if i in tb.nat else ["--relay"]
