@@ -13,7 +13,8 @@ Per phase: success, hops p50/p99/max (LookupResult.hops: the depth of the first 
 locally) against the bound ceil(log2 N / log2 k) + 2, virtual get latency p50/p99, and CPU seconds;
 after the join, the CPU cost of ``RoutingTable.closest`` on the nodes' tables against a scan of the
 whole table (what it did before), both in this run. --latest-gets N: before and after churn, also N
-latest=True gets alpha-paced (the baseline) and wide (``Lookup.wide``, the default), alternating twice.
+latest=True gets over the key's k closest alpha-paced and wide (``Lookup.wide``), the baselines, and
+wide over the read quorum (``DHTConfig.read_window``, the default), alternating twice.
 """
 
 from __future__ import annotations
@@ -65,18 +66,21 @@ def phase(name: str, stats: GetStats, bound: int, cpu: float) -> dict:
 
 
 def latest_rows(sim: Simulation, items: list, name: str, gets: int) -> list[dict]:
-    """``gets`` latest=True gets alpha-paced, then wide (``Lookup.wide``), twice, on the same network."""
-    rows = []
-    for wide in (False, True, False, True):
+    """``gets`` latest=True gets over the key's k closest alpha-paced and wide (``Lookup.wide``), then
+    wide over its read quorum (``DHTConfig.read_window``, the default), twice, on the same network."""
+    rows, quorum = [], sim.config.read_quorum
+    for wide, window in [(False, "k closest"), (True, "k closest"), (True, "quorum")] * 2:
         sim.wide_latest = wide
+        sim.config.read_quorum = sim.config.k if window == "k closest" else quorum
         stats = sim.get_many(items, gets, latest=True)
-        rows.append({"phase": name, "wide": wide, "success": stats.success, "queried_per_get": stats.queried / gets,
-                     "latency_p50_ms": 1000 * stats.latency_percentile(0.5),
+        rows.append({"phase": name, "wide": wide, "window": sim.config.read_window, "success": stats.success,
+                     "queried_per_get": stats.queried / gets, "latency_p50_ms": 1000 * stats.latency_percentile(0.5),
                      "latency_p99_ms": 1000 * stats.latency_percentile(0.99)})
-        print(f"  {name:<14} latest=True {'wide' if wide else 'alpha-paced'}: success {100 * stats.success:.2f}% "
-              f"of {gets}, latency p50/p99 {rows[-1]['latency_p50_ms']:.0f}/{rows[-1]['latency_p99_ms']:.0f} ms, "
-              f"{rows[-1]['queried_per_get']:.1f} contacts asked per get", flush=True)
-    sim.wide_latest = True
+        print(f"  {name:<14} latest=True {'wide' if wide else 'alpha-paced'} over the {window}: success "
+              f"{100 * stats.success:.2f}% of {gets}, latency p50/p99 {rows[-1]['latency_p50_ms']:.0f}/"
+              f"{rows[-1]['latency_p99_ms']:.0f} ms, {rows[-1]['queried_per_get']:.1f} contacts asked per get",
+              flush=True)
+    sim.wide_latest, sim.config.read_quorum = True, quorum
     return rows
 
 

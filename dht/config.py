@@ -16,6 +16,9 @@ class DHTConfig:
     #: a lookup also asks the next contact once a query runs past its peer's adaptive timeout
     #: (from measured round trips, ``dht.latency``): never sooner than this, nor later than rpc_timeout
     hedge_floor: float = 0.05
+    #: a latest read waits for the nearest this many of a key's k closest (None: half of k, rounded
+    #: up): a write reaching more than k - read_quorum of them, or the nearest ones, is seen
+    read_quorum: int | None = None
     bootstrap_timeout: float = 10.0
     refresh_interval: float = 600.0  # buckets not looked up for this long get a random lookup
     republish_interval: float = 600.0  # stored records are re-replicated to the k closest this often
@@ -36,3 +39,8 @@ class DHTConfig:
     #: relays a node that is not reachable (``DHTNode(reachable=False)``) reserves a slot at,
     #: chosen among the public peers of its routing table
     relays: int = 2
+
+    @property
+    def read_window(self) -> int:
+        """How many of a key's closest peers a latest read asks and waits for (``read_quorum``)."""
+        return min(self.k, self.read_quorum or -(-self.k // 2))

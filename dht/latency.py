@@ -6,9 +6,9 @@ node-wide estimate; with no measurement at all, the ceiling (the RPC timeout). A
 past its timeout has its own doubled until it answers again (TCP's backoff), so a slow peer is
 waited for longer next time rather than asked and abandoned on every lookup.
 
-A lookup that must hear from all k closest (``latest``) also stops waiting for a query far slower
-than its siblings in the same lookup (``Stragglers``): the last of twenty replies is the tail of
-one, so one stalled peer would set the whole lookup's latency.
+A lookup that asks its whole window at once (``latest``) also stops waiting for a query far slower
+than its siblings in the same lookup (``Stragglers``): the last of ten replies is the tail of one,
+so one stalled peer would set the whole lookup's latency.
 """
 
 from __future__ import annotations

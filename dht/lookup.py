@@ -96,8 +96,10 @@ class Lookups:
 
     async def _run_lookup(self, target: int, method: str, arg: bytes, want_records: bool,
                           latest: bool) -> LookupResult:
-        lookup = Lookup(target, self.routing.closest(target, self.config.k), self.config.k,
-                        self.config.alpha, own_peer=self.peer_id, wide=latest)
+        cfg = self.config
+        window = cfg.read_window if latest else cfg.k
+        lookup = Lookup(target, self.routing.closest(target, cfg.k), window, cfg.alpha, own_peer=self.peer_id,
+                        wide=latest)
         result = LookupResult(records=[])
         if want_records:
             local = self.storage.get(arg, time.time())
@@ -109,12 +111,12 @@ class Lookups:
         # Queries not yet past their adaptive timeout -> when they will be. One past it leaves the
         # lookup's window (the next contact is asked instead) but its reply still counts if it
         # comes before the lookup ends: a slow peer costs a hedge, not its full RPC timeout.
-        # latest, which asks every contact of its window at once (``Lookup.wide``), also leaves
-        # behind a query far slower than the others once half of k answered (``Stragglers``): one
-        # stalled peer cannot hold up the whole lookup.
+        # latest, which asks its whole window (its read quorum) at once (``Lookup.wide``), also
+        # leaves behind a query far slower than the others once half of them answered
+        # (``Stragglers``): one stalled peer cannot hold up the whole lookup.
         due: dict[asyncio.Task, float] = {}
         sent: dict[asyncio.Task, float] = {}
-        stragglers = Stragglers(self.config.k) if latest else None
+        stragglers = Stragglers(window) if latest else None
         loop = asyncio.get_running_loop()
         found_from = 0
         try:
@@ -232,8 +234,9 @@ class Lookups:
 
     async def lookup_value(self, key: str | bytes, latest: bool = False) -> LookupResult:
         """Find records under ``key``. ``latest=False`` stops at the first peer that has some;
-        ``latest=True`` asks all k closest peers and merges (freshest value per sub-key), leaving
-        behind, once half of them answered, one far slower than the others (``dht.latency``)."""
+        ``latest=True`` asks the nearest ``config.read_window`` of the key's k closest peers at once
+        and merges their records (freshest value per sub-key), leaving behind, once half of them
+        answered, one far slower than the others (``dht.latency``). ``closest``: those that answered."""
         kb = key_bytes(key)
         result = await self._run_lookup(key_id(kb), "find_value", kb, True, latest)
         now = time.time()
@@ -266,7 +269,7 @@ class Lookups:
         """Each peer's value under its own ``name`` sub-key of ``key`` (written with ``store_owned``),
         its signature checked: one value per peer, values over ``max_size`` bytes left out.
 
-        Looks the key up over its k closest peers, or with ``holders`` (say, a previous read's
+        Looks the key up (a latest read, ``lookup_value``), or with ``holders`` (say, a previous read's
         ``closest``) asks only those, one RPC each within ``timeout`` (default: ``rpc_timeout``);
         ``closest`` is then the holders that answered."""
         kb = key_bytes(key)

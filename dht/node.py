@@ -289,8 +289,8 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         accept (too large, expired, owned by another peer).
 
         ``closest``: the key's k closest peers as a lookup of the same key just found them (e.g.
-        ``lookup_value(key).closest``): the record goes to them without a lookup of its own, one
-        round trip sooner. Republishing looks them up afresh.
+        ``lookup_value(key).closest``; a latest lookup's holds only its read quorum): the record goes
+        to them without a lookup of its own, one round trip sooner. Republishing looks them up afresh.
         """
         kb = key_bytes(key)
         sb = subkey.encode() if subkey is not None else None

@@ -286,10 +286,10 @@ class Lookup:
     The driver loops: send ``next_queries()``, feed each answer to ``on_response`` or
     ``on_failure``, until ``finished``. The lookup ends once the k closest live contacts it knows
     have all answered, which is what makes the result the true k closest with high probability.
-    ``wide``: for a lookup that must hear from all k closest anyway (a ``latest`` read), every contact
-    of the window is asked as soon as it enters it: where the table already holds the k closest (a
-    swarm of a few hundred) that is one round trip instead of two, and one stalled peer among the
-    alpha closest no longer holds up the rest.
+    ``wide``: for a lookup that must hear from its whole window anyway (a ``latest`` read, whose
+    window is its read quorum), every contact of the window is asked as soon as it enters it: where
+    the table already holds the k closest (a swarm of a few hundred) that is one round trip instead
+    of two, and one stalled peer among the alpha closest no longer holds up the rest.
     """
 
     def __init__(

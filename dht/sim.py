@@ -237,14 +237,15 @@ class _LookupRun:
                  done: Callable[[SimLookup], None]):
         cfg = node.sim.config
         self.node, self.target, self.method, self.arg, self.latest, self.done = node, target, method, arg, latest, done
-        self.lookup = Lookup(target, node.routing.closest(target, cfg.k), cfg.k, cfg.alpha, own_peer=node.peer_id,
+        window = cfg.read_window if latest else cfg.k
+        self.lookup = Lookup(target, node.routing.closest(target, cfg.k), window, cfg.alpha, own_peer=node.peer_id,
                              wide=latest and node.sim.wide_latest)
         self.result = SimLookup(started=node.sim.loop.now)
         self.want_records = method == "find_value"
         self.outstanding = 0
         self.waiting: dict[PeerID, Contact] = {}  # asked, not answered, not yet past a timeout
         self.sent: dict[PeerID, float] = {}
-        self.stragglers = Stragglers(cfg.k) if latest else None
+        self.stragglers = Stragglers(window) if latest else None
         self.found_from = 0
         self.ended = False
         if self.want_records:

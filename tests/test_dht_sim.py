@@ -138,9 +138,15 @@ def test_gets_succeed_after_churn_and_republishing_restores_the_replicas(churned
 
 def test_a_latest_read_asks_its_whole_window_at_once_and_ends_sooner(churned):
     sim, items, _ = churned
-    sim.wide_latest = False  # alpha-paced: alpha queries, then the rest of the k closest
-    paced = sim.get_many(items, 100, latest=True)
-    sim.wide_latest = True
-    wide = sim.get_many(items, 100, latest=True)
+    sim.config.read_quorum = sim.config.k  # a window of the k closest
+    try:
+        sim.wide_latest = False  # alpha-paced: alpha queries, then the rest of the k closest
+        paced = sim.get_many(items, 100, latest=True)
+        sim.wide_latest = True
+        wide = sim.get_many(items, 100, latest=True)
+    finally:
+        sim.wide_latest, sim.config.read_quorum = True, None
     assert paced.success == wide.success == 1.0
     assert wide.latency_percentile(0.5) < 0.8 * paced.latency_percentile(0.5)
+    quorum = sim.get_many(items, 100, latest=True)  # the nearest half of them
+    assert quorum.success == 1.0 and quorum.queried < 0.7 * wide.queried

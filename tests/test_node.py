@@ -19,6 +19,7 @@ from dht import (
 from dht.protocol import value_request
 from dht.routing import key_id
 from dht.storage import Record, sign_record
+from dht.wire import pack
 
 FAST = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=0.2, republish_interval=0.5)
 
@@ -381,3 +382,30 @@ async def test_a_latest_lookup_with_a_full_window_still_reads_an_older_peer(swar
     refused = _serve_find_value(older, [], older=True)
     result = await reader.lookup_value("fresh", latest=True)
     assert [r.value for r in result.records] == [b"\x08"] and refused
+
+
+async def test_a_latest_read_takes_the_newest_record_its_quorum_holds_not_one_only_farther_peers_hold(swarm):
+    """k=8, so a latest read asks the key's nearest 4 (``read_window``): a newer record they hold
+    wins; one only the 5th-8th nearest hold is missed (the quorum's price), which is why a store
+    goes to all k."""
+    config = DHTConfig(k=8, rpc_timeout=1.0, bootstrap_timeout=2.0, maintenance_period=60.0)
+    make, nodes = swarm
+    await make(9, config)  # (8 others: no bucket of the reader's can overflow)
+    key, now = b"quorum", time.time()
+    reader, *ranked = sorted(nodes, key=lambda nd: nd.node_id ^ key_id(key), reverse=True)
+    ranked.reverse()  # the key's nearest first; the reader is the farthest
+    for nd in ranked:  # so that the reader knows them all, and asks the nearest 4 only
+        await (await nd.host.connect_addr(reader.multiaddrs[0], timeout=1.0)).call("ping", None, timeout=1.0)
+    assert all(nd.peer_id in reader.routing for nd in ranked) and config.read_window == 4
+
+    def hold(holders: list[DHTNode], value: int, ttl: float) -> None:
+        for nd in holders:
+            nd.storage.store(Record(key, None, pack(value), now + ttl), now)
+
+    hold(ranked[:8], 1, 60)
+    hold(ranked[:4], 2, 70)  # newer, on the quorum
+    hold(ranked[4:8], 3, 80)  # newer still, beyond it
+    result = await reader.lookup_value(key, latest=True)
+    assert [r.value for r in result.records] == [pack(2)] and len(result.closest) <= 4
+    assert await ranked[0].store(key, 4, now + 90) >= 5  # a store reaches all k
+    assert (await reader.get(key, latest=True)).value == 4
