@@ -22,6 +22,8 @@ each joining through 2 of process 0's nodes (rotating). Reported:
 Then the transport: one encrypted p2ptrain stream (dht.transport.Host + open_stream) against raw
 asyncio TCP, both sender and receiver in separate processes, uvloop when available, and the ratio.
 hivemind's DHT (benchmarks/_hivemind_dht.py) runs with the same N when importable.
+--cpu-per-read N (alone): CPU per read of each kind (plain, latest over the read quorum and over
+the k closest, from known holders), with N nodes in this process, and the ratio to a plain get.
 Every child process is killed on exit, Ctrl+C included.
 """
 
@@ -329,6 +331,47 @@ def _kill_children() -> None:
                 pass
 
 
+# ------------------------------------------------------------------------------------- CPU per read
+
+
+async def cpu_per_read(n_nodes: int, n_gets: int, seed: int) -> dict[str, float]:
+    """Milliseconds of CPU per read with every node in this process (the asker's CPU and its
+    servers' together): plain gets, latest ones over the read quorum (the default) and over the k
+    closest (the baseline), and reads from k known holders of a key (as progress and board poll).
+    Every connection is opened first; each kind runs twice and the second pass counts."""
+    from dht import DHTConfig, DHTNode
+
+    rng, config = random.Random(seed), DHTConfig()
+    nodes: list[DHTNode] = []
+    try:
+        for _ in range(n_nodes):
+            nodes.append(DHTNode(config=config))
+            await nodes[-1].start(nodes[0].multiaddrs if len(nodes) > 1 else [])
+        keys = [f"cpu/{i}" for i in range(20)]
+        for i, key in enumerate(keys):
+            await rng.choice(nodes).store(key, i, time.time() + 600)
+        holders = {key: nodes[0].nearest_known(key) for key in keys}
+        for a in nodes:  # every connection open first: a read's cost, not a handshake's
+            await asyncio.gather(*(a.host.call(b.peer_id, (b.multiaddrs[0].host, b.multiaddrs[0].port), "ping")
+                                   for b in nodes if b is not a))
+        kinds = {"plain get": lambda nd, key: nd.lookup_value(key),
+                 "latest get, read quorum": lambda nd, key: nd.lookup_value(key, latest=True),
+                 "latest get, k closest": lambda nd, key: nd.lookup_value(key, latest=True),
+                 "read from k known holders": lambda nd, key: nd.get_owned(key, "-", holders=holders[key])}
+        out: dict[str, float] = {}
+        for _ in range(2):
+            for kind, read in kinds.items():
+                config.read_quorum = config.k if kind.endswith("k closest") else None
+                t0 = time.process_time()
+                for _ in range(n_gets):
+                    await read(rng.choice(nodes), rng.choice(keys))
+                out[kind] = (time.process_time() - t0) * 1e3 / n_gets
+        config.read_quorum = None
+        return out
+    finally:
+        await asyncio.gather(*(nd.close() for nd in nodes), return_exceptions=True)
+
+
 # ------------------------------------------------------------------------------------- reporting
 
 
@@ -401,6 +444,11 @@ def report(runs: list[dict], tput: dict, hm: dict[int, Any]) -> None:
 
 
 async def amain(args: argparse.Namespace) -> dict:
+    if args.cpu_per_read:
+        cpu = await cpu_per_read(args.cpu_per_read, args.gets, args.seed)
+        for kind, ms in cpu.items():
+            print(f"{kind:<32} {ms:6.2f} ms CPU per read, {ms / cpu['plain get']:5.1f}x a plain get's")
+        return {"cpu_per_read_ms": cpu}
     runs, hm, tput = [], {}, {}
     interp = await interpreter_start_s()
     load = await cpu_load(args.load)
@@ -449,6 +497,8 @@ def main() -> None:
                     help="busy-looping processes run alongside the DHT runs and hivemind's (default 0)")
     ap.add_argument("--tput-mib", type=int, default=1024, help="MiB per throughput run (default 1024)")
     ap.add_argument("--tput-trials", type=int, default=5, help="alternating raw/encrypted runs (default 5)")
+    ap.add_argument("--cpu-per-read", type=int, default=0, metavar="N",
+                    help="only measure CPU per read, --gets of each kind, with N nodes in this process")
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--no-hivemind", action="store_true")
     ap.add_argument("--hivemind-python", default=sys.executable, help="interpreter with hivemind installed")
