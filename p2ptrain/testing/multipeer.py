@@ -15,6 +15,7 @@ the last one's join to the last one's end of training). Logs go to stderr; the c
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import threading
@@ -68,6 +69,7 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
     out = Path(cfg["out"])
     try:
         report["seen"] = opt.wait_for_peers(world, timeout=cfg["join_timeout"])
+        gc.freeze()  # and so do the peers' models and nodes, once joined
         report["cpu_joined"] = time.process_time()
         batches = task.batches(bs, seed=1, rank=index, world=world)
         samples, epoch, t_start = 0, 0, time.perf_counter()
@@ -96,6 +98,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     die_with_parent()
     torch.set_num_threads(1)
+    gc.freeze()  # (as the CLI does) the imports' heap stays out of every full collection
     dhts = [DHT(cfg["bootstrap"], listen=("127.0.0.1", 0), swarm_key=False) for _ in range(cfg["count"])]
     reports: list[dict[str, Any]] = [{"peer": cfg["first"] + i} for i in range(cfg["count"])]
     threads = [threading.Thread(target=run_peer, args=(cfg["first"] + i, cfg, dhts[i], reports[i]))
