@@ -357,3 +357,62 @@ def test_a_caller_looping_on_wait_fresh_gets_at_most_one_read_per_min_refresh():
     views, took = asyncio.run(main())
     assert 3 <= views <= took / 0.05 + 2, (views, took)
     assert reads[0] <= views + 2
+
+
+def test_refresh_is_slow_far_from_the_epochs_end_and_fast_near_it():
+    """Far from the target a read waits half the estimated time left (each read returns every
+    peer's record), at most ``slow_refresh``; near it, at the estimate's end; past it, at once."""
+    from p2ptrain.optim.progress import SwarmView, refresh_period
+
+    def period(samples: float, sps: float = 1000.0, ready: bool = False, **kw) -> float:
+        view = SwarmView(epoch=3, samples=samples, target=10_000, sps=sps, **kw)
+        return refresh_period(view, ready, refresh=0.5, min_refresh=0.05, slow_refresh=2.0)
+
+    assert period(0) == 2.0  # 10 s left
+    assert period(7_000) == pytest.approx(1.5)  # 3 s left
+    assert period(9_200) == 0.5  # 0.8 s left: the usual period
+    assert period(9_800) == pytest.approx(0.2)  # at the estimate's end
+    assert period(10_100) == 0.05  # the estimate says over: confirm on the counts
+    assert period(10_100, reported=10_000) == 0.1
+    assert period(0, ready=True) == 0.5  # in a round
+    assert period(0, sps=0.0) == 0.5  # nobody computes: no estimate
+    assert refresh_period(SwarmView(epoch=3, samples=0, target=10_000, sps=1000.0), False, refresh=10.0,
+                          min_refresh=0.05, slow_refresh=2.0) == 10.0  # never more often than before
+
+
+def test_the_view_at_each_step_follows_each_new_read_and_ignored_peers_at_once(monkeypatch):
+    """``estimate`` (every step) reuses the reports' filtering until a read or the ignored peers change."""
+    import asyncio
+    import time as clock
+
+    from dht import OwnedRead, OwnedValue
+    from p2ptrain.optim import progress
+
+    t0 = clock.time()
+    mono = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: mono[0])
+    replies: list[list[PeerReport]] = []
+
+    async def get_owned(key, name, **kw):
+        return OwnedRead({r.peer: OwnedValue(r.to_wire(), t0 + 60) for r in replies.pop(0)}, [])
+
+    async def store_owned(*args, **kwargs):
+        pass
+
+    def rep(i: int, epoch: int) -> PeerReport:
+        return PeerReport(PEERS[i], epoch, 10, 5.0, t0, "schema", ("127.0.0.1", 4000 + i))
+
+    async def main():
+        tracker = progress.ProgressTracker(_fake_node(store_owned, get_owned), "run", "schema", target=10**6,
+                                           ttl=10.0)
+        replies.extend([[rep(1, 2), rep(2, 2)], [rep(1, 2), rep(2, 4)]])
+        await tracker.refresh_now()
+        assert tracker.estimate().epoch == 2 and tracker.estimate().num_peers == 2
+        tracker.ignore([PEERS[1]], seconds=5.0)
+        assert {p.peer for p in tracker.estimate().training} == {tracker.me.peer, PEERS[2]}
+        mono[0] += 6.0  # no longer ignored
+        assert {p.peer for p in tracker.estimate().training} == {tracker.me.peer, PEERS[1], PEERS[2]}
+        await tracker.refresh_now()
+        assert tracker.estimate().epoch == 4 and [p.peer for p in tracker.estimate().peers] == [PEERS[2]]
+
+    asyncio.run(main())

@@ -146,6 +146,20 @@ class SwarmView:
         return self.samples >= self.target
 
 
+def latest_reports(reports: Iterable[PeerReport], me: PeerReport, ignored: Iterable[PeerID] = ()) -> list[PeerReport]:
+    """Each other peer's newest report with our schema that is not a goodbye: the part of
+    :func:`summarize` that hashes PeerIDs (a Python call each), which a tracker does once per read."""
+    latest: dict[PeerID, PeerReport] = {}
+    skip = {me.peer, *ignored}
+    for r in reports:
+        if r.left or r.schema != me.schema or r.peer in skip:
+            continue
+        seen = latest.setdefault(r.peer, r)
+        if seen is not r and (r.epoch, r.time) > (seen.epoch, seen.time):
+            latest[r.peer] = r
+    return list(latest.values())
+
+
 def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target: int,
               stale_after: float, ignored: Iterable[PeerID] = (), epoch_started: float | None = None) -> SwarmView:
     """The swarm as seen from ``me`` (whose own report is always fresh).
@@ -156,16 +170,18 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
     quickly and clock skew cannot run away); a peer that is ``ready`` has stopped computing and is
     not extrapolated.
     """
-    latest: dict[PeerID, PeerReport] = {}
-    skip = {me.peer, *ignored}
     oldest = now - stale_after
-    for r in reports:  # (called at every step: each PeerID hash is a Python call, so one lookup per report)
-        if r.time < oldest or r.left or r.schema != me.schema or r.peer in skip:
-            continue
-        seen = latest.setdefault(r.peer, r)
-        if seen is not r and (r.epoch, r.time) > (seen.epoch, seen.time):
-            latest[r.peer] = r
-    everyone = [me, *latest.values()]
+    latest = latest_reports((r for r in reports if r.time >= oldest), me, ignored)
+    return tally(latest, me, now, target, stale_after, epoch_started)
+
+
+def tally(latest: list[PeerReport], me: PeerReport, now: float, target: int, stale_after: float,
+          epoch_started: float | None = None) -> SwarmView:
+    """:func:`summarize` of reports already through :func:`latest_reports` (the per-step part:
+    no hashing, one pass of arithmetic per peer)."""
+    oldest = now - stale_after
+    fresh = [r for r in latest if r.time >= oldest]
+    everyone = [me, *fresh]
     epoch = max(r.epoch for r in everyone)
     at_epoch = [r for r in everyone if r.epoch == epoch]
     reported = sum(r.samples for r in at_epoch)
@@ -177,7 +193,7 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
         # Peers still reporting the previous epoch (even as ready: that is how they entered its
         # round) have most likely finished it with us and compute for this one, unpublished yet:
         # count their throughput since our epoch began, or short epochs overshoot several times.
-        for r in latest.values():
+        for r in fresh:
             if r.epoch == epoch - 1:
                 samples += r.sps * min(max(0.0, now - max(epoch_started, r.time)), _MAX_EXTRAPOLATION)
     return SwarmView(
@@ -187,12 +203,30 @@ def summarize(reports: Iterable[PeerReport], me: PeerReport, now: float, target:
     )
 
 
+def refresh_period(view: SwarmView, ready: bool, refresh: float, min_refresh: float, slow_refresh: float) -> float:
+    """Seconds to the next refresh: ``refresh`` while we wait in a round (what we read changes nothing
+    until it ends); fast once the estimate or a peer says the epoch is over; else when the estimate
+    reaches the target (others publish their counts then). Far from it, at half the time left, at most
+    ``slow_refresh``: each read returns every peer's record, and the estimate is good for that long."""
+    if ready:
+        return refresh
+    if view.reached or view.ready:
+        return min_refresh * 2
+    if view.due:
+        return min_refresh
+    if view.sps <= 0:
+        return refresh
+    if view.eta > 2 * refresh:
+        return min(view.eta / 2, max(slow_refresh, refresh))
+    return min(refresh, max(min_refresh, view.eta))
+
+
 class ProgressTracker:
     """Publishes this peer's progress and keeps a fresh :class:`SwarmView` of everyone's.
 
     Lives on the DHT's event loop; the training thread calls :meth:`report` (thread-safe, never
     blocks) and reads :attr:`view`. The refresh period shrinks as the epoch's end approaches
-    (``min(refresh, eta / 3)``, at least ``min_refresh``); once the estimate is past the target,
+    (see :func:`refresh_period`); once the estimate is past the target,
     :meth:`hurry` (called at each step) gets a refresh at once, at most one per ``fast_refresh``,
     until the published counts reach it: peers learn that the target was reached within a few
     milliseconds without polling the DHT all the time.
@@ -213,7 +247,7 @@ class ProgressTracker:
                  judge: Callable[[list[PeerReport], PeerReport], dict[PeerID, str]] | None = None,
                  on_refused: Callable[[dict[PeerID, str]], None] | None = None,
                  held: Callable[[], int] | None = None, holders: int = 3, relookup: float = 15.0,
-                 publish_every: float = 2.0):
+                 publish_every: float = 2.0, slow_refresh: float = 2.0):
         if target < 1:
             raise ValueError("target_batch_size must be at least 1")
         self.node = node
@@ -222,6 +256,7 @@ class ProgressTracker:
         self.target = target
         self.refresh = refresh
         self.min_refresh = min_refresh
+        self.slow_refresh = slow_refresh
         self.fast_refresh = fast_refresh
         self.ttl = ttl if ttl is not None else max(10.0, 6 * refresh)
         self.publish_every = publish_every
@@ -237,6 +272,8 @@ class ProgressTracker:
         self._published_at = 0.0  # the time in the report we last published
         self._hidden = False  # reading only (see start)
         self._reports: list[PeerReport] = []
+        #: latest_reports of (_reports, the peers ignored then), reused until either changes
+        self._latest: tuple[list[PeerReport], list[PeerID], list[PeerReport]] = (self._reports, [], [])
         #: each peer's newest report read, and when a read last returned it (monotonic)
         self._known: dict[PeerID, tuple[PeerReport, float]] = {}
         self.view = summarize([], self._me, time.time(), target, self.ttl)
@@ -325,8 +362,10 @@ class ProgressTracker:
 
     def estimate(self) -> SwarmView:
         """The view extrapolated to now, from the last reports read (no DHT traffic)."""
-        return summarize(self._reports, self._me, time.time(), self.target, self.ttl, self._ignored_now(),
-                         self._epoch_started)
+        ignored, cached = self._ignored_now(), self._latest
+        if cached[0] is not self._reports or cached[1] != ignored:  # (one tuple: another thread may swap it)
+            cached = self._latest = (self._reports, ignored, latest_reports(self._reports, self._me, ignored))
+        return tally(cached[2], self._me, time.time(), self.target, self.ttl, self._epoch_started)
 
     # ---------------------------------------------------------------- loop side
 
@@ -359,16 +398,7 @@ class ProgressTracker:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            view = self.view
-            period = self.refresh  # (also while we are in a round: what we read changes nothing until it ends)
-            if self._me.ready:
-                pass
-            elif view.reached or view.ready:
-                period = self.min_refresh * 2
-            elif view.due:
-                period = self.min_refresh
-            elif view.sps > 0:  # look when the estimate reaches the target: the others publish their counts then
-                period = min(period, max(self.min_refresh, view.eta))
+            period = refresh_period(self.view, self._me.ready, self.refresh, self.min_refresh, self.slow_refresh)
             await wait_event(self._wake, period)
             if self._hurried or self._asked:
                 gap = self.fast_refresh if self._hurried else self.min_refresh
