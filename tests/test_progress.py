@@ -235,10 +235,9 @@ def _fake_node(store_owned, get_owned):
 
 def test_a_new_sample_count_is_published_every_few_seconds_or_once_the_epoch_looks_over(monkeypatch):
     """Each reader checks the signature of every record that changed since its last read, so a
-    count that only grew is published every ``publish_every`` s or once the readers' extrapolation
-    of the last one is ``drift`` s of throughput off, while a new epoch or ready flag goes out at
-    once, and so does the count once the estimate says the target is reached (the epoch ends on
-    published counts)."""
+    count that only grew is published every ``publish_every`` s (readers extrapolate in between),
+    while a new epoch or ready flag goes out at once, and so does the count once the estimate says
+    the target is reached (the epoch ends on published counts)."""
     import asyncio
     import time as clock
 
@@ -259,7 +258,6 @@ def test_a_new_sample_count_is_published_every_few_seconds_or_once_the_epoch_loo
     async def main():
         tracker = progress.ProgressTracker(_fake_node(store_owned, get_owned), "run", "schema", target=1000,
                                            ttl=30.0, publish_every=2.0)
-        tracker.report(0, 0, 64.0)
         await tracker.refresh_now()
         assert [v["s"] for v in stored] == [0]
         for samples in (32, 64, 96):  # the count grows, the epoch's end is far: kept back
@@ -271,25 +269,17 @@ def test_a_new_sample_count_is_published_every_few_seconds_or_once_the_epoch_loo
         tracker.report(0, 128, 64.0)
         await tracker.refresh_now()
         assert [v["s"] for v in stored] == [0, 128]
-        now[0] += 0.5
-        tracker.report(0, 192, 64.0)  # 160 extrapolated: 0.5 s of throughput off
-        await tracker.refresh_now()
-        assert len(stored) == 2
-        now[0] += 0.1
-        tracker.report(0, 200, 64.0)  # 166.4: more than 0.5 s off, out at once
-        await tracker.refresh_now()
-        assert [v["s"] for v in stored] == [0, 128, 200]
         now[0] += 0.1
         tracker.report(1, 0, 64.0)  # a new epoch: at once
         await tracker.refresh_now()
         now[0] += 0.1
         tracker.report(1, 0, 64.0, ready=True)  # ready: at once
         await tracker.refresh_now()
-        assert [(v["e"], v["r"]) for v in stored[3:]] == [(1, False), (1, True)]
+        assert [(v["e"], v["r"]) for v in stored[2:]] == [(1, False), (1, True)]
         now[0] += 0.1
         assert tracker.report(1, 1000, 64.0).due  # our own count reaches the target: at once
         await tracker.refresh_now()
-        assert stored[-1]["s"] == 1000 and len(stored) == 6
+        assert stored[-1]["s"] == 1000 and len(stored) == 5
 
     asyncio.run(main())
 

@@ -238,8 +238,7 @@ class ProgressTracker:
 
     Every reader checks the signature of every record that changed since its last read, so a report
     is republished only when others need it (see :meth:`_publish_due`): a new sample count goes out
-    when the readers' extrapolation of the last one is ``drift`` seconds of our throughput off, every
-    ``publish_every`` seconds (before they stop extrapolating it), or at once near the epoch's end.
+    every ``publish_every`` seconds (readers extrapolate in between), or at once near the epoch's end.
     """
 
     def __init__(self, node: DHTNode, run_id: str, schema: str, target: int, *, refresh: float = 0.5,
@@ -248,7 +247,7 @@ class ProgressTracker:
                  judge: Callable[[list[PeerReport], PeerReport], dict[PeerID, str]] | None = None,
                  on_refused: Callable[[dict[PeerID, str]], None] | None = None,
                  held: Callable[[], int] | None = None, holders: int = 3, relookup: float = 15.0,
-                 publish_every: float = 4.0, slow_refresh: float = 2.0, drift: float = 0.5):
+                 publish_every: float = 2.0, slow_refresh: float = 2.0):
         if target < 1:
             raise ValueError("target_batch_size must be at least 1")
         self.node = node
@@ -260,8 +259,7 @@ class ProgressTracker:
         self.slow_refresh = slow_refresh
         self.fast_refresh = fast_refresh
         self.ttl = ttl if ttl is not None else max(10.0, 6 * refresh)
-        self.publish_every = min(publish_every, _MAX_EXTRAPOLATION - 0.5)
-        self.drift = drift
+        self.publish_every = publish_every
         self._on_mismatch = on_mismatch
         #: verdicts on epoch claims (see ``claims``): the peers it refuses stay out of the view
         self._judge = judge
@@ -477,10 +475,9 @@ class ProgressTracker:
     def _publish_due(self, me: PeerReport, now: float) -> bool:
         """Whether a refresh at ``now`` publishes ``me``: at once when anything but the sample count
         changed (others wait on an epoch, a ready flag, an address), or while the estimate says the
-        epoch is over (its end is confirmed on published counts); a new count when the readers'
-        extrapolation of the last is off, or every ``publish_every`` s; the same report again, as of
-        now, before others take it for a dead peer's (a training thread blocked in a round or a state
-        load reports nothing)."""
+        epoch is over (its end is confirmed on published counts); a new count every ``publish_every``
+        s; the same report again, as of now, before others take it for a dead peer's (a training
+        thread blocked in a round or a state load reports nothing)."""
         last = self._published
         if last is None:
             return True
@@ -489,10 +486,7 @@ class ProgressTracker:
             return age > self.ttl / 5
         if replace(me, samples=last.samples, sps=last.sps, time=last.time) != last:
             return True
-        if self.view.due or age >= self.publish_every:
-            return True
-        guess = last.samples + last.sps * age  # what readers make of it now (age < _MAX_EXTRAPOLATION)
-        return abs(me.samples - guess) > self.drift * me.sps
+        return self.view.due or age >= self.publish_every
 
     def _mismatch(self, report: PeerReport) -> None:
         if report.peer in self.mismatched or len(self.mismatched) >= 1000:
