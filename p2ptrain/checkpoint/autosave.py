@@ -34,6 +34,7 @@ import blake3
 
 from dht import DHTError, DHTNode, InvalidRecord, PeerID
 
+from ..errors import P2PTrainError
 from .errors import StateTooLargeError, StateTransferError
 from .manifest import ManifestError, build_snapshot, restore
 from .record import CheckpointRecord
@@ -51,7 +52,7 @@ log = logging.getLogger("p2ptrain.checkpoint")
 _RETRY_FIRST, _RETRY_MAX = 0.5, 4.0
 
 
-class _MovedOn(Exception):
+class _MovedOn(P2PTrainError):
     """A queued save found the state past the epoch it was due for (args: the state's epoch)."""
 
 
