@@ -67,7 +67,9 @@ class Node(Proc):
         return self._next
 
     def reply(self, ident: int, timeout: float) -> dict[str, Any]:
-        msg = self.wait_for(lambda m: m.get("id") == ident, timeout)
+        # replies to commands sent together come in any order: one read past already is in seen
+        msg = next((m for m in self.seen if m.get("id") == ident), None) or \
+            self.wait_for(lambda m: m.get("id") == ident, timeout)
         assert "error" not in msg, f"host of pid {self.proc.pid}: {msg['error']}"
         return msg
 
