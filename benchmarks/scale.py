@@ -13,7 +13,8 @@ in mixing-grid cells. Printed per mode and N, with ratios to the first N of the 
   * per-peer samples/s (mean over peers of samples / training seconds; target >= 0.8 at 64);
   * final test accuracy (mean and min over peers; target: N=64 within 1 point of N=8);
   * matchmaking time per gradient round (median over every peer's rounds; target <= 1.5x) and
-    the mean group size;
+    the mean group size; and where it goes: over how long a cell's peers (and the whole swarm)
+    reached the round, and how long matchmaking took after a cell's last peer came;
   * CPU seconds per peer and epoch while training (its process's CPU time from its last peer's
     join to its last peer's end of training, over its peers: flat when no peer's per-epoch work
     grows with N), and over the whole run (start and join included);
@@ -82,15 +83,25 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                 reports.append(obj)
         if args.verbose:
             for r in sorted(reports, key=lambda r: r["peer"]):
-                rounds = [(e, round(m, 2), g, k) for e, m, g, k in r["rounds"]]
+                rounds = [(e, round(m, 2), g, k) for e, m, g, k, _ in r["rounds"]]
                 print(r["peer"], r["state_loads"], rounds, file=sys.stderr)
         sps = [r["samples"] / r["train_s"] for r in reports]
         rounds = [x for r in reports for x in r["rounds"]]
+        cells: dict[tuple[int, str], list[float]] = {}
+        swarm: dict[int, list[float]] = {}
+        for epoch, _, _, key, entered in rounds:
+            cells.setdefault((epoch, key), []).append(entered)
+            swarm.setdefault(epoch, []).append(entered)
+        # a round's matchmaking time = waiting for the cell's last peer to arrive + forming after it
+        after = [entered + mm - max(cells[epoch, key]) for epoch, mm, _, key, entered in rounds]
         spreads = {e: spread_of(out / f"e{e}", args.verbose) for e in range(1, epochs + 1) if (out / f"e{e}").exists()}
         return {"mode": mode, "n": n, "sps": statistics.mean(sps),
                 "acc": statistics.mean(r["accuracy"] for r in reports), "acc_min": min(r["accuracy"] for r in reports),
                 "mm": statistics.median(x[1] for x in rounds) if rounds else float("nan"),
                 "group": statistics.mean(x[2] for x in rounds) if rounds else 0.0,
+                "cell_spread": statistics.median(max(v) - min(v) for v in cells.values()) if cells else 0.0,
+                "swarm_spread": statistics.median(max(v) - min(v) for v in swarm.values()) if swarm else 0.0,
+                "after_last": statistics.median(after) if after else float("nan"),
                 "loads": sum(r["state_loads"] for r in reports), "spreads": spreads,
                 "cpu": statistics.mean(r.get("cpu_s", 0.0) for r in reports) / epochs,
                 "train_cpu": statistics.mean(r.get("train_cpu_s", 0.0) for r in reports) / epochs,
@@ -112,6 +123,10 @@ def table(rows: list[dict]) -> None:
               f"{r['mm'] / base['mm']:.2f} | {r['group']:.1f} | {r['loads']} | {r['train_cpu']:.3f} "
               f"({r['train_cpu'] / max(base['train_cpu'], 1e-9):.2f}), {r['cpu']:.3f} | "
               f"{r['load'][0]:.0f}-{r['load'][1]:.0f} |")
+    print("where matchmaking time goes (medians, s): | N | peers of a cell arrive over | the whole swarm arrives over "
+          "| matchmaking after a cell's last arrival |")
+    for r in rows:
+        print(f"| {r['n']} | {r['cell_spread']:.3f} | {r['swarm_spread']:.3f} | {r['after_last']:.3f} |")
     every = STATE_EVERY[rows[0]["mode"]]
     print("parameter spread after each epoch (* = after a state round):")
     for r in rows:

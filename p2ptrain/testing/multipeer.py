@@ -8,8 +8,8 @@ every peer whatever the swarm's size) until its optimizer reaches ``epochs``; af
 writes its parameters (raw float32) to ``{out}/e{epoch}/p{index}.f32``. A peer done stays (serving
 its state) while another still reports an earlier epoch: one that missed the last round loads the
 state then, instead of training that epoch's whole target alone. At the end it prints one
-JSON line per peer: samples, training seconds, its rounds (epoch, matchmaking s, group size, cell),
-its test accuracy, the process's CPU seconds per peer, and those spent while its peers trained (from
+JSON line per peer: samples, training seconds, its rounds (epoch, matchmaking s, group size, cell,
+wall time it came), its test accuracy, the process's CPU seconds per peer, and those spent while its peers trained (from
 the last one's join to the last one's end of training). Logs go to stderr; the child dies with its parent.
 """
 
@@ -36,16 +36,17 @@ from ..tasks import get_task
 class TimedOptimizer(DecentralizedOptimizer):
     """Records each gradient round's matchmaking time and group size."""
 
-    rounds: list[tuple[int, float, int, str]]
+    rounds: list[tuple[int, float, int, str, float]]
 
     def _average(self, epoch: int, samples: int, view: SwarmView) -> Future[StepResult | None]:
+        entered = time.time()  # (wall clock: peers in other processes arrive at the same cell)
         future = super()._average(epoch, samples, view)
         key = self._cell.key
 
         def done(f: Future[StepResult | None]) -> None:
             result = None if f.cancelled() or f.exception() is not None else f.result()
             if result is not None:
-                self.rounds.append((epoch, result.matchmaking_s, result.group_size, key))
+                self.rounds.append((epoch, result.matchmaking_s, result.group_size, key, entered))
 
         future.add_done_callback(done)
         return future
