@@ -374,7 +374,7 @@ def test_refresh_is_slow_far_from_the_epochs_end_and_fast_near_it():
     assert period(9_800) == pytest.approx(0.2)  # at the estimate's end
     assert period(10_100) == 0.05  # the estimate says over: confirm on the counts
     assert period(10_100, reported=10_000) == 0.1
-    assert period(0, ready=True) == 0.5  # in a round
+    assert period(0, ready=True) == 2.0  # in a round: our next epoch's report goes out at once
     assert period(0, sps=0.0) == 0.5  # nobody computes: no estimate
     assert refresh_period(SwarmView(epoch=3, samples=0, target=10_000, sps=1000.0), False, refresh=10.0,
                           min_refresh=0.05, slow_refresh=2.0) == 10.0  # never more often than before

@@ -12,7 +12,7 @@ One round, seen from one peer (``Matchmaker.form_group``):
    where we know fewer peers than a key's 8 holders: they all are, and we are one).
 2. **Gather.** Read the key every 50 ms, backing off, reads overlapping (up to 4 in flight: on a
    slow link a read that just missed the others' entries must not cost a whole round trip more);
-   the first asks every holder we know, later ones 3 of them. Once it answered, entries written to
+   the first asks every holder we know, later ones 2 of them. Once it answered, entries written to
    our own node (a holder of the key, as every peer of a small swarm is) count as they land,
    without a read (reads still find those of writers that do not know us yet).
    Stop once at least ``min_group_size`` peers are present and the set has not grown for the
@@ -75,6 +75,7 @@ _MAX_POLL = 0.5
 _KEPT_ROUNDS = 16  # finished rounds remembered, to answer late joins clearly
 _READS_IN_FLIGHT = 4  # overlapping polls of the round's key
 _SPREAD_ROUNDS = 16  # recent rounds whose arrival spread sets the wait for expected peers
+_SCHEMA_CHECK_EVERY = 32  # polls between reads of the round's schema summaries (the first poll reads them)
 
 
 class Matchmaker(JoinProtocol):
@@ -258,7 +259,7 @@ class Matchmaker(JoinProtocol):
                     if now >= next_read and len(reads) < _READS_IN_FLIGHT:
                         if self._closed:
                             return None
-                        if polls % 8 == 0 and (schema_task is None or schema_task.done()):
+                        if polls % _SCHEMA_CHECK_EVERY == 0 and (schema_task is None or schema_task.done()):
                             schema_task = self._tasks.spawn(self.board.check_schemas(rnd, deadline))
                         polls += 1
                         reads.add(self._tasks.spawn(self.board.read(rnd, deadline), awaited=True))
@@ -266,7 +267,8 @@ class Matchmaker(JoinProtocol):
                         period = min(period * 1.5, _MAX_POLL, max(rnd.settle / 2, _FIRST_POLL))
                         if expected is not None and len(candidates) + 1 < expected and now - last_growth < 1.0:
                             # the expected stragglers are near: see the next one a poll after it lands
-                            period = _FIRST_POLL
+                            # (no faster than reads come back: a loaded swarm is not polled harder)
+                            period = max(_FIRST_POLL, self.latency)
                     # (an event already set is not waited on again: that would return at once and spin)
                     events = [e for e in (rnd.join_hint, landed) if not e.is_set()]
                     timer = wake_at if len(reads) >= _READS_IN_FLIGHT else min(next_read, wake_at)
@@ -297,7 +299,7 @@ class Matchmaker(JoinProtocol):
                             candidates[peer] = entry
                     if grew:
                         last_growth = now
-                        period = _FIRST_POLL
+                        period = max(_FIRST_POLL, self.latency)
                         next_read = min(next_read, now + period)
                     if not answered:
                         # (``expected`` comes from a view of the swarm up to a refresh old: a read of the

@@ -204,12 +204,13 @@ def tally(latest: list[PeerReport], me: PeerReport, now: float, target: int, sta
 
 
 def refresh_period(view: SwarmView, ready: bool, refresh: float, min_refresh: float, slow_refresh: float) -> float:
-    """Seconds to the next refresh: ``refresh`` while we wait in a round (what we read changes nothing
-    until it ends); fast once the estimate or a peer says the epoch is over; else when the estimate
-    reaches the target (others publish their counts then). Far from it, at half the time left, at most
-    ``slow_refresh``: each read returns every peer's record, and the estimate is good for that long."""
+    """Seconds to the next refresh: ``slow_refresh`` while we wait in a round (what we read changes
+    nothing until it ends, and our next epoch's report goes out at once); fast once the estimate or a
+    peer says the epoch is over; else when the estimate reaches the target (others publish their
+    counts then). Far from it, at half the time left, at most ``slow_refresh``: each read returns
+    every peer's record, and the estimate is good for that long."""
     if ready:
-        return refresh
+        return max(slow_refresh, refresh)
     if view.reached or view.ready:
         return min_refresh * 2
     if view.due:
