@@ -20,7 +20,7 @@ from .errors import DHTError, InvalidRecord, ProtocolError, RPCError
 from .identity import PeerID
 from .latency import RttEstimator, Stragglers
 from .owned import OwnedRead, owned_values
-from .protocol import decode_contacts, value_request
+from .protocol import decode_contacts, store_request, value_request
 from .routing import Contact, Lookup, RoutingTable, key_id
 from .storage import Record, RecordStore, VerifiedOwners, merge_records, validate_record
 from .tasks import TaskGroup
@@ -69,16 +69,21 @@ class Lookups:
     _learn: Callable[[Connection], None]
     _tasks: TaskGroup
     _rtt: RttEstimator
+    _watch_at: Callable[[bytes, list[Contact], float], None]
 
     async def _request(self, contact: Contact, method: str, args: Any, timeout: float) -> Any:
-        """One RPC; a find_value in ``value_request``'s filtered form that the peer refuses (an
-        older version) is asked again in the plain form."""
+        """One RPC; a find_value in ``value_request``'s filtered form, or a store asking for a
+        notice, that the peer refuses (an older version) is asked again in the plain form."""
         try:
             return await self.host.call(contact.peer_id, contact.addr, method, args, timeout, relays=contact.relays)
         except RPCError:
-            if method != "find_value" or not isinstance(args, list):
+            if method == "find_value" and isinstance(args, list):
+                args = args[0]
+            elif method == "store" and isinstance(args, dict):  # (asked for a notice)
+                args = args["r"]
+            else:
                 raise
-        return await self.host.call(contact.peer_id, contact.addr, method, args[0], timeout, relays=contact.relays)
+        return await self.host.call(contact.peer_id, contact.addr, method, args, timeout, relays=contact.relays)
 
     async def _call(self, contact: Contact, method: str, args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -206,9 +211,10 @@ class Lookups:
         """The k contacts closest to ``target`` (a 256-bit id) that answered."""
         return await self._lookup_nodes(target)
 
-    async def _replicate(self, records: list[Record], closest: list[Contact] | None = None) -> int:
+    async def _replicate(self, records: list[Record], closest: list[Contact] | None = None,
+                         notice: int | None = None) -> int:
         """Send records (all under one key) to the k closest peers (looked up unless given) and
-        keep a local copy."""
+        keep a local copy; ``notice``: the holders tell the key's watchers (``dht.watchers``)."""
         key = records[0].key
         accepted = 0
         try:
@@ -220,7 +226,7 @@ class Lookups:
             closest = await self._lookup_nodes(key_id(key))
         else:
             closest = [c for c in closest if c.peer_id != self.peer_id and c.dialable][: self.config.k]
-        wire = [r.to_wire() for r in records]
+        wire = store_request([r.to_wire() for r in records], notice)
 
         async def send(contact: Contact) -> bool:
             try:
@@ -243,13 +249,16 @@ class Lookups:
         result.records = [r for r in merge_records(result.records) if r.expiration > now]
         return result
 
-    async def _read_from(self, key: bytes, holders: list[Contact], timeout: float) -> LookupResult:
+    async def _read_from(self, key: bytes, holders: list[Contact], timeout: float,
+                         watch: float = 0.0) -> LookupResult:
         """The records of ``key`` that ``holders`` (one RPC each asking for no contacts, no lookup)
         and this node hold; ``closest``: the holders that answered. Unmerged: a peer's newest is
-        chosen by the caller."""
+        chosen by the caller. ``watch``: they tell us of noticed writes for that many seconds."""
+        if watch > 0:
+            self._watch_at(key, holders, watch)
 
         async def ask(contact: Contact) -> list[Record]:
-            reply = await self._request(contact, "find_value", value_request(key, 0), timeout)
+            reply = await self._request(contact, "find_value", value_request(key, 0, watch=watch), timeout)
             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)):
                 raise ProtocolError("malformed find_value reply")
             return self._valid_records(reply[0][:MAX_REPLY_RECORDS], key)
@@ -265,16 +274,19 @@ class Lookups:
         return result
 
     async def get_owned(self, key: str | bytes, name: str, *, max_size: int | None = None,
-                        holders: list[Contact] | None = None, timeout: float | None = None) -> OwnedRead:
+                        holders: list[Contact] | None = None, timeout: float | None = None,
+                        watch: float = 0.0) -> OwnedRead:
         """Each peer's value under its own ``name`` sub-key of ``key`` (written with ``store_owned``),
         its signature checked: one value per peer, values over ``max_size`` bytes left out.
 
         Looks the key up (a latest read, ``lookup_value``), or with ``holders`` (say, a previous read's
         ``closest``) asks only those, one RPC each within ``timeout`` (default: ``rpc_timeout``);
-        ``closest`` is then the holders that answered."""
+        ``closest`` is then the holders that answered; ``watch``: for that many seconds they tell us
+        of writes that ask for a notice (``DHTNode.notices``)."""
         kb = key_bytes(key)
         if holders:
-            result = await self._read_from(kb, holders, self.config.rpc_timeout if timeout is None else timeout)
+            result = await self._read_from(kb, holders, self.config.rpc_timeout if timeout is None else timeout,
+                                           watch)
         else:
             result = await self.lookup_value(kb, latest=True)
         limit = self.storage.max_value_size if max_size is None else max_size

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator
 from .autonat import probe_reachable, reserve_relays
 from .bootstrap import DialPlan
 from .config import DHTConfig
+from .connection import Connection
 from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable
 from .identity import Identity, PeerID
 from .latency import RttEstimator
@@ -42,9 +43,12 @@ from .storage import Record, RecordStore, VerifiedOwners, owned_name, owner_of, 
 from .swarmkey import SwarmKey
 from .tasks import TaskGroup
 from .transport import Host
+from .watchers import Watchers
 from .wire import pack
 
 log = logging.getLogger("dht.node")
+
+_NOTICE_TIMEOUT = 2.0  # s: a notice not answered by then is dropped (it is a hint)
 
 
 class BootstrapRefused(BootstrapError, SwarmKeyMismatch):
@@ -101,6 +105,9 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         self._rng = random.Random()
         self._received_at: dict[bytes, float] = {}  # key -> when a peer last replicated it to us
         self._watches: dict[bytes, list[asyncio.Event]] = {}  # key -> set when a peer's write of it lands
+        self._watchers: Watchers = Watchers()  # peers to tell of noticed writes of keys we hold
+        self._watching: dict[tuple[bytes, PeerID], float] = {}  # (key, holder) -> until when it may tell us
+        self._notices: dict[bytes, list[asyncio.Event]] = {}  # key -> set when a holder tells us of a write
         self._next_republish = time.monotonic() + self._jittered(self.config.republish_interval)
         self._republish_started = time.monotonic()
         self._started = False
@@ -281,7 +288,8 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         return owned_name(name.encode(), self.peer_id).decode()
 
     async def store(self, key: str | bytes, value: Any, expiration: float,
-                    subkey: str | None = None, closest: list[Contact] | None = None) -> int:
+                    subkey: str | None = None, closest: list[Contact] | None = None,
+                    notice: int | None = None) -> int:
         """Store ``value`` under ``key`` (or ``key[subkey]``) until the unix time ``expiration``.
 
         Replicates to the k closest peers and republishes until expiry. Returns how many peers
@@ -291,6 +299,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         ``closest``: the key's k closest peers as a lookup of the same key just found them (e.g.
         ``lookup_value(key).closest``; a latest lookup's holds only its read quorum): the record goes
         to them without a lookup of its own, one round trip sooner. Republishing looks them up afresh.
+        ``notice`` (a tag): the holders tell the key's watchers, once per tag (see ``notices``).
         """
         kb = key_bytes(key)
         sb = subkey.encode() if subkey is not None else None
@@ -303,7 +312,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         validate_record(record, time.time(), self.storage.max_value_size, self.storage.max_key_size,
                         self.storage.max_ttl)
         self._originated[(kb, sb)] = record
-        return await self._replicate([record], closest)
+        return await self._replicate([record], closest, notice)
 
     def nearest_known(self, key: str | bytes) -> list[Contact]:
         """The k dialable contacts of our routing table nearest ``key``, without a lookup: the key's
@@ -312,10 +321,10 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         return [c for c in self.routing.closest(target, 2 * self.config.k) if c.dialable][: self.config.k]
 
     async def store_owned(self, key: str | bytes, name: str, value: Any, expiration: float,
-                          closest: list[Contact] | None = None) -> int:
+                          closest: list[Contact] | None = None, notice: int | None = None) -> int:
         """Store our entry under ``key``: ``value`` under our own ``name`` sub-key (``owned``), signed,
         so that ``get_owned(key, name)`` reads it back as ours. Otherwise as ``store``."""
-        return await self.store(key, value, expiration, subkey=self.owned(name), closest=closest)
+        return await self.store(key, value, expiration, subkey=self.owned(name), closest=closest, notice=notice)
 
     # ------------------------------------------------------------------ what this node holds
 
@@ -343,3 +352,50 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
     def _key_stored(self, key: bytes) -> None:
         for event in self._watches.get(key, ()):
             event.set()
+
+    @contextlib.contextmanager
+    def notices(self, key: str | bytes) -> Iterator[asyncio.Event]:
+        """An event that a holder sets when it tells us of a write of ``key`` that asked for a
+        notice (reads with ``get_owned(..., watch=s)`` ask holders to; writes with
+        ``store_owned(..., notice=tag)`` ask for one): read the key again."""
+        kb = key_bytes(key)
+        event = asyncio.Event()
+        self._notices.setdefault(kb, []).append(event)
+        try:
+            yield event
+        finally:
+            events = self._notices.get(kb, [])
+            if event in events:
+                events.remove(event)
+            if not events:
+                self._notices.pop(kb, None)
+
+    def _watch_at(self, key: bytes, holders: list[Contact], seconds: float) -> None:
+        """We asked ``holders`` to tell us of writes of ``key`` for ``seconds``."""
+        until = time.monotonic() + seconds
+        if len(self._watching) > 4096:
+            now = time.monotonic()
+            self._watching = {k: t for k, t in self._watching.items() if t > now}
+        for c in holders:
+            self._watching[(key, c.peer_id)] = until
+
+    def _noticed(self, holder: PeerID, key: bytes) -> None:
+        """A holder tells us of a write of ``key``: wake the key's readers, if we asked it to."""
+        if self._watching.get((key, holder), 0.0) > time.monotonic():
+            for event in self._notices.get(key, ()):
+                event.set()
+
+    def _tell_watchers(self, key: bytes, tag: int, writer: PeerID) -> None:
+        """A write of ``key`` asked for a notice: tell each peer watching it here (best effort)."""
+        for conn in self._watchers.due(key, tag, writer, time.monotonic()):
+            if not conn.is_closed:
+                try:
+                    self._tasks.spawn(self._tell(conn, key))
+                except RuntimeError:  # closing
+                    return
+
+    async def _tell(self, conn: Connection, key: bytes) -> None:
+        try:
+            await conn.call("notice", key, timeout=_NOTICE_TIMEOUT)
+        except DHTError:
+            pass

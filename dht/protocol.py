@@ -1,5 +1,6 @@
-"""The DHT's RPC protocol: the four handlers a node serves (ping, find_node, find_value, store)
-and the checks and encodings of what they exchange. Every argument here is untrusted input.
+"""The DHT's RPC protocol: the handlers a node serves (ping, find_node, find_value, store, and
+notice: a holder telling a watcher of a write, see ``dht.watchers``) and the checks and encodings
+of what they exchange. Every argument here is untrusted input.
 
 ``NodeProtocol`` is a part of ``DHTNode`` (``dht.node``): it reads the node's routing table and
 record store and learns the callers as contacts.
@@ -21,6 +22,7 @@ from .relay import relayed_via
 from .routing import ID_BITS, Contact, RoutingTable, key_id
 from .storage import Record, RecordStore
 from .transport import Host
+from .watchers import MAX_WATCH, Watchers
 from .wire import MAX_MESSAGE
 
 #: bytes of records one find_value reply may carry: the rest of the 1 MiB message is for contacts
@@ -95,29 +97,53 @@ def _within_reply_budget(records: list[Record]) -> list[Record]:
     return out
 
 
-def value_request(key: bytes, within: int | None = None, known: Iterable[int] = ()) -> Any:
+def value_request(key: bytes, within: int | None = None, known: Iterable[int] = (), watch: float = 0.0) -> Any:
     """find_value's argument: the key alone (the k closest contacts come back), or with ``within``
     only contacts nearer the key than that distance and not among ``known`` (node ids, sent as
     64-bit prefixes); ``within=0``: records only. A lookup needs no contact farther than its
-    window's k-th nor one already in its window; a read from known holders needs none."""
+    window's k-th nor one already in its window; a read from known holders needs none. ``watch``
+    (with ``within``): hear of noticed writes of the key for that many seconds (``dht.watchers``)."""
     if within is None:
         return key
     ids = b"".join((i >> _PREFIX_SHIFT).to_bytes(8, "big") for i in known)
-    return [key, within.to_bytes((within.bit_length() + 7) // 8, "big"), ids]
+    out = [key, within.to_bytes((within.bit_length() + 7) // 8, "big"), ids]
+    return [*out, float(watch)] if watch > 0 else out
 
 
-def _value_request(args: Any) -> tuple[bytes, int | None, set[int]]:
-    """(key, within, known prefixes) from find_value's argument, in either of ``value_request``'s forms."""
-    key, within, known = args if isinstance(args, list) and len(args) == 3 else (args, None, b"")
+def _value_request(args: Any) -> tuple[bytes, int | None, set[int], float]:
+    """(key, within, known prefixes, watch seconds) from find_value's argument, in any of
+    ``value_request``'s forms."""
+    if isinstance(args, list) and len(args) in (3, 4):
+        key, within, known, watch = args if len(args) == 4 else (*args, 0.0)
+    else:
+        key, within, known, watch = args, None, b"", 0.0
     if not (isinstance(key, bytes) and len(key) <= 1024):
         raise ProtocolError("key must be bytes of at most 1024")
     if within is None:
-        return key, None, set()
+        return key, None, set(), 0.0
     if not (isinstance(within, bytes) and len(within) <= 32 and isinstance(known, bytes)
             and len(known) % 8 == 0 and len(known) <= _MAX_KNOWN * 8):
         raise ProtocolError("malformed find_value bounds")
+    if not (type(watch) in (int, float) and 0 <= watch <= MAX_WATCH):
+        raise ProtocolError("malformed find_value watch")
     ids = {int.from_bytes(known[i:i + 8], "big") for i in range(0, len(known), 8)}
-    return key, int.from_bytes(within, "big"), ids
+    return key, int.from_bytes(within, "big"), ids, float(watch)
+
+
+def store_request(wire: list, notice: int | None = None) -> Any:
+    """store's argument: the records, with a ``notice`` tag for the key's watchers if any."""
+    return wire if notice is None else {"r": wire, "n": notice}
+
+
+def _store_request(args: Any) -> tuple[list, int | None]:
+    notice = None
+    if isinstance(args, dict):
+        args, notice = args.get("r"), args.get("n")
+        if not (type(notice) is int and 0 <= notice < 2**63):
+            raise ProtocolError("malformed store notice")
+    if not (isinstance(args, list) and len(args) <= 256):
+        raise ProtocolError("store takes a list of at most 256 records")
+    return args, notice
 
 
 def _target(args: Any) -> int:
@@ -136,6 +162,9 @@ class NodeProtocol:
     _received_at: dict[bytes, float]
     _learn: Callable[[Connection], None]
     _key_stored: Callable[[bytes], None]
+    _watchers: Watchers[Connection]
+    _tell_watchers: Callable[[bytes, int, PeerID], None]
+    _noticed: Callable[[PeerID, bytes], None]
 
     def _serve(self) -> None:
         """Register the handlers on the node's host."""
@@ -144,6 +173,7 @@ class NodeProtocol:
         h.on_request("find_node", self._rpc_find_node)
         h.on_request("find_value", self._rpc_find_value)
         h.on_request("store", self._rpc_store)
+        h.on_request("notice", self._rpc_notice)
         h.on_request(DIALBACK_METHOD, self._rpc_dialback)
 
     async def _rpc_ping(self, conn: Connection, args: Any) -> Any:
@@ -157,7 +187,9 @@ class NodeProtocol:
 
     async def _rpc_find_value(self, conn: Connection, args: Any) -> Any:
         self._learn(conn)
-        key, within, known = _value_request(args)
+        key, within, known, watch = _value_request(args)
+        if watch:
+            self._watchers.add(key, conn.remote_peer, conn, watch, time.monotonic())
         records = _within_reply_budget(self.storage.get(key, time.time()))
         k = self.config.k
         closest = [] if within == 0 else self.routing.closest(key_id(key), k + len(known),
@@ -171,8 +203,8 @@ class NodeProtocol:
 
     async def _rpc_store(self, conn: Connection, args: Any) -> Any:
         self._learn(conn)
-        if not (isinstance(args, list) and len(args) <= 256):
-            raise ProtocolError("store takes a list of at most 256 records")
+        args, notice = _store_request(args)
+        noticed: set[bytes] = set()
         now, group = time.time(), address_group(conn.remote_host, relayed_via(conn))
         results = []
         for item in args:
@@ -184,7 +216,17 @@ class NodeProtocol:
                 self._received_at[record.key] = time.monotonic()
                 if stored:
                     self._key_stored(record.key)
+                    if notice is not None:
+                        noticed.add(record.key)
                 results.append(stored)
             except InvalidRecord as e:
                 results.append(str(e)[:200])
+        for key in noticed:
+            self._tell_watchers(key, notice, conn.remote_peer)
         return results
+
+    async def _rpc_notice(self, conn: Connection, args: Any) -> Any:
+        if not (isinstance(args, bytes) and len(args) <= 1024):
+            raise ProtocolError("notice names a key of at most 1024 bytes")
+        self._noticed(conn.remote_peer, args)
+        return None

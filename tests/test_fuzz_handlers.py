@@ -216,9 +216,13 @@ def _rpc_strategies(target: Target) -> dict[str, st.SearchStrategy]:
         "ping": ANY,
         "find_node": ANY | st.binary(min_size=30, max_size=34),
         "find_value": ANY | st.binary(max_size=1100)
-        | st.tuples(st.binary(max_size=1100), st.binary(max_size=40) | JUNK, st.binary(max_size=2100) | JUNK).map(list),
+        | st.tuples(st.binary(max_size=1100), st.binary(max_size=40) | JUNK, st.binary(max_size=2100) | JUNK).map(list)
+        | st.tuples(st.binary(max_size=40), st.binary(max_size=40), st.just(b""),
+                    EDGE_INTS | st.floats() | JUNK).map(list),
         "store": ANY | st.lists(RECORD | JUNK, max_size=8)
-        | st.integers(250, 300).map(lambda n: [[b"k%d" % i, None, b"\xc0", time.time() + 60, None] for i in range(n)]),
+        | st.integers(250, 300).map(lambda n: [[b"k%d" % i, None, b"\xc0", time.time() + 60, None] for i in range(n)])
+        | st.fixed_dictionaries({"r": st.lists(RECORD | JUNK, max_size=4) | JUNK, "n": EDGE_INTS | JUNK}),
+        "notice": ANY | st.binary(max_size=1100),
         "p2ptrain.mm.join": ANY | mutated(join) | mutated(join, member | st.just(-1.0) | st.just(1e9)),
         "p2ptrain.state.manifest": ANY | mutated({"key": STATE_KEY}),
     }
@@ -240,7 +244,7 @@ def _stream_strategies(target: Target) -> dict[str, st.SearchStrategy]:
 
 
 #: every handler a peer registers, and how it is fuzzed (the keys are checked against the host)
-RPC_METHODS = {"autonat.dial", "host.addrs", "ping", "find_node", "find_value", "store", "p2ptrain.mm.join",
+RPC_METHODS = {"autonat.dial", "host.addrs", "ping", "find_node", "find_value", "store", "notice", "p2ptrain.mm.join",
                "p2ptrain.state.manifest"}
 STREAM_PROTOCOLS = {"p2ptrain.state.manifest/1", "p2ptrain.state.chunks/1", "p2ptrain/allreduce/1",
                     "p2ptrain/allreduce-audit/1"}

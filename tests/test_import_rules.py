@@ -23,7 +23,7 @@ DHT_OWN = {
         "bootstrap", "dht_sim", "flood", "frames", "fuzz_handlers", "holepunch", "hostile_records", "hostile_streams",
         "identity",
         "interfaces", "latency", "multiaddr", "mux", "node", "noise", "owned", "pool_decrypt", "private_swarm", "relay",
-        "routing", "sealer", "storage", "swarm_processes", "transport", "wire",
+        "routing", "sealer", "storage", "swarm_processes", "transport", "watchers", "wire",
     )),
 }
 #: submodules anyone may import for now, and why

@@ -126,3 +126,51 @@ async def test_a_holder_sees_entries_as_they_land_without_a_read(nodes):
                                                 b.peer_id: OwnedValue({"x": "a longer value"}, exp)}
     assert holder.local_owned("round", "m", max_size=4) == {a.peer_id: OwnedValue("a's", exp)}
     assert not holder._watches  # the watch is gone with its block
+
+
+async def test_a_reader_watching_a_key_hears_of_writes_that_ask_for_a_notice_once_per_tag(nodes, monkeypatch):
+    """A read with ``watch`` asks the holder to tell the reader of writes that ask for a notice:
+    once per tag, never of plain writes, and a notice from a peer the reader did not ask is ignored."""
+    import dht.watchers
+    from dht import Contact
+
+    monkeypatch.setattr(dht.watchers, "MIN_NOTICE_GAP", 0.0)
+    holder, writer, reader, stranger = nodes[1], nodes[2], nodes[3], nodes[4]
+    at = [Contact(holder.peer_id, ("127.0.0.1", holder.host.listen_port))]
+    heard: list[tuple[PeerID, bytes]] = []
+    real = reader._noticed
+    reader._noticed = lambda who, key: (heard.append((who, key)), real(who, key))  # type: ignore[method-assign]
+    exp = time.time() + 60
+    with reader.notices("run/progress") as told:
+        await reader.get_owned("run/progress", "p", holders=at, watch=5.0)
+        await writer.store_owned("run/progress", "p", 1, exp, closest=at)  # plain: nobody is told
+        await writer.store_owned("run/progress", "p", 2, exp + 1, closest=at, notice=7)
+        await asyncio.wait_for(told.wait(), 5)
+        assert heard == [(holder.peer_id, b"run/progress")]
+        told.clear()
+        await writer.store_owned("run/progress", "p", 3, exp + 2, closest=at, notice=7)  # same tag: told already
+        await writer.store_owned("run/progress", "p", 4, exp + 3, closest=at, notice=8)
+        await asyncio.wait_for(told.wait(), 5)
+        assert len(heard) == 2
+        told.clear()
+        await stranger.host.call(reader.peer_id, ("127.0.0.1", reader.host.listen_port), "notice", b"run/progress")
+        assert len(heard) == 3 and not told.is_set()  # it was not asked to
+    assert (await reader.get_owned("run/progress", "p", holders=at)).values[writer.peer_id].value == 4
+
+
+async def test_a_write_asking_for_a_notice_still_lands_on_holders_of_an_older_version(nodes, monkeypatch):
+    """An older holder refuses a store in the notice form (it takes only a list of records): the
+    write is sent again as a plain one, so a mixed-version swarm loses no record over notices."""
+    import dht.protocol
+    from dht import Contact, ProtocolError
+
+    def old_form(args):
+        if isinstance(args, dict):
+            raise ProtocolError("store takes a list of at most 256 records")
+        return args, None
+
+    monkeypatch.setattr(dht.protocol, "_store_request", old_form)
+    holder, writer, reader = nodes[1], nodes[2], nodes[3]
+    at = [Contact(holder.peer_id, ("127.0.0.1", holder.host.listen_port))]
+    assert await writer.store_owned("run/progress", "p", "ready", time.time() + 60, closest=at, notice=3) >= 2
+    assert (await reader.get_owned("run/progress", "p", holders=at)).values[writer.peer_id].value == "ready"

@@ -149,7 +149,7 @@ def test_a_peer_blocked_in_a_round_or_a_load_keeps_its_report_alive(monkeypatch)
 
     stored: list[dict] = []
 
-    async def store_owned(key, name, value, expiration, closest=None):
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
         stored.append(value)
 
     async def get_owned(key, name, **kw):
@@ -198,7 +198,7 @@ def test_a_refresh_reads_one_of_the_three_closest_holders_in_turn_and_looks_the_
         asked.append(holders)
         return OwnedRead({}, closest if holders is None else holders if answering[0] else [])
 
-    async def store_owned(key, name, value, expiration, closest=None):
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
         stored_to.append(closest)
 
     node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
@@ -227,10 +227,13 @@ def test_a_refresh_reads_one_of_the_three_closest_holders_in_turn_and_looks_the_
 
 
 def _fake_node(store_owned, get_owned):
+    import asyncio
+    import contextlib
     import types
 
     return types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
-                                 store_owned=store_owned, get_owned=get_owned)
+                                 store_owned=store_owned, get_owned=get_owned,
+                                 notices=lambda key: contextlib.nullcontext(asyncio.Event()))
 
 
 def test_a_new_sample_count_is_published_every_few_seconds_or_once_the_epoch_looks_over(monkeypatch):
@@ -246,7 +249,7 @@ def test_a_new_sample_count_is_published_every_few_seconds_or_once_the_epoch_loo
 
     stored: list[dict] = []
 
-    async def store_owned(key, name, value, expiration, closest=None):
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
         stored.append(value)
 
     async def get_owned(key, name, **kw):
@@ -334,7 +337,7 @@ def test_a_caller_looping_on_wait_fresh_gets_at_most_one_read_per_min_refresh():
 
     reads = [0]
 
-    async def store_owned(key, name, value, expiration, closest=None):
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
         pass
 
     async def get_owned(key, name, **kw):
@@ -414,5 +417,40 @@ def test_the_view_at_each_step_follows_each_new_read_and_ignored_peers_at_once(m
         assert {p.peer for p in tracker.estimate().training} == {tracker.me.peer, PEERS[1], PEERS[2]}
         await tracker.refresh_now()
         assert tracker.estimate().epoch == 4 and [p.peer for p in tracker.estimate().peers] == [PEERS[2]]
+
+    asyncio.run(main())
+
+
+def test_a_ready_report_reaches_the_readers_through_their_holders_notice_not_their_next_poll():
+    """A peer's first ready report of an epoch asks the key's holders to tell the readers that
+    watch it (those that read from them lately): a reader that would poll again only in 30 s reads
+    it at once. The notice carries nothing but "read again", so it is believed only as read."""
+    import asyncio
+
+    from dht import DHTConfig, DHTNode
+    from p2ptrain.optim.progress import ProgressTracker
+
+    async def main():
+        cfg = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0)
+        first = DHTNode(config=cfg)
+        await first.start()
+        rest = [DHTNode(config=cfg) for _ in range(3)]
+        await asyncio.gather(*(n.start(first.multiaddrs) for n in rest))
+        slow = dict(refresh=30.0, slow_refresh=30.0, min_refresh=0.01)
+        a, b = (ProgressTracker(n, "run", "schema", target=1000, **slow) for n in rest[:2])
+        try:
+            await a.start()
+            await b.start()
+            for _ in range(3):  # a read from each holder in turn: b watches them all
+                await b.refresh_now()
+            assert not b.view.ready
+            b._fresh.clear()  # (set by b's next completed read: none is due for 30 s)
+            a.report(0, 10, 0.0, ready=True)
+            await asyncio.wait_for(b._fresh.wait(), 5.0)
+            assert [r.peer for r in b.view.ready] == [a.node.peer_id]
+        finally:
+            await a.close()
+            await b.close()
+            await asyncio.gather(*(n.close() for n in [first, *rest]))
 
     asyncio.run(main())

@@ -36,6 +36,7 @@ _VERSION = 1
 _SUBKEY = "p"
 _MAX_RECORD = 2048
 _MAX_EXTRAPOLATION = 5.0  # s: never extrapolate a report further than this (clock skew, stalls)
+_WATCH = 6.0  # s: a holder read tells us of ready reports this long (reads rotate over 3 holders)
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,12 @@ def parse_report(value: object, owner: PeerID) -> PeerReport | None:
                       value.get("l") is True, u, relays)
 
 
-async def read_reports(node: DHTNode, key: str,
-                       holders: list[Contact] | None = None) -> tuple[list[PeerReport], OwnedRead]:
+async def read_reports(node: DHTNode, key: str, holders: list[Contact] | None = None,
+                       watch: float = 0.0) -> tuple[list[PeerReport], OwnedRead]:
     """The well-formed reports under ``key`` (``{run_id}/progress``), each from its owner's own
     sub-key (nobody can speak for another peer), and the read that found them: a lookup of the
-    key, or one RPC to each of ``holders``."""
-    read = await node.get_owned(key, _SUBKEY, max_size=_MAX_RECORD, holders=holders or None)
+    key, or one RPC to each of ``holders`` (which then tell us of ready reports for ``watch`` s)."""
+    read = await node.get_owned(key, _SUBKEY, max_size=_MAX_RECORD, holders=holders or None, watch=watch)
     reports = (parse_report(entry.value, peer) for peer, entry in read.values.items())
     return [r for r in reports if r is not None], read
 
@@ -235,7 +236,10 @@ class ProgressTracker:
     A refresh publishes to the ``holders`` peers closest to the key, as a full lookup found them at
     most ``relookup`` seconds ago, and reads from one of them in turn (each holds every report;
     reports are kept across reads, each peer's newest): its cost does not grow with the swarm beyond
-    the records themselves. A full lookup is redone sooner when the holder asked fails.
+    the records themselves. A full lookup is redone sooner when the holder asked fails. A read asks
+    its holder to tell us (``dht.watchers``) when a peer publishes its first ready report of an
+    epoch: the peers waiting for the epoch's end read it then, not at their next poll. Our report
+    goes out in a task of its own, so a read never waits for the slowest holder to take it.
 
     Every reader checks the signature of every record that changed since its last read, so a report
     is republished only when others need it (see :meth:`_publish_due`): a new sample count goes out
@@ -292,6 +296,8 @@ class ProgressTracker:
         self._looked_up_at = -math.inf  # monotonic time of the last full lookup of the key
         self._fresh = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._notices: asyncio.Task | None = None  # _hear_notices
+        self._publishing: asyncio.Future | None = None  # our report on its way to the holders
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---------------------------------------------------------------- lifecycle (on the loop)
@@ -304,14 +310,17 @@ class ProgressTracker:
         self._hidden = not publish
         await self._refresh()
         self._task = self._loop.create_task(self._run())
+        self._notices = self._loop.create_task(self._hear_notices())
 
     async def close(self, goodbye_timeout: float = 2.0) -> None:
         """Stop refreshing and tell the swarm we left (best effort, bounded), so that nobody
         counts on us, or takes our epoch for the swarm's, until our record expires."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+            tasks = [t for t in (self._task, self._notices, self._publishing) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._task = self._notices = self._publishing = None
             if self._published is None:  # never seen: nothing to take back
                 return
             self._me = replace(self._me, left=True, time=time.time())
@@ -407,9 +416,42 @@ class ProgressTracker:
             self._wake.clear()
             self._hurried = self._asked = False
             self._last_refresh = loop.time()
-            await self._refresh()
+            await self._refresh(wait_publish=False)
 
-    async def _refresh(self) -> None:
+    async def _hear_notices(self) -> None:
+        """A holder we read from tells us that a peer just published a ready report (it waits to
+        average): read at once rather than at our next poll, unless we wait in a round already."""
+        with self.node.notices(self.key) as told:
+            while True:
+                await told.wait()
+                told.clear()
+                if not self._me.ready:
+                    self._asked = True
+                    self._wake.set()
+
+    async def _publish(self, me: PeerReport, now: float, beat: bool) -> None:
+        """Store our report (a task of its own: a refresh's read, which others' news come by, does not
+        wait for the slowest of the holders to take it). A change other than the count made
+        meanwhile (an epoch, the ready flag) goes out as soon as this one is in."""
+        wire = replace(me, time=now) if beat else me
+        last = self._published
+        # (the first ready report of an epoch is news the readers wait for: the holders tell them)
+        news = me.ready and (last is None or not last.ready or last.epoch != me.epoch)
+        try:
+            await self.node.store_owned(self.key, _SUBKEY, wire.to_wire(), now + self.ttl,
+                                        closest=self._closest or None, notice=me.epoch if news else None)
+            self._published, self._published_at = me, wire.time
+        except (DHTError, InvalidRecord, OSError) as e:
+            log.debug("could not publish our progress: %s", e)
+        finally:
+            self._publishing = None
+        now_me = self._me
+        if replace(now_me, samples=me.samples, sps=me.sps, time=me.time) != me and not self._hidden:
+            self._asked = True
+            self._wake.set()
+
+    async def _refresh(self, wait_publish: bool = True) -> None:
+        """Read the reports (and publish ours when due); ``wait_publish``: return once it is in."""
         reach = Reach.of_node(self.node)  # relays come and go behind NAT
         if reach != self._me.reach:
             self._me = replace(self._me, addr=reach.addr, relays=reach.relays)
@@ -419,21 +461,16 @@ class ProgressTracker:
         asked = None
         if not full:
             asked, self._turn = [self._closest[self._turn % len(self._closest)]], self._turn + 1
+        publishing = None
         try:
-            read = read_reports(self.node, self.key, asked)
-            if not self._hidden and self._publish_due(me, now):
+            read = read_reports(self.node, self.key, asked, _WATCH if asked else 0.0)
+            if not self._hidden and self._publishing is None and self._publish_due(me, now):
                 # publish while reading, straight to the peers the last read found closest to the
                 # key (no lookup of its own): a refresh takes one lookup, not three
-                wire = replace(me, time=now) if beat else me
-                store = self.node.store_owned(self.key, _SUBKEY, wire.to_wire(), now + self.ttl,
-                                              closest=self._closest or None)
-                stored, result = await asyncio.gather(store, read, return_exceptions=True)
-                for outcome in (stored, result):
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                self._published, self._published_at = me, wire.time
-            else:
-                result = await read
+                publishing = self._publishing = asyncio.ensure_future(self._publish(me, now, beat))
+            result = await read
+            if publishing is not None and wait_publish:
+                await publishing
         except (DHTError, InvalidRecord, OSError) as e:
             log.debug("progress refresh failed: %s", e)
             return
