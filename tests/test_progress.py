@@ -454,3 +454,44 @@ def test_a_ready_report_reaches_the_readers_through_their_holders_notice_not_the
             await asyncio.gather(*(n.close() for n in [first, *rest]))
 
     asyncio.run(main())
+
+
+def test_notices_wake_a_read_at_most_every_quarter_second_however_many_come():
+    """A writer cycling notice tags (or a holder lying about writes) makes the holders tell us
+    again and again: the tracker reads at most once per ``_NOTICE_GAP`` on notices."""
+    import asyncio
+    import contextlib
+    import types
+
+    from dht import OwnedRead
+    from p2ptrain.optim import progress
+
+    told = asyncio.Event()
+    reads = [0]
+
+    async def get_owned(key, name, **kw):
+        reads[0] += 1
+        return OwnedRead({}, [])
+
+    async def store_owned(*args, **kwargs):
+        pass
+
+    node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id, store_owned=store_owned,
+                                 get_owned=get_owned, notices=lambda key: contextlib.nullcontext(told))
+
+    async def main():
+        tracker = progress.ProgressTracker(node, "run", "schema", target=1000, refresh=30.0, slow_refresh=30.0,
+                                           min_refresh=0.01)
+        await tracker.start()
+        first = reads[0]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while loop.time() - t0 < 0.6:  # a notice every 10 ms for 0.6 s
+            told.set()
+            await asyncio.sleep(0.01)
+        took = loop.time() - t0
+        await tracker.close()
+        return reads[0] - first, took
+
+    woken, took = asyncio.run(main())
+    assert 1 <= woken <= took / progress._NOTICE_GAP + 2, (woken, took)

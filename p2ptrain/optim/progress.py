@@ -37,6 +37,9 @@ _SUBKEY = "p"
 _MAX_RECORD = 2048
 _MAX_EXTRAPOLATION = 5.0  # s: never extrapolate a report further than this (clock skew, stalls)
 _WATCH = 6.0  # s: a holder read tells us of ready reports this long (reads rotate over 3 holders)
+_NOTICE_GAP = 0.25  # s: at most one read per this on notices
+_DUE_READS_PER_S = 250.0  # reads of the key a second, by the whole swarm, while an epoch looks over
+_MAX_DUE_GAP = 0.25  # s: but each peer reads at least this often then
 
 
 @dataclass(frozen=True)
@@ -229,9 +232,8 @@ class ProgressTracker:
     Lives on the DHT's event loop; the training thread calls :meth:`report` (thread-safe, never
     blocks) and reads :attr:`view`. The refresh period shrinks as the epoch's end approaches
     (see :func:`refresh_period`); once the estimate is past the target,
-    :meth:`hurry` (called at each step) gets a refresh at once, at most one per ``fast_refresh``,
-    until the published counts reach it: peers learn that the target was reached within a few
-    milliseconds without polling the DHT all the time.
+    :meth:`hurry` (called at each step) gets a refresh at once, at most one per ``fast_refresh``
+    (longer in a large swarm: ``_due_gap``), until the published counts reach it.
 
     A refresh publishes to the ``holders`` peers closest to the key, as a full lookup found them at
     most ``relookup`` seconds ago, and reads from one of them in turn (each holds every report;
@@ -408,15 +410,22 @@ class ProgressTracker:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            period = refresh_period(self.view, self._me.ready, self.refresh, self.min_refresh, self.slow_refresh)
+            period = refresh_period(self.view, self._me.ready, self.refresh, max(self.min_refresh, self._due_gap()),
+                                    self.slow_refresh)
             await wait_event(self._wake, period)
             if self._hurried or self._asked:
-                gap = self.fast_refresh if self._hurried else self.min_refresh
+                gap = self._due_gap() if self._hurried else self.min_refresh
                 await asyncio.sleep(self._last_refresh + gap - loop.time())
             self._wake.clear()
             self._hurried = self._asked = False
             self._last_refresh = loop.time()
             await self._refresh(wait_publish=False)
+
+    def _due_gap(self) -> float:
+        """Seconds between our reads once the epoch looks over: the swarm as a whole reads the key
+        ``_DUE_READS_PER_S`` times a second, whatever its size (the first to find the target reached
+        says so in a ready report, and the holders tell everyone else: ``_hear_notices``)."""
+        return min(_MAX_DUE_GAP, max(self.fast_refresh, len(self.view.training) / _DUE_READS_PER_S))
 
     async def _hear_notices(self) -> None:
         """A holder we read from tells us that a peer just published a ready report (it waits to
@@ -428,6 +437,7 @@ class ProgressTracker:
                 if not self._me.ready:
                     self._asked = True
                     self._wake.set()
+                    await asyncio.sleep(_NOTICE_GAP)  # (a writer cycling tags must not make us read fast)
 
     async def _publish(self, me: PeerReport, now: float, beat: bool) -> None:
         """Store our report (a task of its own: a refresh's read, which others' news come by, does not
