@@ -337,17 +337,8 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
     @contextlib.contextmanager
     def watch(self, key: str | bytes) -> Iterator[asyncio.Event]:
         """An event that every peer's write of ``key`` landing here sets (clear it to wait for the next)."""
-        kb = key_bytes(key)
-        event = asyncio.Event()
-        self._watches.setdefault(kb, []).append(event)
-        try:
+        with _event_in(self._watches, key_bytes(key)) as event:
             yield event
-        finally:
-            events = self._watches.get(kb, [])
-            if event in events:
-                events.remove(event)
-            if not events:
-                self._watches.pop(kb, None)
 
     def _key_stored(self, key: bytes) -> None:
         for event in self._watches.get(key, ()):
@@ -358,17 +349,8 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         """An event that a holder sets when it tells us of a write of ``key`` that asked for a
         notice (reads with ``get_owned(..., watch=s)`` ask holders to; writes with
         ``store_owned(..., notice=tag)`` ask for one): read the key again."""
-        kb = key_bytes(key)
-        event = asyncio.Event()
-        self._notices.setdefault(kb, []).append(event)
-        try:
+        with _event_in(self._notices, key_bytes(key)) as event:
             yield event
-        finally:
-            events = self._notices.get(kb, [])
-            if event in events:
-                events.remove(event)
-            if not events:
-                self._notices.pop(kb, None)
 
     def _watch_at(self, key: bytes, holders: list[Contact], seconds: float) -> None:
         """We asked ``holders`` to tell us of writes of ``key`` for ``seconds``."""
@@ -399,3 +381,18 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             await conn.call("notice", key, timeout=_NOTICE_TIMEOUT)
         except DHTError:
             pass
+
+
+@contextlib.contextmanager
+def _event_in(table: dict[bytes, list[asyncio.Event]], key: bytes) -> Iterator[asyncio.Event]:
+    """A new event listed under ``key`` in ``table`` while the block runs (``watch``, ``notices``)."""
+    event = asyncio.Event()
+    table.setdefault(key, []).append(event)
+    try:
+        yield event
+    finally:
+        events = table.get(key, [])
+        if event in events:
+            events.remove(event)
+        if not events:
+            table.pop(key, None)

@@ -207,6 +207,12 @@ def tally(latest: list[PeerReport], me: PeerReport, now: float, target: int, sta
     )
 
 
+def _more_than_count(new: PeerReport, old: PeerReport) -> bool:
+    """Whether ``new`` differs from ``old`` in more than its count and throughput (an epoch, the
+    ready flag, an address): news that others wait on."""
+    return replace(new, samples=old.samples, sps=old.sps, time=old.time) != old
+
+
 def refresh_period(view: SwarmView, ready: bool, refresh: float, min_refresh: float, slow_refresh: float) -> float:
     """Seconds to the next refresh: ``slow_refresh`` while we wait in a round (what we read changes
     nothing until it ends, and our next epoch's report goes out at once); fast once the estimate or a
@@ -455,8 +461,7 @@ class ProgressTracker:
             log.debug("could not publish our progress: %s", e)
         finally:
             self._publishing = None
-        now_me = self._me
-        if replace(now_me, samples=me.samples, sps=me.sps, time=me.time) != me and not self._hidden:
+        if _more_than_count(self._me, me) and not self._hidden:
             self._asked = True
             self._wake.set()
 
@@ -532,7 +537,7 @@ class ProgressTracker:
         age = now - self._published_at
         if me == last:
             return age > self.ttl / 5
-        if replace(me, samples=last.samples, sps=last.sps, time=last.time) != last:
+        if _more_than_count(me, last):
             return True
         return self.view.due or age >= self.publish_every
 
