@@ -15,6 +15,9 @@ in mixing-grid cells. Printed per mode and N, with ratios to the first N of the 
   * matchmaking time per gradient round (median over every peer's rounds; target <= 1.5x) and
     the mean group size; and where it goes: over how long a cell's peers (and the whole swarm)
     reached the round, and how long matchmaking took after a cell's last peer came;
+  * where a peer's training time goes, per epoch: compute (forward, backward and the emulated
+    rest of ``--step-s``), steps that did not end an epoch, and those that did (its round, or a
+    state load);
   * CPU seconds per peer and epoch while training (its process's CPU time from its last peer's
     join to its last peer's end of training, over its peers: flat when no peer's per-epoch work
     grows with N), and over the whole run (start and join included);
@@ -103,6 +106,8 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                 "swarm_spread": statistics.median(max(v) - min(v) for v in swarm.values()) if swarm else 0.0,
                 "after_last": statistics.median(after) if after else float("nan"),
                 "loads": sum(r["state_loads"] for r in reports), "spreads": spreads,
+                **{k: statistics.mean(r.get(k, 0.0) for r in reports) / epochs
+                   for k in ("compute_s", "step_s", "round_s")},
                 "cpu": statistics.mean(r.get("cpu_s", 0.0) for r in reports) / epochs,
                 "train_cpu": statistics.mean(r.get("train_cpu_s", 0.0) for r in reports) / epochs,
                 "load": (load0, os.getloadavg()[0])}
@@ -123,10 +128,12 @@ def table(rows: list[dict]) -> None:
               f"{r['mm'] / base['mm']:.2f} | {r['group']:.1f} | {r['loads']} | {r['train_cpu']:.3f} "
               f"({r['train_cpu'] / max(base['train_cpu'], 1e-9):.2f}), {r['cpu']:.3f} | "
               f"{r['load'][0]:.0f}-{r['load'][1]:.0f} |")
-    print("where matchmaking time goes (medians, s): | N | peers of a cell arrive over | the whole swarm arrives over "
-          "| matchmaking after a cell's last arrival |")
+    print("where the time goes (s): | N | peers of a cell arrive over | the whole swarm arrives over "
+          "| matchmaking after a cell's last arrival (medians) | per peer-epoch: compute | other steps "
+          "| epoch-ending steps (rounds, state loads) |")
     for r in rows:
-        print(f"| {r['n']} | {r['cell_spread']:.3f} | {r['swarm_spread']:.3f} | {r['after_last']:.3f} |")
+        print(f"| {r['n']} | {r['cell_spread']:.3f} | {r['swarm_spread']:.3f} | {r['after_last']:.3f} "
+              f"| {r['compute_s']:.2f} | {r['step_s']:.2f} | {r['round_s']:.2f} |")
     every = STATE_EVERY[rows[0]["mode"]]
     print("parameter spread after each epoch (* = after a state round):")
     for r in rows:

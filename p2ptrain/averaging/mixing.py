@@ -4,18 +4,21 @@ Once the swarm outgrows ``target`` peers, peers sit in a grid of ``d`` dimension
 are powers of two of at most ``target``, with as many cells as the swarm's size rounded to a power
 of two. Round ``k`` averages along dimension ``k mod d``: peers that share every other coordinate
 meet under one matchmaking key, one side's worth of them, so no peer ever reads more than a cell
-of the swarm. After a round a peer takes its rank in its group as its coordinate along that
-dimension, so the next dimension's cells draw one peer from each of the last round's groups: in
-a full grid ``d`` rounds give every peer the exact average of all, and any round mixes what
-separate groups averaged before. A group short of its cell's size (a peer came late, or alone)
-keeps its coordinates: its ranks would put two peers on one coordinate and none on another, and
-the cells would drift further out of balance at every round.
+of the swarm, and each cell of a dimension draws one peer from each group of the one before: in a
+full grid ``d`` rounds give every peer the exact average of all.
+
+A peer's coordinates are its index among the swarm's peers sorted, drawn anew each round from the
+swarm it sees: peers that see the same swarm place it alike, and nothing a round did (a group
+formed short, a peer late or loading state) carries over into the next. Coordinates taken from
+group ranks instead drifted: a peer left over from a full group kept a coordinate another took,
+and its cells held 5 and 3 of 4 for good (a quarter of the cells of a 64-peer swarm within a few
+rounds).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 def swarm_size(n: int) -> int:
@@ -42,60 +45,60 @@ def grid_shape(n: int, target: int) -> tuple[int, ...]:
 
 class GridMixer:
     """One peer's place in the grid: ``key(k, peers)`` names the cell it averages in at round ``k``
-    in a swarm of ``peers`` (``""`` when the whole swarm is one group), ``placed(k, peers, rank)``
-    records its rank in the group it got. A new grid places peers by their index among ``peers``
-    sorted (every peer that sees the same swarm places it alike, each cell full); from then on by rank."""
+    in a swarm of ``peers`` (``""`` when the whole swarm is one group), ``expected(k, peers)`` how
+    many of ``peers`` (us included) that cell holds."""
 
     def __init__(self, me: bytes, target: int) -> None:
         if target < 1:
             raise ValueError("target group size must be at least 1")
         self.me = bytes(me)
         self.target = target
-        self._shape: tuple[int, ...] = ()
-        self.coords: list[int] = []
+        #: the peers last placed: the grid, every peer sorted (us included), our index among them
+        self._placed: tuple[tuple[bytes, ...], tuple[int, ...], list[bytes], int] | None = None
 
     def shape(self, n: int) -> tuple[int, ...]:
         """The grid's sides for a swarm of about ``n`` peers (see :func:`swarm_size`)."""
         return grid_shape(swarm_size(n), self.target)
 
-    def _place(self, shape: tuple[int, ...], peers: Sequence[bytes]) -> list[int]:
-        if shape != self._shape:
-            self._shape = shape
-            index = sorted(set(peers) | {self.me}).index(self.me)
-            self.coords = []
-            for side in shape:  # (mixed radix: consecutive indices differ in the first coordinate)
-                index, c = divmod(index, side)
-                self.coords.append(c)
-        return self.coords
+    def _place(self, peers: Sequence[bytes]) -> tuple[tuple[int, ...], list[bytes], int]:
+        """The grid for ``peers``, every peer it holds sorted (us included) and our index among them."""
+        key = tuple(peers)
+        if self._placed is None or self._placed[0] != key:
+            everyone = sorted(set(key) | {self.me})
+            self._placed = key, self.shape(len(key)), everyone, everyone.index(self.me)
+        return self._placed[1:]
 
     def key(self, k: int, peers: Sequence[bytes]) -> str:
         """The cell of round ``k``: the grid's shape, the dimension averaged along, and our other
         coordinates (appended to the round id by the caller)."""
-        shape = self.shape(len(peers))
+        shape, _, index = self._place(peers)
         if not shape:
             return ""
-        coords = self._place(shape, peers)
         dim = k % len(shape)
-        rest = ".".join(str(c) for j, c in enumerate(coords) if j != dim)
+        rest = ".".join(str(c) for j, c in enumerate(coords(index, shape)) if j != dim)
         return f"/g{'x'.join(map(str, shape))}d{dim}:{rest}"
 
-    def expected(self, k: int, peers: Sequence[bytes]) -> int | None:
-        """How many peers round ``k``'s cell holds when ``peers`` fill the grid exactly (placement
-        keeps a full grid's cells full); None otherwise (cells then differ)."""
-        shape = self.shape(len(peers))
-        return shape[k % len(shape)] if shape and math.prod(shape) == len(set(peers) | {self.me}) else None
+    def expected(self, k: int, peers: Sequence[bytes], coming: Collection[bytes] | None = None) -> int | None:
+        """How many of ``peers`` (us included; only those in ``coming``, when given) round ``k``'s
+        cell holds; None without a grid."""
+        shape, everyone, index = self._place(peers)
+        if not shape:
+            return None
+        dim = k % len(shape)
 
-    def placed(self, k: int, peers: Sequence[bytes], rank: int, size: int) -> None:
-        """After round ``k``, in a group of ``size``: our rank in it becomes our coordinate along
-        its dimension, when the group filled its cell (else the coordinates stay)."""
-        shape = self.shape(len(peers))
-        if shape and 0 <= rank < size and size >= shape[k % len(shape)]:
-            self._place(shape, peers)[k % len(shape)] = rank % shape[k % len(shape)]
+        def rest(i: int) -> list[int]:
+            return [c for j, c in enumerate(coords(i, shape)) if j != dim]
+
+        ours = rest(index)
+        return 1 + sum(1 for i, p in enumerate(everyone)
+                       if p != self.me and (coming is None or p in coming) and rest(i) == ours)
 
 
-def rank_in(members: Sequence[object], me: object) -> int:
-    """Our index in a group's ordered member list (-1 when absent)."""
-    try:
-        return list(members).index(me)
-    except ValueError:
-        return -1
+def coords(index: int, shape: Sequence[int]) -> list[int]:
+    """The coordinates of the ``index``-th peer (mixed radix: consecutive indices differ in the
+    first; a swarm larger than the grid wraps around it)."""
+    out = []
+    for side in shape:
+        index, c = divmod(index, side)
+        out.append(c)
+    return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..averaging import Averager, StepResult
-from ..averaging.mixing import rank_in
-from .progress import SwarmView
+from .progress import PeerReport, SwarmView
 
 if TYPE_CHECKING:
     from .optimizer import DecentralizedOptimizer
@@ -52,36 +50,33 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
     on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
     # (round e of the grid; its parameter mix, e + 1, spans the groups this one formed, and the
     # dimension mixed turns every epoch)
-    opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch)
+    coming = frozenset(p.peer.to_bytes() for p in coming_peers(view, epoch, opt.delay_updates or opt.overlap_outer))
+    opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch, coming)
     step = opt.averager.step(weight=samples, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
                              expected=cell.expected if cell.key else expected, on_group=on_group)
-    return opt._loop.submit(placed(opt, cell, step) if cell.key else step)
+    return opt._loop.submit(step)
 
 
 @dataclass(frozen=True)
 class Cell:
     """Where a round of ours met: the peers its grid was drawn for, the round's index, its
-    cell's key (``""``: the whole swarm under one key, no grid) and size (None: not known)."""
+    cell's key (``""``: the whole swarm under one key, no grid), how many of the peers expected
+    to come it holds (None: not known), and those peers."""
 
     peers: tuple[bytes, ...] = ()
     k: int = 0
     key: str = ""
     expected: int | None = None
+    coming: frozenset[bytes] | None = None
 
 
-def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int) -> Cell:
-    """The cell of round ``k`` in a swarm of ``peers`` (no grid without a mixer)."""
+def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int,
+              coming: frozenset[bytes] | None = None) -> Cell:
+    """The cell of round ``k`` in a grid drawn for ``peers`` (no grid without a mixer), expecting
+    those of ``coming`` (default: all) it holds."""
     if opt.mixer is None:
         return Cell(peers, k)
-    return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers))
-
-
-async def placed(opt: DecentralizedOptimizer, cell: Cell, step: Awaitable[StepResult]) -> StepResult:
-    """Run a round and take our rank in its group as our coordinate along its dimension."""
-    result = await step
-    if cell.key and opt.mixer is not None:
-        opt.mixer.placed(cell.k, cell.peers, rank_in(result.members, opt.dht.node.peer_id), len(result.members))
-    return result
+    return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers, coming), coming)
 
 
 def expected_peers(view: SwarmView, epoch: int, delay_updates: bool) -> int:
@@ -93,9 +88,14 @@ def expected_peers(view: SwarmView, epoch: int, delay_updates: bool) -> int:
     a peer reports the next epoch as soon as its round started: when the view is already at
     ``epoch + 1``, those peers may be in our round still, and we are among ``behind``
     (without delayed updates they applied it already: only the peers at ``epoch`` come)."""
+    return len(coming_peers(view, epoch, delay_updates))
+
+
+def coming_peers(view: SwarmView, epoch: int, delay_updates: bool) -> list[PeerReport]:
+    """The peers :func:`expected_peers` counts."""
     if view.epoch == epoch + 1:
-        return sum(1 for p in view.behind if p.epoch == epoch) + (view.num_peers if delay_updates else 0)
-    return view.num_peers + sum(1 for p in view.behind if p.epoch == epoch - 1)
+        return [p for p in view.behind if p.epoch == epoch] + (view.peers if delay_updates else [])
+    return view.peers + [p for p in view.behind if p.epoch == epoch - 1]
 
 
 def missed_round(opt: DecentralizedOptimizer, result: StepResult | None) -> bool:
@@ -187,7 +187,7 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
     dims = len(opt.mixer.shape(len(cell.peers))) if due and cell.key and opt.mixer is not None else 1
     averaged = False
     for k in range(cell.k + 1, cell.k + 1 + dims):  # (from the dimension after the gradient round's)
-        here = grid_cell(opt, cell.peers, k) if cell.key else cell
+        here = grid_cell(opt, cell.peers, k, cell.coming) if cell.key else cell
         averaged = _state_round(opt, averager, f"{'s' if due else 'm'}{epoch}{here.key}", here) or averaged
     return averaged
 
@@ -219,7 +219,7 @@ def _state_round(opt: DecentralizedOptimizer, averager: Averager, round_id: str,
     step = averager.step(weight=1.0, round_id=round_id, timeout=opt.matchmaking_timeout,
                          expected=cell.expected if cell.key else opt._last_expected, on_group=opt._settled.clear,
                          lock=opt._state_lock, on_write=written)
-    future = opt._loop.submit(placed(opt, cell, step))
+    future = opt._loop.submit(step)
     try:
         result = round_result(opt, future)
     finally:

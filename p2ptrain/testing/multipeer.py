@@ -8,7 +8,8 @@ every peer whatever the swarm's size) until its optimizer reaches ``epochs``; af
 writes its parameters (raw float32) to ``{out}/e{epoch}/p{index}.f32``. A peer done stays (serving
 its state) while another still reports an earlier epoch: one that missed the last round loads the
 state then, instead of training that epoch's whole target alone. At the end it prints one
-JSON line per peer: samples, training seconds, its rounds (epoch, matchmaking s, group size, cell,
+JSON line per peer: samples, training seconds (and how many of them went to compute, to steps that
+did not end an epoch, and to those that did), its rounds (epoch, matchmaking s, group size, cell,
 wall time it came), its test accuracy, the process's CPU seconds per peer, and those spent while its peers trained (from
 the last one's join to the last one's end of training). Logs go to stderr; the child dies with its parent.
 """
@@ -74,19 +75,24 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
         report["cpu_joined"] = time.process_time()
         batches = task.batches(bs, seed=1, rank=index, world=world)
         samples, epoch, t_start = 0, 0, time.perf_counter()
+        spent = {"compute_s": 0.0, "step_s": 0.0, "round_s": 0.0}  # where the training time goes
         while opt.epoch < cfg["epochs"]:
             t0 = time.perf_counter()
             task.loss(model, next(batches)).backward()
             time.sleep(max(0.0, cfg["step_s"] - (time.perf_counter() - t0)))
+            t1 = time.perf_counter()
             opt.step()
             opt.zero_grad()
+            t2 = time.perf_counter()
+            spent["compute_s"] += t1 - t0
+            spent["round_s" if opt.epoch != epoch else "step_s"] += t2 - t1
             samples += bs
             if opt.epoch != epoch:
                 epoch = opt.epoch
                 folder = out / f"e{epoch}"
                 folder.mkdir(parents=True, exist_ok=True)
                 flat(model).numpy().tofile(folder / f"p{index}.f32")
-        report.update(samples=samples, train_s=time.perf_counter() - t_start, rounds=opt.rounds,
+        report.update(spent, samples=samples, train_s=time.perf_counter() - t_start, rounds=opt.rounds,
                       state_loads=opt.stats.state_loads, cpu_trained=time.process_time())
         opt.finish_round()
         opt.drain(timeout=cfg.get("linger_s", 60.0))  # (stragglers load our state before we leave)
