@@ -3,13 +3,17 @@ one average, and real peers in different groups converging without a state round
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 from collections import defaultdict
+from concurrent.futures import Future
 
 import torch
 
 from p2ptrain import DecentralizedOptimizer
+from p2ptrain.averaging import StepResult
+from p2ptrain.optim import rounds
 from p2ptrain.averaging.mixing import GridMixer, grid_shape, swarm_size
 from tests.test_optimizer import batch, in_threads, loss_of, make_model, swarm, train  # noqa: F401 (fixture)
 
@@ -131,8 +135,10 @@ def test_peers_in_different_groups_converge_without_a_state_round(swarm):  # noq
         before = spread(models)
         gens = [torch.Generator().manual_seed(20 + i) for i in range(4)]
         in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 2) for i in range(4)))
+        in_threads(*(o.finish_round for o in opts))  # (the last mix, running in the background)
         after_two = spread(models)
         in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 5) for i in range(4)))
+        in_threads(*(o.finish_round for o in opts))
         after = spread(models)
         assert all(o.stats.last_group_size <= 2 for o in opts)  # groups of two: never the whole swarm
         assert before > 0.5
@@ -141,3 +147,48 @@ def test_peers_in_different_groups_converge_without_a_state_round(swarm):  # noq
     finally:
         for o in opts:
             o.close()
+
+
+def test_a_parameter_mix_runs_beside_the_next_steps_and_lands_between_two(swarm, monkeypatch):  # noqa: F811
+    """sync: the mix after a gradient round averages a copy of the parameters while steps go on;
+    its result lands at the first step after it is done; a state loaded meanwhile discards it."""
+    release: Future = Future()
+
+    class CellAverage:  # (a mix round whose cell comes when the test says so)
+        def __init__(self, named: list) -> None:
+            self.tensors = [t for _, t in named]
+
+        async def step(self, **_: object) -> StepResult:
+            await asyncio.wrap_future(release)
+            for t in self.tensors:
+                t.fill_(0.5)
+            return StepResult("m", 2, [])
+
+    monkeypatch.setattr(rounds, "state_averager", lambda opt, kind, named: CellAverage(named))
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="bgmix",
+                                 target_batch_size=10**6, batch_size_per_step=16, target_group_size=2)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        peers = tuple(bytes([i]) * 38 for i in range(3)) + (opt.dht.node.peer_id.to_bytes(),)
+        before = [p.detach().clone() for p in model.parameters()]
+        rounds.start_mix(opt, 0, rounds.grid_cell(opt, peers, 0))
+        for _ in range(3):  # the cell has not come: steps go on, on our parameters
+            loss_of(model, batch(gen)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        release.set_result(None)
+        opt._mixing.result(timeout=10)
+        loss_of(model, batch(gen)).backward()
+        opt.step()
+        assert all(bool((p == 0.5).all()) for p in model.parameters())
+        rounds.start_mix(opt, 1, rounds.grid_cell(opt, peers, 1))
+        opt._mixing.result(timeout=10)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(2.0)
+        opt._apply_shared_state(opt._shared_state()[1], 3)  # (a state load: ours, as it is now)
+        assert all(bool((p == 2.0).all()) for p in model.parameters()) and opt._mixing is None
+    finally:
+        opt.close()

@@ -51,7 +51,7 @@ from .memory import flat_views
 from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
 from .ranks import PeerRanks, RankFailure, lead
-from .rounds import Cell, average, expected_peers, maybe_average_state
+from .rounds import Cell, apply_mix, average, expected_peers, maybe_average_state
 from .shared_state import apply_shared_state, checkpoint_state, make_checkpointer, model_extra, shared_state
 from .state_sync import StateSync
 from .stats import CycleRate, OptimizerStats
@@ -284,6 +284,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._load_warnings = LogThrottle(_LOAD_WARN_EVERY)
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
+        self._mixing: Future[StepResult | None] | None = None  # sync's parameter mix in flight (mix_round)
+        self._mix_bufs: list[torch.Tensor] | None = None
         # held while the state changes; taking it first preserves a version a peer is downloading
         self._state_lock = StateLock()
         # Clear while a round's all-reduce (and then its update) is in flight: a joiner asking for
@@ -540,8 +542,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 log.warning("not believing peer %s: it %s; it is left out until it says otherwise", peer.short(), why)
 
     def finish_round(self) -> None:
-        """With ``overlap_outer``: apply the round in flight, if any, and put the outer parameters
-        in the model, as a blocking round leaves it (before evaluating or saving it)."""
+        """Apply what is in flight (``sync``: the parameter mix; with ``overlap_outer``: the round,
+        and the outer parameters put in the model), as blocking rounds leave it (before evaluating
+        or saving it)."""
+        apply_mix(self, wait=True)
         if self.overlap_outer:
             finish_overlapped(self)
             if self.ranks is not None:

@@ -176,6 +176,9 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
     cell = opt._cell
     if not due and not cell.key:
         return False
+    if not due and opt.mode == "sync" and opt.ranks is None and opt.fsdp is None:
+        start_mix(opt, epoch, cell)
+        return False
     if opt.mode == "sync":
         named = state_tensors(opt.params, opt.inner.state, due)
     else:
@@ -190,6 +193,48 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
         here = grid_cell(opt, cell.peers, k, cell.coming) if cell.key else cell
         averaged = _state_round(opt, averager, f"{'s' if due else 'm'}{epoch}{here.key}", here) or averaged
     return averaged
+
+
+def start_mix(opt: DecentralizedOptimizer, epoch: int, cell: Cell) -> None:
+    """``sync`` mode's parameter mix in the background: average the parameters in the cell after
+    ``cell``'s dimension (round ``m{epoch}``) while the next epoch's batches are computed.
+
+    Parameters change only when an epoch's update is applied (or a state is loaded), so the mix
+    runs on a copy of them and :func:`apply_mix` puts its result in at a step after it is done:
+    the average a blocking round gives, with its matchmaking (the wait for the cell's last peer)
+    off the training thread. The next update waits for it, so it never lands on parameters it
+    did not start from; a loaded state discards it."""
+    params = [p.detach() for p in opt.params]
+    bufs = opt._mix_bufs
+    if bufs is None or [b.shape for b in bufs] != [p.shape for p in params]:
+        bufs = opt._mix_bufs = [p.clone() for p in params]
+    else:
+        torch._foreach_copy_(bufs, params)
+    averager = state_averager(opt, "mix", [(f"p{i}", b) for i, b in enumerate(bufs)])
+    here = grid_cell(opt, cell.peers, cell.k + 1, cell.coming)
+    step = averager.step(weight=1.0, round_id=f"m{epoch}{here.key}", timeout=opt.matchmaking_timeout,
+                         expected=here.expected)
+    opt._mixing = opt._loop.submit(step)
+
+
+def apply_mix(opt: DecentralizedOptimizer, wait: bool, discard: bool = False) -> None:
+    """Put a finished mix's parameters in ours (``wait``: wait for it first; ``discard``: wait, and
+    keep ours, as a loaded state must)."""
+    future = opt._mixing
+    if future is None or (not wait and not future.done()):
+        return
+    opt._mixing = None
+    result = round_result(opt, future)
+    if result is None:
+        return
+    opt.stats.state_rounds += 1
+    opt.stats.bytes_sent += result.bytes_sent
+    opt.stats.bytes_received += result.bytes_received
+    if discard or result.group_size < 2 or opt._mix_bufs is None:
+        return
+    with opt._state_lock:
+        torch._foreach_copy_([p.detach() for p in opt.params], opt._mix_bufs)
+        opt._version += 1
 
 
 def state_averager(opt: DecentralizedOptimizer, kind: str, named: list[tuple[str, torch.Tensor]]) -> Averager:

@@ -12,6 +12,7 @@ from ..checkpoint.autosave import Checkpointer
 from ..gil import short_gil_waits
 from .adopt import optimizer_state
 from .outer_swap import outer_holders
+from .rounds import apply_mix
 from .options import TrainerOptions
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ def apply_shared_state(opt: DecentralizedOptimizer, state: dict[str, Any], epoch
     changed, if its optimizer state does not fit ours."""
     inner = optimizer_state(state["inner"], opt.inner) if opt.mode == "sync" else \
         optimizer_state(state["outer_opt"], opt.outer_optimizer)
+    apply_mix(opt, wait=True, discard=True)  # (a mix of the parameters we leave)
     # a copy per tensor, each giving up the GIL: short waits (see p2ptrain.gil)
     with short_gil_waits(), opt._state_lock:
         opt._applied = epoch

@@ -18,7 +18,7 @@ from ..averaging import StepResult
 from .catch_up import fall_behind
 from .memory import flat_views
 from .progress import SwarmView
-from .rounds import missed_round, round_result, state_round_due
+from .rounds import apply_mix, missed_round, round_result, state_round_due
 from .shared_state import maybe_checkpoint
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
     """Add this batch's gradients (``bs`` samples) to the accumulator; end the epoch when due."""
+    apply_mix(opt, wait=False)
     apply_pending(opt, wait=False)
     if not opt._grad_acc:
         # without delayed updates we accumulate in the buffer that is averaged (zeroed once
@@ -97,6 +98,7 @@ def apply_pending(opt: DecentralizedOptimizer, wait: bool) -> None:
 
 def _apply_round(opt: DecentralizedOptimizer, future: Future[StepResult | None]) -> None:
     result = round_result(opt, future)
+    apply_mix(opt, wait=True)  # (the last epoch's mix, before anything changes the parameters)
     if missed_round(opt, result):
         return
     grads = [p.grad for p in opt.params]
