@@ -287,6 +287,48 @@ def test_a_new_sample_count_is_published_every_few_seconds_or_once_the_epoch_loo
     asyncio.run(main())
 
 
+def test_a_new_epoch_or_ready_flag_follows_the_store_in_flight_at_once_not_at_the_next_poll():
+    """A report that changed beyond its count while our last one was still being stored goes out
+    as soon as that store is in. Waiting for the next poll (``min_refresh`` at least) left peers
+    whose epochs take a few ms deciding from a report epochs old that we would not come to a
+    round: two README peers averaged in 5-30 of 40 epochs."""
+    import asyncio
+
+    from dht import OwnedRead
+    from p2ptrain.optim import progress
+
+    stored: list[dict] = []
+    gate = asyncio.Event()
+
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
+        stored.append(value)
+        if len(stored) == 2:
+            await gate.wait()  # (a slow holder)
+
+    async def get_owned(key, name, **kw):
+        return OwnedRead({}, [])
+
+    async def main():
+        tracker = progress.ProgressTracker(_fake_node(store_owned, get_owned), "run", "schema", target=1000,
+                                           refresh=30.0, min_refresh=5.0, ttl=60.0)
+        await tracker.start()
+        try:
+            tracker.report(1, 0, 64.0)  # a new epoch: its store hangs
+            while len(stored) < 2:
+                await asyncio.sleep(0.01)
+            tracker.report(1, 0, 64.0, ready=True)
+            await asyncio.sleep(0.05)
+            gate.set()
+            async with asyncio.timeout(1.0):  # (not min_refresh's 5 s)
+                while len(stored) < 3:
+                    await asyncio.sleep(0.01)
+            assert [(v["e"], v["r"]) for v in stored] == [(0, False), (1, False), (1, True)]
+        finally:
+            await tracker.close()
+
+    asyncio.run(main())
+
+
 def test_reports_are_kept_across_reads_each_peers_newest_until_no_read_returns_it(monkeypatch):
     """A refresh reads one holder: a report it lacks (a store that did not reach it) or holds in an
     older version does not go back in the view; a peer that no read returns for ``ttl`` seconds

@@ -462,8 +462,9 @@ class ProgressTracker:
         finally:
             self._publishing = None
         if _more_than_count(self._me, me) and not self._hidden:
-            self._asked = True
-            self._wake.set()
+            # (at once, not at the next refresh: that may be a poll period away, and peers whose
+            # epochs take less decide from a report epochs old that we will not come to a round)
+            self._publishing = asyncio.ensure_future(self._publish(self._me, time.time(), False))
 
     async def _refresh(self, wait_publish: bool = True) -> None:
         """Read the reports (and publish ours when due); ``wait_publish``: return once it is in."""
