@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -237,6 +238,15 @@ class Lookups:
 
         results = await asyncio.gather(*(send(c) for c in closest))
         return accepted + sum(results)
+
+    @staticmethod
+    def nearest(key: str | bytes, contacts: Iterable[Contact], n: int) -> list[Contact]:
+        """The ``n`` of ``contacts`` (one per peer) nearest ``key``: a key's holders, of those known.
+        A lookup under load may return farther ones (the nearest were slow to answer); merged with
+        the holders found before, the nearest that answered once stay until one fails."""
+        target = key_id(key_bytes(key))
+        unique = {c.peer_id: c for c in contacts}
+        return sorted(unique.values(), key=lambda c: c.node_id ^ target)[:n]
 
     async def lookup_value(self, key: str | bytes, latest: bool = False) -> LookupResult:
         """Find records under ``key``. ``latest=False`` stops at the first peer that has some;

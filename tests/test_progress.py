@@ -156,7 +156,7 @@ def test_a_peer_blocked_in_a_round_or_a_load_keeps_its_report_alive(monkeypatch)
         return OwnedRead({}, [])
 
     node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
-                                 store_owned=store_owned, get_owned=get_owned)
+                                 store_owned=store_owned, get_owned=get_owned, nearest=_in_order)
     now = [clock.time()]
     monkeypatch.setattr(progress.time, "time", lambda: now[0])
 
@@ -202,7 +202,7 @@ def test_a_refresh_reads_one_of_the_three_closest_holders_in_turn_and_looks_the_
         stored_to.append(closest)
 
     node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
-                                 store_owned=store_owned, get_owned=get_owned)
+                                 store_owned=store_owned, get_owned=get_owned, nearest=_in_order)
     clock = [100.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
 
@@ -226,13 +226,64 @@ def test_a_refresh_reads_one_of_the_three_closest_holders_in_turn_and_looks_the_
     asyncio.run(main())
 
 
+def test_a_lookup_that_missed_a_nearer_holder_does_not_replace_it_until_it_fails(monkeypatch):
+    """Under load a key's nearest holders may answer a lookup too late to count; the reports then
+    went to, and came from, farther peers that hold a few of them (at 64 peers some views missed a
+    third of the swarm for epochs). The holders kept are the nearest that answered any lookup."""
+    import asyncio
+
+    from dht import Contact, DHTNode, OwnedRead
+    from p2ptrain.optim import progress
+
+    contacts = DHTNode.nearest("run/progress", [Contact(Identity().peer_id, ("127.0.0.1", 5000 + i))
+                                                for i in range(8)], 8)
+    answers = [contacts[:3], contacts[1:4]]  # the second lookup: the nearest answered too late
+    stored_to: list = []
+    failing: list = []
+
+    async def get_owned(key, name, holders=None, **kw):
+        if holders is None:
+            return OwnedRead({}, answers.pop(0) if answers else contacts[1:4])
+        return OwnedRead({}, [] if holders[0].peer_id in failing else holders)
+
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
+        stored_to.append([c.peer_id for c in closest or []])
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    node = _fake_node(store_owned, get_owned)
+    node.nearest = DHTNode.nearest
+
+    async def main():
+        tracker = progress.ProgressTracker(node, "run", "schema", target=64, relookup=5.0)
+        await tracker.refresh_now()
+        clock[0] += 6.0
+        tracker.report(1, 0, 100.0)
+        await tracker.refresh_now()  # the second lookup
+        tracker.report(2, 0, 100.0)
+        await tracker.refresh_now()
+        assert stored_to[-1] == [c.peer_id for c in contacts[:3]]
+        failing.append(contacts[0].peer_id)
+        for epoch in (3, 4, 5, 6):  # reads rotate to the nearest holder, which now fails: it is dropped
+            tracker.report(epoch, 0, 100.0)
+            await tracker.refresh_now()
+        assert contacts[0].peer_id not in stored_to[-1]  # (the last report went out after the drop)
+
+    asyncio.run(main())
+
+
+def _in_order(key, contacts, n):
+    """``DHTNode.nearest`` for fakes whose contacts come nearest first."""
+    return list({c.peer_id: c for c in contacts}.values())[:n]
+
+
 def _fake_node(store_owned, get_owned):
     import asyncio
     import contextlib
     import types
 
     return types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
-                                 store_owned=store_owned, get_owned=get_owned,
+                                 store_owned=store_owned, get_owned=get_owned, nearest=_in_order,
                                  notices=lambda key: contextlib.nullcontext(asyncio.Event()))
 
 
@@ -519,7 +570,8 @@ def test_notices_wake_a_read_at_most_every_quarter_second_however_many_come():
         pass
 
     node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id, store_owned=store_owned,
-                                 get_owned=get_owned, notices=lambda key: contextlib.nullcontext(told))
+                                 get_owned=get_owned, nearest=_in_order,
+                                 notices=lambda key: contextlib.nullcontext(told))
 
     async def main():
         tracker = progress.ProgressTracker(node, "run", "schema", target=1000, refresh=30.0, slow_refresh=30.0,

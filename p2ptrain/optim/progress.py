@@ -241,8 +241,9 @@ class ProgressTracker:
     :meth:`hurry` (called at each step) gets a refresh at once, at most one per ``fast_refresh``
     (longer in a large swarm: ``_due_gap``), until the published counts reach it.
 
-    A refresh publishes to the ``holders`` peers closest to the key, as a full lookup found them at
-    most ``relookup`` seconds ago, and reads from one of them in turn (each holds every report;
+    A refresh publishes to the ``holders`` peers nearest the key that answered a full lookup (one at
+    most ``relookup`` seconds ago, or an earlier one: a loaded holder may miss a lookup, and one
+    that fails a read is dropped), and reads from one of them in turn (each holds every report;
     reports are kept across reads, each peer's newest): its cost does not grow with the swarm beyond
     the records themselves. A full lookup is redone sooner when the holder asked fails. A read asks
     its holder to tell us (``dht.watchers``) when a peer publishes its first ready report of an
@@ -492,11 +493,12 @@ class ProgressTracker:
             return
         assert isinstance(result, tuple)
         found, read = result
-        if full:
+        if full:  # (the nearest holders seen, not this lookup's alone: see DHTNode.nearest)
             self._looked_up_at = time.monotonic()
-            self._closest = read.closest[: self.holders]
-        elif not read.closest:
-            self._looked_up_at = -math.inf  # the holder asked failed: look the key up again next time
+            self._closest = self.node.nearest(self.key, [*read.closest, *self._closest], self.holders)
+        elif not read.closest:  # the holder asked failed: drop it, look the key up again next time
+            self._closest = [c for c in self._closest if asked is None or c.peer_id != asked[0].peer_id]
+            self._looked_up_at = -math.inf
         self._reports = reports = self._merge(found)
         if self._judge is not None:
             now = time.time()
