@@ -6,7 +6,7 @@ import asyncio
 
 import torch
 
-from dht import Contact, DHTError, Identity, OwnedRead
+from dht import Contact, DHTError, DHTNode, Identity, OwnedRead
 from p2ptrain.averaging.board import _CHECK_EVERY, _HOLDERS, Board
 from p2ptrain.averaging.group import Member
 from p2ptrain.averaging.mm_state import MatchRound
@@ -24,6 +24,8 @@ class FakeNode:
         self.known, self.found = known, found
         self.lookups = 0
         self.fail = False
+
+    nearest = staticmethod(DHTNode.nearest)
 
     def nearest_known(self, key: str) -> list[Contact]:
         return list(self.known)
@@ -85,3 +87,18 @@ async def test_failed_lookups_and_small_tables_never_build_trust():
     await register_rounds(small, board, range(3))
     await asyncio.gather(*tasks)
     assert small.lookups == 0
+
+
+async def test_a_holders_lookup_that_missed_nearer_holders_keeps_those_the_table_named():
+    """Under load a key's nearest holders may answer a full lookup too late to count: the round
+    writes to, and reads from, the nearest of those the lookup found and those the table named."""
+    board, tasks = board_of(FakeNode([], []))
+    key = board.round_key(7)
+    ordered = DHTNode.nearest(key, contacts(3 * _HOLDERS), 3 * _HOLDERS)
+    node = FakeNode(ordered[:_HOLDERS], ordered[2:2 + _HOLDERS])  # (the lookup missed the nearest two)
+    board, tasks = board_of(node)
+    rnd = MatchRound("7", key, 2, 1.0)
+    board.register(rnd, Member(node.peer_id, ("127.0.0.1", 1)), 1.0, asyncio.get_running_loop().time() + 1.0)
+    await asyncio.wait_for(rnd.looked_up.wait(), 1.0)
+    await asyncio.gather(*tasks)
+    assert node.lookups == 1 and [c.peer_id for c in rnd.holders] == [c.peer_id for c in ordered[:_HOLDERS]]

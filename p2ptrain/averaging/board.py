@@ -133,8 +133,8 @@ class Board:
             async with asyncio.timeout_at(deadline):
                 read = await self.node.get_owned(rnd.key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
             found = [c for c in read.closest if c.addr is not None][:_HOLDERS]
-            if found:
-                rnd.holders = found
+            if found:  # (with those our table named: a loaded holder may answer the lookup too late)
+                rnd.holders = self.node.nearest(rnd.key, [*found, *rnd.holders], _HOLDERS)
             # (a loaded swarm's lookup may end before a slow holder or two answered: no miss)
             agreed = len(found) >= _HOLDERS - 2 and all(c.peer_id in known for c in found)
             self._agreed = self._agreed + 1 if agreed else 0
