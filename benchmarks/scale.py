@@ -17,7 +17,8 @@ in mixing-grid cells. Printed per mode and N, with ratios to the first N of the 
     reached the round, and how long matchmaking took after a cell's last peer came;
   * where a peer's training time goes, per epoch: compute (forward, backward and the emulated
     rest of ``--step-s``), steps that did not end an epoch, and those that did (its round, or a
-    state load);
+    state load); and per-peer samples/s from the first epoch's end on (without the start, when
+    peers begin as each sees the whole swarm);
   * CPU seconds per peer and epoch while training (its process's CPU time from its last peer's
     join to its last peer's end of training, over its peers: flat when no peer's per-epoch work
     grows with N), and over the whole run (start and join included);
@@ -89,6 +90,9 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                 rounds = [(e, round(m, 2), g, k) for e, m, g, k, _ in r["rounds"]]
                 print(r["peer"], r["state_loads"], rounds, file=sys.stderr)
         sps = [r["samples"] / r["train_s"] for r in reports]
+        # (from the first epoch's end on: the part a long run is made of, without the start)
+        steady = [(r["samples"] - r["first_epoch"][1]) / (r["train_s"] - r["first_epoch"][0])
+                  for r in reports if "first_epoch" in r and r["train_s"] > r["first_epoch"][0]]
         rounds = [x for r in reports for x in r["rounds"]]
         cells: dict[tuple[int, str], list[float]] = {}
         swarm: dict[int, list[float]] = {}
@@ -99,6 +103,7 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
         after = [entered + mm - max(cells[epoch, key]) for epoch, mm, _, key, entered in rounds]
         spreads = {e: spread_of(out / f"e{e}", args.verbose) for e in range(1, epochs + 1) if (out / f"e{e}").exists()}
         return {"mode": mode, "n": n, "sps": statistics.mean(sps),
+                "steady": statistics.mean(steady) if steady else float("nan"),
                 "acc": statistics.mean(r["accuracy"] for r in reports), "acc_min": min(r["accuracy"] for r in reports),
                 "mm": statistics.median(x[1] for x in rounds) if rounds else float("nan"),
                 "group": statistics.mean(x[2] for x in rounds) if rounds else 0.0,
@@ -130,10 +135,11 @@ def table(rows: list[dict]) -> None:
               f"{r['load'][0]:.0f}-{r['load'][1]:.0f} |")
     print("where the time goes (s): | N | peers of a cell arrive over | the whole swarm arrives over "
           "| matchmaking after a cell's last arrival (medians) | per peer-epoch: compute | other steps "
-          "| epoch-ending steps (rounds, state loads) |")
+          "| epoch-ending steps (rounds, state loads) | samples/s per peer after the first epoch (ratio) |")
     for r in rows:
         print(f"| {r['n']} | {r['cell_spread']:.3f} | {r['swarm_spread']:.3f} | {r['after_last']:.3f} "
-              f"| {r['compute_s']:.2f} | {r['step_s']:.2f} | {r['round_s']:.2f} |")
+              f"| {r['compute_s']:.2f} | {r['step_s']:.2f} | {r['round_s']:.2f} "
+              f"| {r['steady']:.1f} ({r['steady'] / base['steady']:.2f}) |")
     every = STATE_EVERY[rows[0]["mode"]]
     print("parameter spread after each epoch (* = after a state round):")
     for r in rows:

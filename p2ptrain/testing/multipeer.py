@@ -7,11 +7,12 @@ that take ``step_s`` (the real forward and backward, then a sleep: emulated comp
 every peer whatever the swarm's size) until its optimizer reaches ``epochs``; after each epoch it
 writes its parameters (raw float32) to ``{out}/e{epoch}/p{index}.f32``. A peer done stays (serving
 its state) while another still reports an earlier epoch: one that missed the last round loads the
-state then, instead of training that epoch's whole target alone. At the end it prints one
-JSON line per peer: samples, training seconds (and how many of them went to compute, to steps that
-did not end an epoch, and to those that did), its rounds (epoch, matchmaking s, group size, cell,
-wall time it came), its test accuracy, the process's CPU seconds per peer, and those spent while its peers trained (from
-the last one's join to the last one's end of training). Logs go to stderr; the child dies with its parent.
+state then, instead of training that epoch's whole target alone. At the end it prints one JSON
+line per peer: samples, training seconds (and how many of them went to compute, to steps that did
+not end an epoch, and to those that did; when and with how many samples the first epoch ended),
+its rounds (epoch, matchmaking s, group size, cell, wall time it came), its test accuracy, the
+process's CPU seconds per peer, and those spent while its peers trained (from the last one's join
+to the last one's end of training). Logs go to stderr; the child dies with its parent.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
             spent["round_s" if opt.epoch != epoch else "step_s"] += t2 - t1
             samples += bs
             if opt.epoch != epoch:
+                if epoch == 0:  # (the first epoch's end: where the run's steady part starts)
+                    spent["first_epoch"] = [time.perf_counter() - t_start, samples]
                 epoch = opt.epoch
                 folder = out / f"e{epoch}"
                 folder.mkdir(parents=True, exist_ok=True)
