@@ -67,6 +67,7 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
         target_batch_size=cfg["steps_per_epoch"] * bs * world, batch_size_per_step=bs,
         local_steps=cfg["steps_per_epoch"], target_group_size=cfg["group"], mixing=cfg["mixing"],
         matchmaking_timeout=cfg["matchmaking_timeout"], receipts=False,
+        overlap_outer=cfg.get("overlap_outer", False) and mode == "diloco",
     )
     opt.rounds = []
     out = Path(cfg["out"])
