@@ -51,7 +51,7 @@ from .memory import flat_views
 from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
 from .ranks import PeerRanks, RankFailure, lead
-from .rounds import Cell, apply_mix, average, expected_peers, maybe_average_state
+from .rounds import Cell, apply_mix, average, expected_peers, maybe_average_state, reports_ahead
 from .shared_state import apply_shared_state, checkpoint_state, make_checkpointer, model_extra, shared_state
 from .state_sync import StateSync
 from .stats import CycleRate, OptimizerStats
@@ -488,7 +488,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         return maybe_average_state(self, epoch)
 
     def _expected(self, view: SwarmView, epoch: int) -> int:
-        return expected_peers(view, epoch, self.delay_updates or self.overlap_outer)
+        return expected_peers(view, epoch, reports_ahead(self))
 
     def _round_over(self, view: SwarmView) -> bool:
         return round_over(self, view)

@@ -497,7 +497,8 @@ class ProgressTracker:
             self._looked_up_at = time.monotonic()
             self._closest = self.node.nearest(self.key, [*read.closest, *self._closest], self.holders)
         elif not read.closest:  # the holder asked failed: drop it, look the key up again next time
-            self._closest = [c for c in self._closest if asked is None or c.peer_id != asked[0].peer_id]
+            assert asked is not None  # (not a full read: one holder was asked)
+            self._closest = [c for c in self._closest if c.peer_id != asked[0].peer_id]
             self._looked_up_at = -math.inf
         self._reports = reports = self._merge(found)
         if self._judge is not None:

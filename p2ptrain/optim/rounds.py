@@ -50,7 +50,7 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
     on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
     # (round e of the grid; its parameter mix, e + 1, spans the groups this one formed, and the
     # dimension mixed turns every epoch)
-    coming = frozenset(p.peer.to_bytes() for p in coming_peers(view, epoch, opt.delay_updates or opt.overlap_outer))
+    coming = frozenset(p.peer.to_bytes() for p in coming_peers(view, epoch, reports_ahead(opt)))
     opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch, coming)
     step = opt.averager.step(weight=samples, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
                              expected=cell.expected if cell.key else expected, on_group=on_group)
@@ -77,6 +77,12 @@ def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int,
     if opt.mixer is None:
         return Cell(peers, k)
     return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers, coming), coming)
+
+
+def reports_ahead(opt: DecentralizedOptimizer) -> bool:
+    """Whether a peer reports the next epoch while its round may still run (``expected_peers``'s
+    ``delay_updates``): with delayed updates, or diloco's overlapped outer round."""
+    return opt.delay_updates or opt.overlap_outer
 
 
 def expected_peers(view: SwarmView, epoch: int, delay_updates: bool) -> int:
@@ -227,9 +233,7 @@ def apply_mix(opt: DecentralizedOptimizer, wait: bool, discard: bool = False) ->
     result = round_result(opt, future)
     if result is None:
         return
-    opt.stats.state_rounds += 1
-    opt.stats.bytes_sent += result.bytes_sent
-    opt.stats.bytes_received += result.bytes_received
+    _count_state_round(opt, result)
     if discard or result.group_size < 2 or opt._mix_bufs is None:
         return
     with opt._state_lock:
@@ -270,7 +274,12 @@ def _state_round(opt: DecentralizedOptimizer, averager: Averager, round_id: str,
     finally:
         opt._settled.set()
     if result is not None:
-        opt.stats.state_rounds += 1
-        opt.stats.bytes_sent += result.bytes_sent
-        opt.stats.bytes_received += result.bytes_received
+        _count_state_round(opt, result)
     return result is not None and result.group_size > 1
+
+
+def _count_state_round(opt: DecentralizedOptimizer, result: StepResult) -> None:
+    """A state round or mix that ran (alone or not), in the stats."""
+    opt.stats.state_rounds += 1
+    opt.stats.bytes_sent += result.bytes_sent
+    opt.stats.bytes_received += result.bytes_received
