@@ -77,7 +77,7 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                        "batch_size": 32, "lr": args.lr or (1e-2 if mode == "sync" else 3e-3),
                        "steps_per_epoch": args.steps or (4 if mode == "sync" else 10), "group": args.group,
                        "mixing": not args.no_mixing, "matchmaking_timeout": 5.0, "join_timeout": 180.0,
-                       "overlap_outer": args.overlap_outer,
+                       "overlap_outer": args.overlap_outer, "delay_updates": args.delay_updates,
                        "epochs": epochs, "step_s": args.step_s, "out": str(out)}
                 kids.spawn(f"p{p}", [sys.executable, "-m", "p2ptrain.testing.multipeer", json.dumps(cfg)])
             reports: list[dict] = []
@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--no-mixing", action="store_true", help="baseline: fixed groups, one key per round")
     ap.add_argument("--overlap-outer", action="store_true",
                     help="diloco: the outer round runs while the next inner phase trains (overlap_outer)")
+    ap.add_argument("--delay-updates", action="store_true",
+                    help="sync: the round runs while the next epoch's batches are computed (delay_updates)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one N's run may take (default 900)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--verbose", action="store_true",

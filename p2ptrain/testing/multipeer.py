@@ -68,6 +68,7 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
         local_steps=cfg["steps_per_epoch"], target_group_size=cfg["group"], mixing=cfg["mixing"],
         matchmaking_timeout=cfg["matchmaking_timeout"], receipts=False,
         overlap_outer=cfg.get("overlap_outer", False) and mode == "diloco",
+        delay_updates=cfg.get("delay_updates", False) and mode == "sync",
     )
     opt.rounds = []
     out = Path(cfg["out"])
