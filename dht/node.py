@@ -21,13 +21,13 @@ import contextlib
 import logging
 import random
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 from .autonat import probe_reachable, reserve_relays
 from .bootstrap import DialPlan
 from .config import DHTConfig
 from .connection import Connection
-from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable
+from .errors import BootstrapError, DHTError, InvalidRecord, PeerIdMismatch, PeerUnreachable, RPCError
 from .identity import Identity, PeerID
 from .latency import RttEstimator
 from .limits import Limits
@@ -37,7 +37,7 @@ from .multiaddr import Multiaddr
 from .noise import SwarmKeyMismatch
 from .owned import OwnedValue, owned_values
 from .peercache import load_peer_cache
-from .protocol import NodeProtocol
+from .protocol import NodeProtocol, notice_request
 from .routing import Contact, RoutingTable, key_id, node_id_of
 from .storage import Record, RecordStore, VerifiedOwners, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
@@ -348,7 +348,8 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
     def notices(self, key: str | bytes) -> Iterator[asyncio.Event]:
         """An event that a holder sets when it tells us of a write of ``key`` that asked for a
         notice (reads with ``get_owned(..., watch=s)`` ask holders to; writes with
-        ``store_owned(..., notice=tag)`` ask for one): read the key again."""
+        ``store_owned(..., notice=tag)`` ask for one): the write's records it handed over are in
+        ``local_owned`` already; read the key again for anything else."""
         with _event_in(self._notices, key_bytes(key)) as event:
             yield event
 
@@ -361,24 +362,40 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
         for c in holders:
             self._watching[(key, c.peer_id)] = until
 
-    def _noticed(self, holder: PeerID, key: bytes) -> None:
-        """A holder tells us of a write of ``key``: wake the key's readers, if we asked it to."""
-        if self._watching.get((key, holder), 0.0) > time.monotonic():
-            for event in self._notices.get(key, ()):
-                event.set()
+    def _noticed(self, holder: PeerID, key: bytes, records: Sequence[Record] = (), group: str | None = None) -> None:
+        """A holder tells us of a write of ``key``, if we asked it to: keep the write's records it
+        hands over (checked as any store's: a signature, newer than ours) for ``local_owned``,
+        then wake the key's readers."""
+        if self._watching.get((key, holder), 0.0) <= time.monotonic():
+            return
+        now = time.time()
+        for record in records:
+            if record.key == key:
+                try:
+                    self.storage.store(record, now, source=holder, group=group)
+                    self._received_at[key] = time.monotonic()  # (its writer spreads it: no republish by us)
+                except InvalidRecord:
+                    pass
+        for event in self._notices.get(key, ()):
+            event.set()
 
-    def _tell_watchers(self, key: bytes, tag: int, writer: PeerID) -> None:
-        """A write of ``key`` asked for a notice: tell each peer watching it here (best effort)."""
+    def _tell_watchers(self, key: bytes, tag: int, writer: PeerID, records: Sequence[Record] = ()) -> None:
+        """A write of ``key`` asked for a notice: tell each peer watching it here, handing it the
+        write's ``records`` (best effort)."""
+        wire = notice_request(key, records)
         for conn in self._watchers.due(key, tag, writer, time.monotonic()):
             if not conn.is_closed:
                 try:
-                    self._tasks.spawn(self._tell(conn, key))
+                    self._tasks.spawn(self._tell(conn, wire))
                 except RuntimeError:  # closing
                     return
 
-    async def _tell(self, conn: Connection, key: bytes) -> None:
+    async def _tell(self, conn: Connection, wire: Any) -> None:
         try:
-            await conn.call("notice", key, timeout=_NOTICE_TIMEOUT)
+            await conn.call("notice", wire, timeout=_NOTICE_TIMEOUT)
+        except RPCError:  # an older watcher takes the key alone
+            if isinstance(wire, list):
+                await self._tell(conn, wire[0])
         except DHTError:
             pass
 

@@ -9,7 +9,7 @@ record store and learns the callers as contacts.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from .autonat import DIALBACK_METHOD, dial_back
 from .config import DHTConfig
@@ -146,6 +146,28 @@ def _store_request(args: Any) -> tuple[list, int | None]:
     return args, notice
 
 
+#: records a notice hands over (the write's, for one key): a watcher takes them without a read
+MAX_NOTICE_RECORDS = 4
+
+
+def notice_request(key: bytes, records: Sequence[Record]) -> Any:
+    """notice's argument: the key alone (older watchers take only this form: "read it again"), or
+    with the write's records, which the watcher checks and keeps as a read's."""
+    return [key, [r.to_wire() for r in records[:MAX_NOTICE_RECORDS]]] if records else key
+
+
+def _notice_request(args: Any) -> tuple[bytes, list]:
+    """(key, records in wire form) from notice's argument, in either of its forms."""
+    wire: Any = []
+    if isinstance(args, list) and len(args) == 2:
+        args, wire = args
+    if not (isinstance(args, bytes) and len(args) <= 1024):
+        raise ProtocolError("notice names a key of at most 1024 bytes")
+    if not (isinstance(wire, list) and len(wire) <= MAX_NOTICE_RECORDS):
+        raise ProtocolError(f"a notice carries a list of at most {MAX_NOTICE_RECORDS} records")
+    return args, wire
+
+
 def _target(args: Any) -> int:
     if not (isinstance(args, bytes) and len(args) == 32):
         raise ProtocolError("target must be 32 bytes")
@@ -163,8 +185,8 @@ class NodeProtocol:
     _learn: Callable[[Connection], None]
     _key_stored: Callable[[bytes], None]
     _watchers: Watchers[Connection]
-    _tell_watchers: Callable[[bytes, int, PeerID], None]
-    _noticed: Callable[[PeerID, bytes], None]
+    _tell_watchers: Callable[[bytes, int, PeerID, Sequence[Record]], None]
+    _noticed: Callable[[PeerID, bytes, Sequence[Record], str | None], None]
 
     def _serve(self) -> None:
         """Register the handlers on the node's host."""
@@ -204,7 +226,7 @@ class NodeProtocol:
     async def _rpc_store(self, conn: Connection, args: Any) -> Any:
         self._learn(conn)
         args, notice = _store_request(args)
-        noticed: set[bytes] = set()
+        noticed: dict[bytes, list[Record]] = {}
         now, group = time.time(), address_group(conn.remote_host, relayed_via(conn))
         results = []
         for item in args:
@@ -217,16 +239,22 @@ class NodeProtocol:
                 if stored:
                     self._key_stored(record.key)
                     if notice is not None:
-                        noticed.add(record.key)
+                        noticed.setdefault(record.key, []).append(record)
                 results.append(stored)
             except InvalidRecord as e:
                 results.append(str(e)[:200])
-        for key in noticed:
-            self._tell_watchers(key, notice, conn.remote_peer)
+        for key, records in noticed.items():
+            assert notice is not None
+            self._tell_watchers(key, notice, conn.remote_peer, records)
         return results
 
     async def _rpc_notice(self, conn: Connection, args: Any) -> Any:
-        if not (isinstance(args, bytes) and len(args) <= 1024):
-            raise ProtocolError("notice names a key of at most 1024 bytes")
-        self._noticed(conn.remote_peer, args)
+        key, wire = _notice_request(args)
+        records = []
+        for item in wire:
+            try:
+                records.append(Record.from_wire(item))
+            except InvalidRecord:
+                raise ProtocolError("malformed record in a notice") from None
+        self._noticed(conn.remote_peer, key, records, address_group(conn.remote_host, relayed_via(conn)))
         return None

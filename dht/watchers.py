@@ -4,8 +4,10 @@ lands, instead of polling the key fast. Sans-IO: who watches what, and whom a wr
 A ``find_value`` may carry ``watch`` seconds: the holder then remembers the asker for that long
 (``Watchers.add``). A ``store`` may carry a ``notice`` tag: after the write, every watcher of its key
 hears of it once per tag (``Watchers.due``); the writer chooses the tag (an epoch, say), so that a
-burst of writes that mean the same thing wakes each watcher once. A notice only says "read the key
-again": it carries no value, so a lying holder or writer costs the watcher a read, never a belief.
+burst of writes that mean the same thing wakes each watcher once. A notice hands the write's records
+over (the watcher keeps them as a store's: signed by their owners, only if newer than its own) and
+says "read the key again" to a watcher that needs more; a lying holder can withhold or replay a
+record, as a read's answer can, never forge one.
 """
 
 from __future__ import annotations

@@ -222,7 +222,8 @@ def _rpc_strategies(target: Target) -> dict[str, st.SearchStrategy]:
         "store": ANY | st.lists(RECORD | JUNK, max_size=8)
         | st.integers(250, 300).map(lambda n: [[b"k%d" % i, None, b"\xc0", time.time() + 60, None] for i in range(n)])
         | st.fixed_dictionaries({"r": st.lists(RECORD | JUNK, max_size=4) | JUNK, "n": EDGE_INTS | JUNK}),
-        "notice": ANY | st.binary(max_size=1100),
+        "notice": ANY | st.binary(max_size=1100)
+        | st.tuples(st.binary(max_size=1100) | JUNK, st.lists(RECORD | JUNK, max_size=6) | JUNK).map(list),
         "p2ptrain.mm.join": ANY | mutated(join) | mutated(join, member | st.just(-1.0) | st.just(1e9)),
         "p2ptrain.state.manifest": ANY | mutated({"key": STATE_KEY}),
     }

@@ -130,7 +130,8 @@ async def test_a_holder_sees_entries_as_they_land_without_a_read(nodes):
 
 async def test_a_reader_watching_a_key_hears_of_writes_that_ask_for_a_notice_once_per_tag(nodes, monkeypatch):
     """A read with ``watch`` asks the holder to tell the reader of writes that ask for a notice:
-    once per tag, never of plain writes, and a notice from a peer the reader did not ask is ignored."""
+    once per tag, never of plain writes, handing the write's record over (the reader holds it
+    without a read); a notice from a peer the reader did not ask is ignored, records and all."""
     import dht.watchers
     from dht import Contact
 
@@ -139,7 +140,8 @@ async def test_a_reader_watching_a_key_hears_of_writes_that_ask_for_a_notice_onc
     at = [Contact(holder.peer_id, ("127.0.0.1", holder.host.listen_port))]
     heard: list[tuple[PeerID, bytes]] = []
     real = reader._noticed
-    reader._noticed = lambda who, key: (heard.append((who, key)), real(who, key))  # type: ignore[method-assign]
+    reader._noticed = lambda who, key, records, group: (  # type: ignore[method-assign]
+        heard.append((who, key)), real(who, key, records, group))
     exp = time.time() + 60
     with reader.notices("run/progress") as told:
         await reader.get_owned("run/progress", "p", holders=at, watch=5.0)
@@ -147,14 +149,19 @@ async def test_a_reader_watching_a_key_hears_of_writes_that_ask_for_a_notice_onc
         await writer.store_owned("run/progress", "p", 2, exp + 1, closest=at, notice=7)
         await asyncio.wait_for(told.wait(), 5)
         assert heard == [(holder.peer_id, b"run/progress")]
+        assert reader.local_owned("run/progress", "p")[writer.peer_id].value == 2  # handed over, no read
         told.clear()
         await writer.store_owned("run/progress", "p", 3, exp + 2, closest=at, notice=7)  # same tag: told already
         await writer.store_owned("run/progress", "p", 4, exp + 3, closest=at, notice=8)
         await asyncio.wait_for(told.wait(), 5)
-        assert len(heard) == 2
+        assert len(heard) == 2 and reader.local_owned("run/progress", "p")[writer.peer_id].value == 4
         told.clear()
-        await stranger.host.call(reader.peer_id, ("127.0.0.1", reader.host.listen_port), "notice", b"run/progress")
+        forged = stranger.owned("p")  # (the stranger's own record: valid, but nobody asked it)
+        record = sign_record(Record(b"run/progress", forged.encode(), pack(9), exp + 4, None), stranger.identity)
+        await stranger.host.call(reader.peer_id, ("127.0.0.1", reader.host.listen_port), "notice",
+                                 [b"run/progress", [record.to_wire()]])
         assert len(heard) == 3 and not told.is_set()  # it was not asked to
+        assert stranger.peer_id not in reader.local_owned("run/progress", "p")
     assert (await reader.get_owned("run/progress", "p", holders=at)).values[writer.peer_id].value == 4
 
 

@@ -380,6 +380,44 @@ def test_a_new_epoch_or_ready_flag_follows_the_store_in_flight_at_once_not_at_th
     asyncio.run(main())
 
 
+def test_a_new_epoch_or_ready_flag_goes_out_while_a_slow_read_is_in_flight():
+    """Under load a read takes a round trip or more: a ready report must not wait for it (peers
+    end their epoch on it), so it is stored at once, beside the read."""
+    import asyncio
+
+    from dht import OwnedRead
+    from p2ptrain.optim import progress
+
+    stored: list[dict] = []
+    reading, gate = asyncio.Event(), asyncio.Event()
+
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
+        stored.append(value)
+
+    async def get_owned(key, name, **kw):
+        if stored:  # (the first read, at start, answers at once)
+            reading.set()
+            await gate.wait()  # (a slow holder)
+        return OwnedRead({}, [])
+
+    async def main():
+        tracker = progress.ProgressTracker(_fake_node(store_owned, get_owned), "run", "schema", target=1000,
+                                           refresh=0.01, min_refresh=0.01, ttl=60.0)
+        await tracker.start()
+        try:
+            await asyncio.wait_for(reading.wait(), 5.0)  # a refresh's read hangs
+            tracker.report(0, 500, 64.0, ready=True)
+            async with asyncio.timeout(5.0):
+                while not stored[-1]["r"]:
+                    await asyncio.sleep(0.01)
+            assert not gate.is_set()  # (stored while the read still hangs)
+        finally:
+            gate.set()
+            await tracker.close()
+
+    asyncio.run(main())
+
+
 def test_reports_are_kept_across_reads_each_peers_newest_until_no_read_returns_it(monkeypatch):
     """A refresh reads one holder: a report it lacks (a store that did not reach it) or holds in an
     older version does not go back in the view; a peer that no read returns for ``ttl`` seconds
@@ -516,31 +554,40 @@ def test_the_view_at_each_step_follows_each_new_read_and_ignored_peers_at_once(m
 
 def test_a_ready_report_reaches_the_readers_through_their_holders_notice_not_their_next_poll():
     """A peer's first ready report of an epoch asks the key's holders to tell the readers that
-    watch it (those that read from them lately): a reader that would poll again only in 30 s reads
-    it at once. The notice carries nothing but "read again", so it is believed only as read."""
+    watch it (those that read from them lately), handing the report over: a reader that would poll
+    again only in 30 s has it at once, without a read. The report is its writer's signed record,
+    believed as a read's (a notice without it, from an older holder, makes the reader read at once:
+    the next test)."""
     import asyncio
 
-    from dht import DHTConfig, DHTNode
+    from dht import Contact, DHTConfig, DHTNode
     from p2ptrain.optim.progress import ProgressTracker
 
     async def main():
         cfg = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=2.0)
         first = DHTNode(config=cfg)
         await first.start()
-        rest = [DHTNode(config=cfg) for _ in range(3)]
+        rest = [DHTNode(config=cfg) for _ in range(6)]
         await asyncio.gather(*(n.start(first.multiaddrs) for n in rest))
         slow = dict(refresh=30.0, slow_refresh=30.0, min_refresh=0.01)
-        a, b = (ProgressTracker(n, "run", "schema", target=1000, **slow) for n in rest[:2])
+        # the two peers farthest from the key: neither holds the reports (3 holders of 7 nodes)
+        by_peer = {n.peer_id: n for n in rest}
+        order = DHTNode.nearest("run/progress", [Contact(n.peer_id, ("127.0.0.1", 1)) for n in rest], len(rest))
+        a, b = (ProgressTracker(by_peer[c.peer_id], "run", "schema", target=1000, **slow) for c in order[-2:])
         try:
             await a.start()
             await b.start()
             for _ in range(3):  # a read from each holder in turn: b watches them all
                 await b.refresh_now()
             assert not b.view.ready
-            b._fresh.clear()  # (set by b's next completed read: none is due for 30 s)
+            reads = b._turn
             a.report(0, 10, 0.0, ready=True)
-            await asyncio.wait_for(b._fresh.wait(), 5.0)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            while not b.view.ready and loop.time() - t0 < 5.0:
+                await asyncio.sleep(0.01)
             assert [r.peer for r in b.view.ready] == [a.node.peer_id]
+            assert b._turn == reads  # (no read of the holders: none is due for 30 s)
         finally:
             await a.close()
             await b.close()
@@ -551,7 +598,8 @@ def test_a_ready_report_reaches_the_readers_through_their_holders_notice_not_the
 
 def test_notices_wake_a_read_at_most_every_quarter_second_however_many_come():
     """A writer cycling notice tags (or a holder lying about writes) makes the holders tell us
-    again and again: the tracker reads at most once per ``_NOTICE_GAP`` on notices."""
+    again and again: on notices that hand over no new report the tracker reads, at most once per
+    ``_NOTICE_GAP``."""
     import asyncio
     import contextlib
     import types
@@ -570,7 +618,7 @@ def test_notices_wake_a_read_at_most_every_quarter_second_however_many_come():
         pass
 
     node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id, store_owned=store_owned,
-                                 get_owned=get_owned, nearest=_in_order,
+                                 get_owned=get_owned, nearest=_in_order, local_owned=lambda *a, **kw: {},
                                  notices=lambda key: contextlib.nullcontext(told))
 
     async def main():

@@ -38,6 +38,7 @@ _MAX_RECORD = 2048
 _MAX_EXTRAPOLATION = 5.0  # s: never extrapolate a report further than this (clock skew, stalls)
 _WATCH = 6.0  # s: a holder read tells us of ready reports this long (reads rotate over 3 holders)
 _NOTICE_GAP = 0.25  # s: at most one read per this on notices
+_LOCAL_GAP = 0.02  # s: at most one merge of the reports a notice handed over per this
 _DUE_READS_PER_S = 250.0  # reads of the key a second, by the whole swarm, while an epoch looks over
 _MAX_DUE_GAP = 0.25  # s: but each peer reads at least this often then
 
@@ -368,8 +369,16 @@ class ProgressTracker:
                            held=None if self._held is None else self._held())
         self.view = view = self.estimate()
         if (epoch, ready) != (old.epoch, old.ready) and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._wake.set)
+            self._loop.call_soon_threadsafe(self._publish_news)
         return view
+
+    def _publish_news(self) -> None:
+        """Our epoch or ready flag changed: publish it now, not after the read in flight (under load
+        that is a round trip or more, and peers wait on it), and read soon after."""
+        self._wake.set()
+        if self._task is not None and not self._hidden and self._publishing is None:
+            # (a store in flight sends it once it is in: see _publish)
+            self._publishing = asyncio.ensure_future(self._publish(self._me, time.time(), False))
 
     def hurry(self) -> None:
         """Refresh as soon as ``fast_refresh`` allows (any thread; cheap when one is pending):
@@ -436,15 +445,30 @@ class ProgressTracker:
 
     async def _hear_notices(self) -> None:
         """A holder we read from tells us that a peer just published a ready report (it waits to
-        average): read at once rather than at our next poll, unless we wait in a round already."""
+        average), and hands it over: take it in at once. From a holder that did not hand it over
+        (an older one), read at once rather than at our next poll, unless we wait in a round already."""
         with self.node.notices(self.key) as told:
             while True:
                 await told.wait()
                 told.clear()
-                if not self._me.ready:
+                if self._take_local():
+                    await asyncio.sleep(_LOCAL_GAP)
+                elif not self._me.ready:
                     self._asked = True
                     self._wake.set()
                     await asyncio.sleep(_NOTICE_GAP)  # (a writer cycling tags must not make us read fast)
+
+    def _take_local(self) -> bool:
+        """Merge the reports our node holds that are newer than those we know (a notice's, on any
+        peer; every write, on a holder); whether there was one."""
+        values = self.node.local_owned(self.key, _SUBKEY, max_size=_MAX_RECORD)
+        reports = (parse_report(entry.value, peer) for peer, entry in values.items())
+        known = self._known
+        news = [r for r in reports if r is not None and r.schema == self.schema
+                and (r.peer not in known or r.time > known[r.peer][0].time)]
+        if news:
+            self._take(news)
+        return bool(news)
 
     async def _publish(self, me: PeerReport, now: float, beat: bool) -> None:
         """Store our report (a task of its own: a refresh's read, which others' news come by, does not
@@ -500,6 +524,11 @@ class ProgressTracker:
             assert asked is not None  # (not a full read: one holder was asked)
             self._closest = [c for c in self._closest if c.peer_id != asked[0].peer_id]
             self._looked_up_at = -math.inf
+        self._take(found)
+        self._fresh.set()
+
+    def _take(self, found: list[PeerReport]) -> None:
+        """Merge reports just read into the view."""
         self._reports = reports = self._merge(found)
         if self._judge is not None:
             now = time.time()
@@ -509,7 +538,6 @@ class ProgressTracker:
                 if self._on_refused is not None:
                     self._on_refused(refused)
         self.view = self.estimate()
-        self._fresh.set()
 
     def _merge(self, found: list[PeerReport]) -> list[PeerReport]:
         """Each peer's newest report of those read so far; a peer no read has returned for ``ttl``
