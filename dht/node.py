@@ -39,7 +39,7 @@ from .owned import OwnedValue, owned_values
 from .peercache import load_peer_cache
 from .protocol import NodeProtocol, notice_request
 from .routing import Contact, RoutingTable, key_id, node_id_of
-from .storage import Record, RecordStore, VerifiedOwners, owned_name, owner_of, sign_record, validate_record
+from .storage import PROCESS_OWNERS, Record, RecordStore, owned_name, owner_of, sign_record, validate_record
 from .swarmkey import SwarmKey
 from .tasks import TaskGroup
 from .transport import Host
@@ -98,7 +98,7 @@ class DHTNode(NodeProtocol, Lookups, Maintenance):
             max_bytes=self.config.max_bytes,
             max_bytes_per_source=self.config.max_bytes_per_source,
         )
-        self._verified = VerifiedOwners()
+        self._verified = PROCESS_OWNERS  # (shared by the peers of a process)
         self._rtt = RttEstimator(min(self.config.hedge_floor, self.config.rpc_timeout), self.config.rpc_timeout)
         self._originated: dict[tuple[bytes, bytes | None], Record] = {}
         self._tasks = TaskGroup("dht node", log=log)  # maintenance, lookups' queries, liveness checks

@@ -67,6 +67,27 @@ def test_verified_owners_checks_a_record_once_and_remembers_refusals(monkeypatch
     assert len(checks) == 6
 
 
+def test_the_stores_and_nodes_of_one_process_check_a_record_once_between_them(monkeypatch):
+    """Several peers in one process (a local swarm, the 64-peer benchmark's 8 a process) each read
+    and hold the same records: one of them checks a signature, the others find it checked; a
+    forgery is refused by every one of them."""
+    from dht.storage import RecordStore
+
+    checks: list[PeerID] = []
+    real = PeerID.verify
+    monkeypatch.setattr(PeerID, "verify", lambda self, sig, data: checks.append(self) or real(self, sig, data))
+    good = entry(ALICE, "shared", time.time() + 60, key=b"run/progress")
+    forged = sign_record(Record(b"run/progress", owned_name(b"m", ALICE.peer_id), pack(1), time.time() + 60), BOB)
+    stores = [RecordStore() for _ in range(8)]
+    for store in stores:
+        assert store.store(good, time.time(), source=BOB.peer_id)
+        with pytest.raises(InvalidRecord, match="bad signature"):
+            store.store(forged, time.time(), source=BOB.peer_id)
+    assert owned_values(stores[0].get(b"run/progress", time.time()), "m", stores[0].owners, max_size=64) == {
+        ALICE.peer_id: OwnedValue("shared", good.expiration)}
+    assert len(checks) == 2
+
+
 @pytest.fixture
 async def nodes():
     started: list[DHTNode] = []
