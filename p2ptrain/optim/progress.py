@@ -376,8 +376,13 @@ class ProgressTracker:
         """Our epoch or ready flag changed: publish it now, not after the read in flight (under load
         that is a round trip or more, and peers wait on it), and read soon after."""
         self._wake.set()
-        if self._task is not None and not self._hidden and self._publishing is None:
-            # (a store in flight sends it once it is in: see _publish)
+        if self._task is not None:
+            self._publish_current()
+
+    def _publish_current(self) -> None:
+        """Store our report as it is now, unless hidden; a store in flight sends it once it is in
+        (see :meth:`_publish`)."""
+        if not self._hidden and self._publishing is None:
             self._publishing = asyncio.ensure_future(self._publish(self._me, time.time(), False))
 
     def hurry(self) -> None:
@@ -486,10 +491,10 @@ class ProgressTracker:
             log.debug("could not publish our progress: %s", e)
         finally:
             self._publishing = None
-        if _more_than_count(self._me, me) and not self._hidden:
+        if _more_than_count(self._me, me):
             # (at once, not at the next refresh: that may be a poll period away, and peers whose
             # epochs take less decide from a report epochs old that we will not come to a round)
-            self._publishing = asyncio.ensure_future(self._publish(self._me, time.time(), False))
+            self._publish_current()
 
     async def _refresh(self, wait_publish: bool = True) -> None:
         """Read the reports (and publish ours when due); ``wait_publish``: return once it is in."""
