@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import time
 from collections import defaultdict
 from concurrent.futures import Future
 
@@ -13,7 +14,9 @@ import torch
 
 from p2ptrain import DecentralizedOptimizer
 from p2ptrain.averaging import StepResult
-from p2ptrain.optim import rounds
+from dht import Identity
+from p2ptrain.optim import diloco_step, rounds
+from p2ptrain.optim.progress import PeerReport, SwarmView
 from p2ptrain.averaging.mixing import GridMixer, grid_shape, swarm_size
 from tests.test_optimizer import batch, in_threads, loss_of, make_model, swarm, train  # noqa: F401 (fixture)
 
@@ -190,5 +193,100 @@ def test_a_parameter_mix_runs_beside_the_next_steps_and_lands_between_two(swarm,
                 p.fill_(2.0)
         opt._apply_shared_state(opt._shared_state()[1], 3)  # (a state load: ours, as it is now)
         assert all(bool((p == 2.0).all()) for p in model.parameters()) and opt._mixing is None
+    finally:
+        opt.close()
+
+
+def test_a_diloco_mix_moves_the_outer_parameters_and_keeps_the_steps_taken_since(swarm, monkeypatch):  # noqa: F811
+    """diloco: the mix of the outer parameters runs beside the next inner steps; once it lands the
+    outer parameters are the mix and the inner ones moved with them (the steps since are kept),
+    and the next outer step waits for a mix still in flight rather than taking its
+    pseudo-gradient against the outer parameters it is about to replace."""
+    release: Future = Future()
+
+    class CellAverage:
+        def __init__(self, named: list) -> None:
+            self.tensors = [t for _, t in named]
+
+        async def step(self, **_: object) -> StepResult:
+            await asyncio.wrap_future(release)
+            for t in self.tensors:
+                t.add_(1.0)
+            return StepResult("m", 2, [])
+
+    monkeypatch.setattr(rounds, "state_averager", lambda opt, kind, named: CellAverage(named))
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="dlmix",
+                                 mode="diloco", local_steps=10**6, batch_size_per_step=16, target_group_size=2)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        peers = tuple(bytes([i]) * 38 for i in range(3)) + (opt.dht.node.peer_id.to_bytes(),)
+        outer_before = [o.clone() for o in opt._outer]
+        rounds.start_mix(opt, 0, rounds.grid_cell(opt, peers, 0))
+        for _ in range(3):  # (inner steps while the cell has not come)
+            loss_of(model, batch(gen)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(torch.equal(o, b) for o, b in zip(opt._outer, outer_before))
+        moved = [p.detach() - o for p, o in zip(model.parameters(), opt._outer)]  # the inner steps' progress
+        assert any(bool(m.abs().sum() > 0) for m in moved)
+        release.set_result(None)
+        opt._mixing.result(timeout=10)
+        with torch.no_grad():  # (a step with no gradient: the inner optimizer leaves the parameters)
+            opt.step()
+        assert all(torch.allclose(o, b + 1.0) for o, b in zip(opt._outer, outer_before))
+        kept = [p.detach() - o for p, o in zip(model.parameters(), opt._outer)]
+        assert all(torch.allclose(k, m, atol=1e-6) for k, m in zip(kept, moved))
+    finally:
+        opt.close()
+
+
+def test_a_diloco_peer_stops_its_inner_phase_early_only_for_a_peer_of_its_own_cell(swarm, monkeypatch):  # noqa: F811
+    """In a grid the cells meet apart: a peer ready elsewhere in the swarm leaves our inner phase
+    alone, a ready peer of our cell ends it (it waits for us). Blocking, a peer of our cell one
+    epoch ahead while another is still at ours means our round is open: we join it; once nobody
+    of our cell is left at our epoch, it is over and we load the swarm's state."""
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="dlcell",
+                                 mode="diloco", local_steps=10**6, batch_size_per_step=16, target_group_size=2)
+    gen = torch.Generator().manual_seed(0)
+    me = opt.tracker.me.peer
+    others = [Identity().peer_id for _ in range(3)]
+    everyone = [me, *others]
+    ids = tuple(p.to_bytes() for p in everyone)
+    cell = opt.mixer.members(0, ids)
+    assert cell is not None and len(cell) == 2  # (a 2 x 2 grid)
+    mate = next(p for p in others if p.to_bytes() in cell)
+    stranger = next(p for p in others if p.to_bytes() not in cell)
+    rest = next(p for p in others if p not in (mate, stranger))
+    ended: list[str] = []
+    behind: list[str] = []
+    monkeypatch.setattr(opt, "_outer_step", lambda view: ended.append("outer"))
+    monkeypatch.setattr(diloco_step, "fall_behind", lambda o, view: behind.append("load"))
+
+    def view_with(*reports: PeerReport) -> SwarmView:
+        top = max(r.epoch for r in reports)
+        return SwarmView(epoch=top, samples=0, target=64, peers=[r for r in reports if r.epoch == top],
+                         behind=[r for r in reports if r.epoch < top])
+
+    def step_with(view: SwarmView) -> None:
+        monkeypatch.setattr(opt.tracker, "estimate", lambda: view)
+        loss_of(model, batch(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def rep(peer, epoch: int, ready: bool = False) -> PeerReport:
+        return PeerReport(peer, epoch, 0, 1.0, time.time(), "s", addr=("127.0.0.1", 1), ready=ready)
+
+    try:
+        step_with(view_with(rep(me, 0), rep(mate, 0), rep(stranger, 0, ready=True), rep(rest, 0)))
+        assert ended == [] and behind == []
+        step_with(view_with(rep(me, 0), rep(mate, 0, ready=True), rep(stranger, 0), rep(rest, 0)))
+        assert ended == ["outer"] and behind == []
+        # blocking rounds: a stranger at epoch 1 finished a round of another cell; ours is still open
+        step_with(view_with(rep(me, 0), rep(mate, 0), rep(stranger, 1), rep(rest, 0)))
+        assert ended == ["outer"] and behind == []
+        step_with(view_with(rep(me, 0), rep(mate, 1), rep(stranger, 0), rep(rest, 1)))
+        assert behind == ["load"]  # (our mate is past our round: nobody of our cell is left at our epoch)
     finally:
         opt.close()

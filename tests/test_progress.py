@@ -122,7 +122,7 @@ def test_refresh_now_is_bounded_when_the_dht_does_not_answer():
         await asyncio.Event().wait()  # never answers
 
     node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id, store_owned=silent,
-                                 get_owned=silent)
+                                 get_owned=silent, local_owned=lambda *a, **kw: {})
 
     async def main():
         tracker = ProgressTracker(node, "run", "schema", target=64)
@@ -156,7 +156,8 @@ def test_a_peer_blocked_in_a_round_or_a_load_keeps_its_report_alive(monkeypatch)
         return OwnedRead({}, [])
 
     node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
-                                 store_owned=store_owned, get_owned=get_owned, nearest=_in_order)
+                                 store_owned=store_owned, get_owned=get_owned, nearest=_in_order,
+                                 local_owned=lambda *a, **kw: {})
     now = [clock.time()]
     monkeypatch.setattr(progress.time, "time", lambda: now[0])
 
@@ -202,7 +203,8 @@ def test_a_refresh_reads_one_of_the_three_closest_holders_in_turn_and_looks_the_
         stored_to.append(closest)
 
     node = types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
-                                 store_owned=store_owned, get_owned=get_owned, nearest=_in_order)
+                                 store_owned=store_owned, get_owned=get_owned, nearest=_in_order,
+                                 local_owned=lambda *a, **kw: {})
     clock = [100.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
 
@@ -222,6 +224,71 @@ def test_a_refresh_reads_one_of_the_three_closest_holders_in_turn_and_looks_the_
         assert asked[-1] is not None
         await tracker.refresh_now()
         assert asked[-1] is None
+
+    asyncio.run(main())
+
+
+def test_the_first_lookups_of_the_key_come_sooner_then_every_relookup_seconds(monkeypatch):
+    """A swarm that starts at once fills its routing tables as it goes: a first lookup that stopped
+    short of the key's holders left a third of 64 peers writing and reading apart from the rest
+    for the 15 s until the next. Lookups come 1, 2, 4 ... s apart, up to ``relookup``."""
+    import asyncio
+
+    from dht import Contact, OwnedRead
+    from p2ptrain.optim import progress
+
+    closest = [Contact(Identity().peer_id, ("127.0.0.1", 5000 + i)) for i in range(3)]
+    full: list[float] = []
+    clock = [100.0]
+
+    async def get_owned(key, name, holders=None, **kw):
+        if holders is None:
+            full.append(clock[0] - 100.0)
+        return OwnedRead({}, closest if holders is None else holders)
+
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
+        pass
+
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    node = _fake_node(store_owned, get_owned)
+
+    async def main():
+        tracker = progress.ProgressTracker(node, "run", "schema", target=64, relookup=5.0)
+        for _ in range(39):  # (19 s)
+            await tracker.refresh_now()
+            clock[0] += 0.5
+
+    asyncio.run(main())
+    assert full == [0.0, 1.5, 4.0, 8.5, 14.0], full  # (gaps > 1, 2, 4, then relookup = 5 s)
+
+
+def test_a_holder_sees_the_reports_written_to_its_own_node_at_each_read():
+    """The peers nearest the key are its holders: the reports written to them are in their own
+    node, and they read from the other holders. A write that reached only ours (the others did
+    not answer, or the writer's lookup found us and farther peers) is in our view all the same."""
+    import asyncio
+    import time
+    import types
+
+    from dht import OwnedRead
+    from p2ptrain.optim import progress
+
+    other = Identity().peer_id
+    theirs = PeerReport(other, 2, 10, 50.0, time.time(), "schema", ("127.0.0.1", 1)).to_wire()
+
+    async def get_owned(key, name, holders=None, **kw):
+        return OwnedRead({}, [])  # (the other holders have nothing of it)
+
+    async def store_owned(key, name, value, expiration, closest=None, notice=None):
+        pass
+
+    node = _fake_node(store_owned, get_owned)
+    node.local_owned = lambda key, name, **kw: {other: types.SimpleNamespace(value=theirs)}
+
+    async def main():
+        tracker = progress.ProgressTracker(node, "run", "schema", target=64)
+        view = await tracker.refresh_now()
+        assert [p.peer for p in view.peers] == [other] and view.epoch == 2
 
     asyncio.run(main())
 
@@ -284,6 +351,7 @@ def _fake_node(store_owned, get_owned):
 
     return types.SimpleNamespace(client_mode=True, multiaddrs=[], peer_id=Identity().peer_id,
                                  store_owned=store_owned, get_owned=get_owned, nearest=_in_order,
+                                 local_owned=lambda *a, **kw: {},
                                  notices=lambda key: contextlib.nullcontext(asyncio.Event()))
 
 

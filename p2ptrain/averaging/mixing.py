@@ -81,6 +81,13 @@ class GridMixer:
     def expected(self, k: int, peers: Sequence[bytes], coming: Collection[bytes] | None = None) -> int | None:
         """How many of ``peers`` (us included; only those in ``coming``, when given) round ``k``'s
         cell holds; None without a grid."""
+        cell = self.members(k, peers)
+        if cell is None:
+            return None
+        return 1 + sum(1 for p in cell if p != self.me and (coming is None or p in coming))
+
+    def members(self, k: int, peers: Sequence[bytes]) -> list[bytes] | None:
+        """The peers of ``peers`` that round ``k``'s cell holds (us included); None without a grid."""
         shape, everyone, index = self._place(peers)
         if not shape:
             return None
@@ -90,8 +97,7 @@ class GridMixer:
             return [c for j, c in enumerate(coords(i, shape)) if j != dim]
 
         ours = rest(index)
-        return 1 + sum(1 for i, p in enumerate(everyone)
-                       if p != self.me and (coming is None or p in coming) and rest(i) == ours)
+        return [p for i, p in enumerate(everyone) if i == index or rest(i) == ours]
 
 
 def coords(index: int, shape: Sequence[int]) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 from .catch_up import fall_behind
 from .outer_swap import eager_start, land_overlapped, swap_back, swap_out
 from .progress import SwarmView
-from .rounds import missed_round, others_hold_our_epoch, round_result, state_round_due
+from .rounds import apply_mix, cell_of, missed_round, others_hold_our_epoch, round_result, state_round_due
 from .shared_state import maybe_checkpoint
 from .warmup import warmed_step
 
@@ -47,6 +47,7 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     """One inner step on this batch (``bs`` samples); the outer step once H are done or another
     peer is ready to average (a slow peer joins with the samples it has)."""
     overlap = opt.overlap_outer
+    apply_mix(opt, wait=False)
     opt._inner_steps += 1
     # an inner step changes the parameters, not the shared state (outer parameters and optimizer):
     # the plain lock, so that a peer downloading our state does not make us copy it
@@ -57,16 +58,24 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     opt.local_samples += bs
     view = opt.tracker.estimate()
     opt.stats.observe(view, opt.epoch, opt.local_samples)
-    # (overlapped: a peer reports the next epoch once its round started: one epoch ahead of us,
-    # it is in the round of ours, or just out of it; further ahead, we fell behind)
-    if view.epoch > opt.epoch + overlap:
+    me = opt.tracker.me.peer
+    cell = cell_of(opt, view, opt.epoch)  # (the peers we average with this epoch; None: everyone)
+    mates = [p for p in view.training if p.peer != me and (cell is None or p.peer.to_bytes() in cell)]
+    # Overlapped, a peer reports the next epoch once its round started: one epoch ahead of us,
+    # it is in the round of ours, or just out of it. Blocking, a peer one epoch ahead is out of
+    # its round: ours is over when no peer of our cell is left at our epoch. Further ahead, we
+    # fell behind.
+    if view.epoch > opt.epoch + 1 or (view.epoch == opt.epoch + 1 and not overlap
+                                      and not any(p.epoch == opt.epoch for p in mates)):
         land_outer(opt, wait=True)
         fall_behind(opt, view)
         return
     # The round's end as a sample target, so that the tracker refreshes faster as it nears
     # and the peers notice each other's readiness in time (it decides nothing else here).
     opt.tracker.target = opt.local_steps * bs * max(1, view.num_peers)
-    others_ready = view.epoch > opt.epoch or any(p.ready and p.peer != opt.tracker.me.peer for p in view.peers)
+    # (only our cell's readiness stops us early: a grid's cells meet apart, and waiting on the
+    # swarm's first ready peer cut every other cell's inner phases short)
+    others_ready = any(p.epoch > opt.epoch or (p.ready and p.epoch == opt.epoch) for p in mates)
     if opt._local_steps_done >= opt.local_steps or others_ready:
         opt._outer_step(view)
     else:
@@ -81,6 +90,7 @@ def outer_step(opt: DecentralizedOptimizer, view: SwarmView) -> None:
         start_overlapped(opt, view)
         return
     samples = opt.local_samples
+    apply_mix(opt, wait=True)  # (the last epoch's mix, before the pseudo-gradient is taken)
     with opt._state_lock:
         swap_out(opt)
         opt._version += 1

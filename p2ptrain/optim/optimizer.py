@@ -284,7 +284,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._load_warnings = LogThrottle(_LOAD_WARN_EVERY)
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
-        self._mixing: Future[StepResult | None] | None = None  # sync's parameter mix in flight (rounds.start_mix)
+        self._mixing: Future[StepResult | None] | None = None  # the parameter mix in flight (rounds.start_mix)
         self._mix_bufs: list[torch.Tensor] | None = None
         # held while the state changes; taking it first preserves a version a peer is downloading
         self._state_lock = StateLock()

@@ -304,6 +304,7 @@ class ProgressTracker:
         self._turn = 0  # which of them the next read asks
         self.relookup = relookup
         self._looked_up_at = -math.inf  # monotonic time of the last full lookup of the key
+        self._lookups = 0  # full lookups done (the first few come sooner: see _refresh)
         self._fresh = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._notices: asyncio.Task | None = None  # _hear_notices
@@ -456,24 +457,22 @@ class ProgressTracker:
             while True:
                 await told.wait()
                 told.clear()
-                if self._take_local():
+                if news := self._local_news():
+                    self._take(news)
                     await asyncio.sleep(_LOCAL_GAP)
                 elif not self._me.ready:
                     self._asked = True
                     self._wake.set()
                     await asyncio.sleep(_NOTICE_GAP)  # (a writer cycling tags must not make us read fast)
 
-    def _take_local(self) -> bool:
-        """Merge the reports our node holds that are newer than those we know (a notice's, on any
-        peer; every write, on a holder); whether there was one."""
+    def _local_news(self) -> list[PeerReport]:
+        """The reports our node holds that are newer than those we know (a notice's, on any peer;
+        every write, on a holder)."""
         values = self.node.local_owned(self.key, _SUBKEY, max_size=_MAX_RECORD)
         reports = (parse_report(entry.value, peer) for peer, entry in values.items())
         known = self._known
-        news = [r for r in reports if r is not None and r.schema == self.schema
+        return [r for r in reports if r is not None and r.schema == self.schema
                 and (r.peer not in known or r.time > known[r.peer][0].time)]
-        if news:
-            self._take(news)
-        return bool(news)
 
     async def _publish(self, me: PeerReport, now: float, beat: bool) -> None:
         """Store our report (a task of its own: a refresh's read, which others' news come by, does not
@@ -503,7 +502,11 @@ class ProgressTracker:
             self._me = replace(self._me, addr=reach.addr, relays=reach.relays)
         me, now = self._me, time.time()
         beat = me == self._published
-        full = not self._closest or time.monotonic() - self._looked_up_at > self.relookup
+        # (1, 2, 4 ... s apart at first: a swarm that starts at once fills its routing tables as it
+        # goes, and a first lookup that stopped short of the key's holders leaves us writing and
+        # reading where most peers do not until the next one)
+        since = time.monotonic() - self._looked_up_at
+        full = not self._closest or since > min(self.relookup, 2.0 ** (self._lookups - 1))
         asked = None
         if not full:
             asked, self._turn = [self._closest[self._turn % len(self._closest)]], self._turn + 1
@@ -524,12 +527,15 @@ class ProgressTracker:
         found, read = result
         if full:  # (the nearest holders seen, not this lookup's alone: see DHTNode.nearest)
             self._looked_up_at = time.monotonic()
+            self._lookups += 1
             self._closest = self.node.nearest(self.key, [*read.closest, *self._closest], self.holders)
         elif not read.closest:  # the holder asked failed: drop it, look the key up again next time
             assert asked is not None  # (not a full read: one holder was asked)
             self._closest = [c for c in self._closest if c.peer_id != asked[0].peer_id]
             self._looked_up_at = -math.inf
-        self._take(found)
+        # (and the writes that landed on our own node: near the key we are a holder, and the
+        # holders we read are the others)
+        self._take([*found, *self._local_news()])
         self._fresh.set()
 
     def _take(self, found: list[PeerReport]) -> None:

@@ -79,6 +79,15 @@ def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int,
     return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers, coming), coming)
 
 
+def cell_of(opt: DecentralizedOptimizer, view: SwarmView, k: int) -> set[bytes] | None:
+    """The peers of round ``k``'s cell in the grid drawn for ``view``'s training peers (us
+    included); None when one group holds the whole swarm."""
+    if opt.mixer is None:
+        return None
+    members = opt.mixer.members(k, tuple(p.peer.to_bytes() for p in view.training))
+    return None if members is None else set(members)
+
+
 def reports_ahead(opt: DecentralizedOptimizer) -> bool:
     """Whether a peer reports the next epoch while its round may still run (``expected_peers``'s
     ``delay_updates``): with delayed updates, or diloco's overlapped outer round."""
@@ -182,7 +191,7 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
     cell = opt._cell
     if not due and not cell.key:
         return False
-    if not due and opt.mode == "sync" and opt.ranks is None and opt.fsdp is None:
+    if not due and opt.ranks is None and opt.fsdp is None and not opt.overlap_outer:
         start_mix(opt, epoch, cell)
         return False
     if opt.mode == "sync":
@@ -202,15 +211,15 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
 
 
 def start_mix(opt: DecentralizedOptimizer, epoch: int, cell: Cell) -> None:
-    """``sync`` mode's parameter mix in the background: average the parameters in the cell after
-    ``cell``'s dimension (round ``m{epoch}``) while the next epoch's batches are computed.
+    """The parameter mix in the background: average the parameters (diloco: the outer ones) in
+    the cell after ``cell``'s dimension (round ``m{epoch}``) while the next epoch trains.
 
-    Parameters change only when an epoch's update is applied (or a state is loaded), so the mix
-    runs on a copy of them and :func:`apply_mix` puts its result in at a step after it is done:
-    the average a blocking round gives, with its matchmaking (the wait for the cell's last peer)
-    off the training thread. The next update waits for it, so it never lands on parameters it
-    did not start from; a loaded state discards it."""
-    params = [p.detach() for p in opt.params]
+    They change only when an epoch's update is applied (or a state is loaded), so the mix runs
+    on a copy of them and :func:`apply_mix` puts its result in at a step after it is done: the
+    average a blocking round gives, with its matchmaking (the wait for the cell's last peer) off
+    the training thread. The next update waits for it, so it never lands on parameters it did
+    not start from; a loaded state discards it."""
+    params = [p.detach() for p in (opt.params if opt.mode == "sync" else opt._outer)]
     bufs = opt._mix_bufs
     if bufs is None or [b.shape for b in bufs] != [p.shape for p in params]:
         bufs = opt._mix_bufs = [p.clone() for p in params]
@@ -225,7 +234,8 @@ def start_mix(opt: DecentralizedOptimizer, epoch: int, cell: Cell) -> None:
 
 def apply_mix(opt: DecentralizedOptimizer, wait: bool, discard: bool = False) -> None:
     """Put a finished mix's parameters in ours (``wait``: wait for it first; ``discard``: wait, and
-    keep ours, as a loaded state must)."""
+    keep ours, as a loaded state must). In diloco the outer parameters take the mix, and the
+    inner ones move with them: the steps taken since the mix began are kept."""
     future = opt._mixing
     if future is None or (not wait and not future.done()):
         return
@@ -237,7 +247,12 @@ def apply_mix(opt: DecentralizedOptimizer, wait: bool, discard: bool = False) ->
     if discard or result.group_size < 2 or opt._mix_bufs is None:
         return
     with opt._state_lock:
-        torch._foreach_copy_([p.detach() for p in opt.params], opt._mix_bufs)
+        if opt.mode == "sync":
+            torch._foreach_copy_([p.detach() for p in opt.params], opt._mix_bufs)
+        else:
+            for p, outer, mixed in zip(opt.params, opt._outer, opt._mix_bufs):
+                p.detach().add_((mixed - outer).to(p.device, p.dtype))
+                outer.copy_(mixed)
         opt._version += 1
 
 
