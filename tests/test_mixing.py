@@ -243,7 +243,8 @@ def test_a_diloco_mix_moves_the_outer_parameters_and_keeps_the_steps_taken_since
 
 def test_a_diloco_peer_stops_its_inner_phase_early_only_for_a_peer_of_its_own_cell(swarm, monkeypatch):  # noqa: F811
     """In a grid the cells meet apart: a peer ready elsewhere in the swarm leaves our inner phase
-    alone, a ready peer of our cell ends it (it waits for us). Blocking, a peer of our cell one
+    alone, a ready peer of our cell ends it (it waits for us), and so does one whose published
+    estimate of its phase's end has passed. Blocking, a peer of our cell one
     epoch ahead while another is still at ours means our round is open: we join it; once nobody
     of our cell is left at our epoch, it is over and we load the swarm's state."""
     model = make_model()
@@ -275,17 +276,23 @@ def test_a_diloco_peer_stops_its_inner_phase_early_only_for_a_peer_of_its_own_ce
         opt.step()
         opt.zero_grad()
 
-    def rep(peer, epoch: int, ready: bool = False) -> PeerReport:
-        return PeerReport(peer, epoch, 0, 1.0, time.time(), "s", addr=("127.0.0.1", 1), ready=ready)
+    def rep(peer, epoch: int, ready: bool = False, eta: float | None = None) -> PeerReport:
+        return PeerReport(peer, epoch, 0, 1.0, time.time(), "s", addr=("127.0.0.1", 1), ready=ready, eta=eta)
 
     try:
         step_with(view_with(rep(me, 0), rep(mate, 0), rep(stranger, 0, ready=True), rep(rest, 0)))
         assert ended == [] and behind == []
-        step_with(view_with(rep(me, 0), rep(mate, 0, ready=True), rep(stranger, 0), rep(rest, 0)))
+        past, later = time.time() - 0.1, time.time() + 60
+        step_with(view_with(rep(me, 0), rep(mate, 0, eta=later), rep(stranger, 0, eta=past), rep(rest, 0)))
+        assert ended == [] and behind == []
+        # a peer of our cell whose inner phase is over by its own estimate: as good as its ready report
+        step_with(view_with(rep(me, 0), rep(mate, 0, eta=past), rep(stranger, 0), rep(rest, 0)))
         assert ended == ["outer"] and behind == []
+        step_with(view_with(rep(me, 0), rep(mate, 0, ready=True), rep(stranger, 0), rep(rest, 0)))
+        assert ended == ["outer", "outer"] and behind == []
         # blocking rounds: a stranger at epoch 1 finished a round of another cell; ours is still open
         step_with(view_with(rep(me, 0), rep(mate, 0), rep(stranger, 1), rep(rest, 0)))
-        assert ended == ["outer"] and behind == []
+        assert ended == ["outer", "outer"] and behind == []
         step_with(view_with(rep(me, 0), rep(mate, 1), rep(stranger, 0), rep(rest, 1)))
         assert behind == ["load"]  # (our mate is past our round: nobody of our cell is left at our epoch)
     finally:

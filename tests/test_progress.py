@@ -22,13 +22,15 @@ def report(i: int, epoch: int = 3, samples: int = 100, sps: float = 50.0, age: f
 def test_report_round_trips_through_the_wire_form():
     r = report(1, ready=True)
     assert parse_report(r.to_wire(), r.peer) == r
+    timed = report(2, eta=NOW + 3.5)  # (diloco: when its inner phase should end)
+    assert parse_report(timed.to_wire(), timed.peer) == timed and "f" not in r.to_wire()
 
 
 @pytest.mark.parametrize("mutate", [
     lambda w: w.update(v=2), lambda w: w.update(e=-1), lambda w: w.update(e=1.5), lambda w: w.update(s="many"),
     lambda w: w.update(sps=float("nan")), lambda w: w.update(sps=-1), lambda w: w.update(t=float("inf")),
     lambda w: w.update(h="x" * 65), lambda w: w.update(a=["127.0.0.1", 70000]), lambda w: w.update(a="host:1"),
-    lambda w: w.pop("e"),
+    lambda w: w.pop("e"), lambda w: w.update(f=float("nan")), lambda w: w.update(f="soon"),
 ])
 def test_malformed_reports_are_rejected(mutate):
     wire = report(0).to_wire()

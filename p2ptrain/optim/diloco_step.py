@@ -15,6 +15,8 @@ parameters are merged into them (streaming DiLoCo, Douillard et al. 2025): see `
 
 from __future__ import annotations
 
+import math
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,14 +76,26 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     # and the peers notice each other's readiness in time (it decides nothing else here).
     opt.tracker.target = opt.local_steps * bs * max(1, view.num_peers)
     # (only our cell's readiness stops us early: a grid's cells meet apart, and waiting on the
-    # swarm's first ready peer cut every other cell's inner phases short)
-    others_ready = any(p.epoch > opt.epoch or (p.ready and p.epoch == opt.epoch) for p in mates)
+    # swarm's first ready peer cut every other cell's inner phases short; a peer whose inner
+    # phase should be over by its own estimate is taken as ready: its ready report would reach
+    # us a notice or a poll later)
+    now = time.time()
+    others_ready = any(p.epoch > opt.epoch or (p.epoch == opt.epoch and (p.ready or (p.eta or math.inf) <= now))
+                       for p in mates)
     if opt._local_steps_done >= opt.local_steps or others_ready:
         opt._outer_step(view)
     else:
-        opt.tracker.report(opt.epoch, opt.local_samples, opt._sps)
+        opt.tracker.report(opt.epoch, opt.local_samples, opt._sps, eta=inner_eta(opt, bs))
     if overlap:  # (after the inner step: the next gradients are taken at the merged parameters)
         land_outer(opt, wait=False)
+
+
+def inner_eta(opt: DecentralizedOptimizer, bs: int | None = None) -> float | None:
+    """When our inner phase ends at our measured pace (unix time; None before it is measured)."""
+    if opt._sps <= 0:
+        return None
+    left = (opt.local_steps - opt._local_steps_done) * (opt.batch_size_per_step if bs is None else bs)
+    return time.time() + max(0, left) / opt._sps
 
 
 def outer_step(opt: DecentralizedOptimizer, view: SwarmView) -> None:
@@ -138,7 +152,7 @@ def _outer_round(opt: DecentralizedOptimizer, epoch: int, samples: int, view: Sw
             for p, outer in zip(opt.params, opt._outer):
                 p.copy_(outer)
     maybe_checkpoint(opt)
-    opt.tracker.report(opt.epoch, 0, opt._sps)
+    opt.tracker.report(opt.epoch, 0, opt._sps, eta=inner_eta(opt))
 
 
 def dropped(opt: DecentralizedOptimizer, result: StepResult | None) -> bool:
@@ -188,7 +202,7 @@ def start_overlapped(opt: DecentralizedOptimizer, view: SwarmView) -> None:
     opt.epoch += 1
     opt.local_samples = 0
     opt._local_steps_done = 0
-    opt.tracker.report(opt.epoch, 0, opt._sps)
+    opt.tracker.report(opt.epoch, 0, opt._sps, eta=inner_eta(opt))
 
 
 def land_outer(opt: DecentralizedOptimizer, wait: bool) -> None:

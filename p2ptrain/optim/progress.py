@@ -23,16 +23,15 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from dht import Contact, DHTError, DHTNode, InvalidRecord, Multiaddr, OwnedRead, PeerID, wait_event
+from dht import Contact, DHTError, DHTNode, InvalidRecord, OwnedRead, PeerID, wait_event
 
-from ..addresses import Reach, parse_addr, parse_relays
+from ..addresses import Reach
 from ..averaging.schema import shards_mismatch_message, shards_of
+from .report import PeerReport, parse_report
 
 log = logging.getLogger("p2ptrain.progress")
 
-_VERSION = 1
 _SUBKEY = "p"
 _MAX_RECORD = 2048
 _MAX_EXTRAPOLATION = 5.0  # s: never extrapolate a report further than this (clock skew, stalls)
@@ -41,58 +40,6 @@ _NOTICE_GAP = 0.25  # s: at most one read per this on notices
 _LOCAL_GAP = 0.02  # s: at most one merge of the reports a notice handed over per this
 _DUE_READS_PER_S = 250.0  # reads of the key a second, by the whole swarm, while an epoch looks over
 _MAX_DUE_GAP = 0.25  # s: but each peer reads at least this often then
-
-
-@dataclass(frozen=True)
-class PeerReport:
-    """One peer's progress, as it published it."""
-
-    peer: PeerID
-    epoch: int
-    samples: int  # accumulated toward ``epoch`` (sync) or since the last outer step (diloco)
-    sps: float  # samples per second, measured while computing
-    time: float  # unix time of the report
-    schema: str  # hash of the averaged tensors' schema: peers with another one never average with us
-    addr: tuple[str, int] | None = None  # where it serves state, direct; None behind NAT or in client mode
-    ready: bool = False  # waiting to average the end of ``epoch``
-    client: bool = False
-    left: bool = False  # said goodbye: no longer counts, whatever its record's expiry
-    #: updates its state holds (the label of the state it serves; behind ``epoch`` after a round it
-    #: skipped or while one is in flight); None: not said
-    held: int | None = None
-    relays: tuple[Multiaddr, ...] = ()  # its circuit addresses (behind NAT), where it serves state too
-
-    @property
-    def reach(self) -> Reach:
-        """Where it serves state (falsy: nowhere, a client-mode peer)."""
-        return Reach(self.addr, self.relays)
-
-    def to_wire(self) -> dict[str, Any]:
-        out = {"v": _VERSION, "e": self.epoch, "s": self.samples, "sps": self.sps, "t": self.time,
-               "h": self.schema, "a": list(self.addr) if self.addr else None, "r": self.ready,
-               "c": self.client, "l": self.left, "u": self.held}
-        return {**out, "ra": self.reach.relays_wire()} if self.relays else out
-
-
-def parse_report(value: object, owner: PeerID) -> PeerReport | None:
-    """A validated report, or None for anything malformed (a hostile peer may publish anything)."""
-    if not isinstance(value, dict) or value.get("v") != _VERSION:
-        return None
-    e, s, sps, t, h, a, u = (value.get(k) for k in ("e", "s", "sps", "t", "h", "a", "u"))
-    if not (isinstance(e, int) and 0 <= e < 2**53 and isinstance(s, int) and 0 <= s < 2**53):
-        return None
-    if u is not None and not (type(u) is int and 0 <= u < 2**53):
-        return None
-    if not (isinstance(sps, (int, float)) and math.isfinite(sps) and 0 <= sps < 1e12):
-        return None
-    if not (isinstance(t, (int, float)) and math.isfinite(t)) or not (isinstance(h, str) and len(h) <= 64):
-        return None
-    try:
-        addr, relays = parse_addr(a), parse_relays(value.get("ra", []), owner)
-    except ValueError:
-        return None
-    return PeerReport(owner, e, s, float(sps), float(t), h, addr, value.get("r") is True, value.get("c") is True,
-                      value.get("l") is True, u, relays)
 
 
 async def read_reports(node: DHTNode, key: str, holders: list[Contact] | None = None,
@@ -211,7 +158,7 @@ def tally(latest: list[PeerReport], me: PeerReport, now: float, target: int, sta
 def _more_than_count(new: PeerReport, old: PeerReport) -> bool:
     """Whether ``new`` differs from ``old`` in more than its count and throughput (an epoch, the
     ready flag, an address): news that others wait on."""
-    return replace(new, samples=old.samples, sps=old.sps, time=old.time) != old
+    return replace(new, samples=old.samples, sps=old.sps, time=old.time, eta=old.eta) != old
 
 
 def refresh_period(view: SwarmView, ready: bool, refresh: float, min_refresh: float, slow_refresh: float) -> float:
@@ -359,15 +306,15 @@ class ProgressTracker:
     def me(self) -> PeerReport:
         return self._me
 
-    def report(self, epoch: int, samples: int, sps: float, ready: bool = False) -> SwarmView:
-        """Update our progress (any thread) and return the view with it, extrapolated to now.
-        Publishing happens on the next refresh, at once when the epoch or the ready flag changed:
-        other peers wait on those."""
+    def report(self, epoch: int, samples: int, sps: float, ready: bool = False, eta: float | None = None) -> SwarmView:
+        """Update our progress (any thread; ``eta``: see :class:`PeerReport`) and return the view
+        with it, extrapolated to now. Publishing happens on the next refresh, at once when the
+        epoch or the ready flag changed: other peers wait on those."""
         old = self._me
         if epoch != old.epoch:
             self._epoch_started = time.time()
         self._me = replace(old, epoch=epoch, samples=samples, sps=sps, ready=ready, time=time.time(),
-                           held=None if self._held is None else self._held())
+                           held=None if self._held is None else self._held(), eta=eta)
         self.view = view = self.estimate()
         if (epoch, ready) != (old.epoch, old.ready) and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._publish_news)
