@@ -244,7 +244,7 @@ def test_a_diloco_mix_moves_the_outer_parameters_and_keeps_the_steps_taken_since
 def test_a_diloco_peer_stops_its_inner_phase_early_only_for_a_peer_of_its_own_cell(swarm, monkeypatch):  # noqa: F811
     """In a grid the cells meet apart: a peer ready elsewhere in the swarm leaves our inner phase
     alone, a ready peer of our cell ends it (it waits for us), and so does one whose published
-    estimate of its phase's end has passed. Blocking, a peer of our cell one
+    estimate of its phase's end has just passed (not long ago: that one stalled). Blocking, a peer of our cell one
     epoch ahead while another is still at ours means our round is open: we join it; once nobody
     of our cell is left at our epoch, it is over and we load the swarm's state."""
     model = make_model()
@@ -282,9 +282,11 @@ def test_a_diloco_peer_stops_its_inner_phase_early_only_for_a_peer_of_its_own_ce
     try:
         step_with(view_with(rep(me, 0), rep(mate, 0), rep(stranger, 0, ready=True), rep(rest, 0)))
         assert ended == [] and behind == []
-        past, later = time.time() - 0.1, time.time() + 60
+        past, later, stalled = time.time() - 0.1, time.time() + 60, time.time() - 5 * diloco_step.ETA_TRUST
         step_with(view_with(rep(me, 0), rep(mate, 0, eta=later), rep(stranger, 0, eta=past), rep(rest, 0)))
         assert ended == [] and behind == []
+        step_with(view_with(rep(me, 0), rep(mate, 0, eta=stalled), rep(stranger, 0), rep(rest, 0)))
+        assert ended == [] and behind == []  # (long past and still not ready: it stalled or died)
         # a peer of our cell whose inner phase is over by its own estimate: as good as its ready report
         step_with(view_with(rep(me, 0), rep(mate, 0, eta=past), rep(stranger, 0), rep(rest, 0)))
         assert ended == ["outer"] and behind == []

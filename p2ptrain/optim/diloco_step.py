@@ -2,8 +2,9 @@
 steps, then the peers average their *pseudo-gradient* (outer parameters minus current parameters),
 compressed (``compression``, int8 by default), and apply an outer optimizer (Nesterov SGD) to the
 outer parameters, which every member then continues from. A slow peer is not waited for: once a
-peer of its epoch is ready to average, it stops after its current step and joins with the samples it
-has (weighted accordingly); peers that are not ready within the matchmaking deadline are left out of
+peer of its round's group (its grid cell, in a large swarm) is ready to average, or should be by
+its own published estimate, it stops after its current step and joins with the samples it has
+(weighted accordingly); peers that are not ready within the matchmaking deadline are left out of
 that round.
 
 With ``overlap_outer`` the round runs on the event loop while the next H inner steps proceed (at
@@ -15,7 +16,6 @@ parameters are merged into them (streaming DiLoCo, Douillard et al. 2025): see `
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 #: during the round, its departure from the group's mean) that a peer keeps when a round lands:
 #: streaming DiLoCo's alpha (on char_lm with the whole round in flight 0.6 did best of 0.3-0.7)
 OVERLAP_MIX = 0.6
+
+
+#: s: a peer of our cell whose inner phase should have ended this long ago without a ready report
+#: stalled or died (at 64 peers on 2 cores a ready report takes up to ~0.6 s to reach its cell)
+ETA_TRUST = 1.0
 
 
 def overlap_mix(lr: float, momentum: float) -> float:
@@ -78,16 +83,20 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     # (only our cell's readiness stops us early: a grid's cells meet apart, and waiting on the
     # swarm's first ready peer cut every other cell's inner phases short; a peer whose inner
     # phase should be over by its own estimate is taken as ready: its ready report would reach
-    # us a notice or a poll later)
+    # us a notice or a poll later; not long after, though: by then it stalled or died)
     now = time.time()
-    others_ready = any(p.epoch > opt.epoch or (p.epoch == opt.epoch and (p.ready or (p.eta or math.inf) <= now))
-                       for p in mates)
+    others_ready = any(p.epoch > opt.epoch or (p.epoch == opt.epoch and (p.ready or due(p.eta, now))) for p in mates)
     if opt._local_steps_done >= opt.local_steps or others_ready:
         opt._outer_step(view)
     else:
         opt.tracker.report(opt.epoch, opt.local_samples, opt._sps, eta=inner_eta(opt, bs))
     if overlap:  # (after the inner step: the next gradients are taken at the merged parameters)
         land_outer(opt, wait=False)
+
+
+def due(eta: float | None, now: float) -> bool:
+    """Whether a peer's published end of its inner phase (``eta``) has come, within ``ETA_TRUST``."""
+    return eta is not None and now - ETA_TRUST <= eta <= now
 
 
 def inner_eta(opt: DecentralizedOptimizer, bs: int | None = None) -> float | None:
