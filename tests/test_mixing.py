@@ -152,22 +152,26 @@ def test_peers_in_different_groups_converge_without_a_state_round(swarm):  # noq
             o.close()
 
 
-def test_a_parameter_mix_runs_beside_the_next_steps_and_lands_between_two(swarm, monkeypatch):  # noqa: F811
-    """sync: the mix after a gradient round averages a copy of the parameters while steps go on;
-    its result lands at the first step after it is done; a state loaded meanwhile discards it."""
-    release: Future = Future()
-
-    class CellAverage:  # (a mix round whose cell comes when the test says so)
+def held_mix(monkeypatch, release: Future, write) -> None:
+    """Mix rounds whose cell comes when ``release`` is set, and then ``write`` each tensor (the mix)."""
+    class CellAverage:
         def __init__(self, named: list) -> None:
             self.tensors = [t for _, t in named]
 
         async def step(self, **_: object) -> StepResult:
             await asyncio.wrap_future(release)
             for t in self.tensors:
-                t.fill_(0.5)
+                write(t)
             return StepResult("m", 2, [])
 
     monkeypatch.setattr(rounds, "state_averager", lambda opt, kind, named: CellAverage(named))
+
+
+def test_a_parameter_mix_runs_beside_the_next_steps_and_lands_between_two(swarm, monkeypatch):  # noqa: F811
+    """sync: the mix after a gradient round averages a copy of the parameters while steps go on;
+    its result lands at the first step after it is done; a state loaded meanwhile discards it."""
+    release: Future = Future()
+    held_mix(monkeypatch, release, lambda t: t.fill_(0.5))
     model = make_model()
     opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="bgmix",
                                  target_batch_size=10**6, batch_size_per_step=16, target_group_size=2)
@@ -199,22 +203,9 @@ def test_a_parameter_mix_runs_beside_the_next_steps_and_lands_between_two(swarm,
 
 def test_a_diloco_mix_moves_the_outer_parameters_and_keeps_the_steps_taken_since(swarm, monkeypatch):  # noqa: F811
     """diloco: the mix of the outer parameters runs beside the next inner steps; once it lands the
-    outer parameters are the mix and the inner ones moved with them (the steps since are kept),
-    and the next outer step waits for a mix still in flight rather than taking its
-    pseudo-gradient against the outer parameters it is about to replace."""
+    outer parameters are the mix and the inner ones moved with them (the steps since are kept)."""
     release: Future = Future()
-
-    class CellAverage:
-        def __init__(self, named: list) -> None:
-            self.tensors = [t for _, t in named]
-
-        async def step(self, **_: object) -> StepResult:
-            await asyncio.wrap_future(release)
-            for t in self.tensors:
-                t.add_(1.0)
-            return StepResult("m", 2, [])
-
-    monkeypatch.setattr(rounds, "state_averager", lambda opt, kind, named: CellAverage(named))
+    held_mix(monkeypatch, release, lambda t: t.add_(1.0))
     model = make_model()
     opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="dlmix",
                                  mode="diloco", local_steps=10**6, batch_size_per_step=16, target_group_size=2)

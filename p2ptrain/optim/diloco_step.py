@@ -24,7 +24,7 @@ import torch
 from .catch_up import fall_behind
 from .outer_swap import eager_start, land_overlapped, swap_back, swap_out
 from .progress import SwarmView
-from .rounds import apply_mix, cell_of, missed_round, others_hold_our_epoch, round_result, state_round_due
+from .rounds import apply_mix, cell_reports, missed_round, others_hold_our_epoch, round_result, state_round_due
 from .shared_state import maybe_checkpoint
 from .warmup import warmed_step
 
@@ -66,8 +66,7 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     view = opt.tracker.estimate()
     opt.stats.observe(view, opt.epoch, opt.local_samples)
     me = opt.tracker.me.peer
-    cell = cell_of(opt, view, opt.epoch)  # (the peers we average with this epoch; None: everyone)
-    mates = [p for p in view.training if p.peer != me and (cell is None or p.peer.to_bytes() in cell)]
+    mates = [p for p in cell_reports(opt, view, opt.epoch) if p.peer != me]  # (whom we average with)
     # Overlapped, a peer reports the next epoch once its round started: one epoch ahead of us,
     # it is in the round of ours, or just out of it. Blocking, a peer one epoch ahead is out of
     # its round: ours is over when no peer of our cell is left at our epoch. Further ahead, we

@@ -79,13 +79,18 @@ def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int,
     return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers, coming), coming)
 
 
-def cell_of(opt: DecentralizedOptimizer, view: SwarmView, k: int) -> set[bytes] | None:
-    """The peers of round ``k``'s cell in the grid drawn for ``view``'s training peers (us
-    included); None when one group holds the whole swarm."""
+def cell_reports(opt: DecentralizedOptimizer, view: SwarmView, k: int) -> list[PeerReport]:
+    """The reports of ``view``'s training peers (us included) in round ``k``'s cell of the grid
+    drawn for them; all of them when one group holds the whole swarm."""
+    training = view.training
     if opt.mixer is None:
-        return None
-    members = opt.mixer.members(k, tuple(p.peer.to_bytes() for p in view.training))
-    return None if members is None else set(members)
+        return training
+    ids = [p.peer.to_bytes() for p in training]
+    members = opt.mixer.members(k, tuple(ids))
+    if members is None:
+        return training
+    cell = set(members)
+    return [p for p, b in zip(training, ids) if b in cell]
 
 
 def reports_ahead(opt: DecentralizedOptimizer) -> bool:
