@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from dht import Host, Identity, StreamReset
+from dht import Host, Identity, StreamReset, pack
 from p2ptrain.averaging.allreduce import AllReduceService
-from p2ptrain.averaging.protocol import PROTOCOL
-from p2ptrain.averaging.round_types import AllReduceConfig, AllReduceResult, codec_id
+from p2ptrain.averaging.protocol import PROTOCOL, parse_summary
+from p2ptrain.averaging.round_types import AllReduceConfig, AllReduceResult, Drop, codec_id
 from p2ptrain.averaging.group import Group, Member, partition
 from p2ptrain.compression import get_codec
 
@@ -868,3 +868,15 @@ async def test_rejects_bad_arguments(swarm):
 
         with pytest.raises(CompressionError):
             await services[0].run(group, 0, torch.tensor([1.0, float("nan")]), 1.0)
+
+
+def test_an_owner_summary_carries_the_weight_each_part_counted_with():
+    """The weights an owner reports (what receipts credit at most) are optional (an older owner
+    sends none) and checked like the rest: a rank outside the group, a NaN, a negative weight or
+    a wrong shape drops the owner."""
+    base = {"ok": [0, 1], "part": [[2, 3]], "w": 5.0}
+    assert parse_summary(pack(base), 3) == ([0, 1], {2: 3}, 5.0, {})
+    assert parse_summary(pack({**base, "cw": [[0, 2.0], [1, 3]]}), 3)[3] == {0: 2.0, 1: 3.0}
+    for bad in ([[3, 1.0]], [[0, float("nan")]], [[0, -1.0]], [[0, True]], [[0]], {"0": 1.0}, [[0, float("inf")]]):
+        with pytest.raises(Drop, match="counted weights"):
+            parse_summary(pack({**base, "cw": bad}), 3)

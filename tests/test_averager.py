@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dht import DHTNode
-from p2ptrain.averaging import Averager, BlockingAverager
+from p2ptrain.averaging import AllReduceConfig, Averager, BlockingAverager, EarlyStart
+from p2ptrain.contrib.receipt import build_receipt
 
 
 @pytest.fixture
@@ -152,3 +153,82 @@ async def test_views_of_one_buffer_are_averaged_in_it_and_others_a_slice_at_a_ti
         assert views[0].data_ptr() == flat.data_ptr()
     finally:
         await asyncio.gather(a0.close(), a1.close())
+
+
+async def test_an_early_start_forms_the_group_first_and_averages_once_the_data_are_in(nodes):
+    """``step(start=...)``: matchmaking runs before the data (the tensors are not touched), the
+    all-reduce once every member said ``go`` with its weight; the wait for the group after that is
+    nothing when it formed before. A peer that leaves instead keeps its tensors and does not hang."""
+    peers = await nodes(3)
+    loop = asyncio.get_running_loop()
+    tensors = [torch.full((64,), -1.0) for _ in peers]  # (placeholders: an average of these is a bug)
+    fast = AllReduceConfig(join_timeout=1.0)  # (the members of a group the leaver formed wait this long for it)
+    avgs = [Averager(nd, "early", [t], codec="none", target_group_size=8, allreduce_config=fast)
+            for nd, t in zip(peers, tensors)]
+    formed = [asyncio.Event() for _ in avgs]
+    for avg, event in zip(avgs, formed):
+        form = avg.matchmaker.form_group
+
+        async def formed_then_set(*args, _form=form, _event=event, **kwargs):
+            group = await _form(*args, **kwargs)
+            _event.set()
+            return group
+
+        avg.matchmaker.form_group = formed_then_set
+    try:
+        async with asyncio.timeout(30):
+            starts = [EarlyStart(loop) for _ in avgs]
+            steps = [asyncio.create_task(a.step(weight=100.0, round_id="r", expected=3, start=s))
+                     for a, s in zip(avgs, starts)]
+            await asyncio.gather(*(e.wait() for e in formed))
+            assert not any(t.done() for t in steps) and all(bool((t == -1.0).all()) for t in tensors)
+            weights = [1.0, 2.0, 5.0]
+            for i, (t, s, w) in enumerate(zip(tensors, starts, weights)):
+                t.copy_(torch.full((64,), float(i)))
+                s.go(w)
+            results = await asyncio.gather(*steps)
+            mean = sum(i * w for i, w in enumerate(weights)) / sum(weights)
+            assert [r.group_size for r in results] == [3, 3, 3] and all(r.averaged for r in results)
+            assert all(r.matchmaking_s == 0.0 and r.group_s > 0 for r in results)
+            # every member's receipt credits what each had when it said go, not the 100 samples it
+            # declared (each shard's owner reports the weight it counted)
+            said = {nd.peer_id: w for nd, w in zip(peers, weights)}
+            for nd, r in zip(peers, results):
+                receipt = build_receipt(r.allreduce, "early", "r", nd.peer_id, 0.0, slices=r.allreduces)
+                assert {line.peer: line.samples for line in receipt.lines} == said
+            for t in tensors:
+                torch.testing.assert_close(t, torch.full((64,), mean), rtol=0, atol=1e-6)
+
+            # the next round: one peer leaves before handing its data over
+            starts = [EarlyStart(loop) for _ in avgs]
+            for e in formed:
+                e.clear()
+            steps = [asyncio.create_task(a.step(weight=1.0, round_id="r2", expected=3, start=s))
+                     for a, s in zip(avgs, starts)]
+            await asyncio.gather(*(e.wait() for e in formed))
+            starts[2].leave()
+            kept = tensors[2].clone()
+            for s in starts[:2]:
+                s.go(1.0)
+            results = await asyncio.gather(*steps)
+            assert results[2].group_size == 1 and results[2].members == [peers[2].peer_id]
+            assert torch.equal(tensors[2], kept)
+            with pytest.raises(ValueError, match="weight"):
+                EarlyStart(loop).go(float("nan"))
+    finally:
+        await asyncio.gather(*(a.close() for a in avgs))
+
+
+async def test_an_early_start_that_never_gets_its_data_leaves_its_round(nodes):
+    """A training loop that never says ``go`` (it stopped stepping) does not keep the round open:
+    the step ends a timeout after matchmaking, as a group of one that wrote nothing."""
+    (peer,) = await nodes(1)
+    t = torch.arange(10.0)
+    avg = Averager(peer, "quiet", [t], matchmaking_timeout=0.3)
+    try:
+        async with asyncio.timeout(10):
+            result = await avg.step(start=EarlyStart(asyncio.get_running_loop()))
+        assert result.group_size == 1 and result.members == [peer.peer_id] and 0.25 <= result.group_s < 5
+        assert torch.equal(t, torch.arange(10.0))
+    finally:
+        await avg.close()

@@ -27,7 +27,7 @@ fault-tolerant butterfly all-reduce among their members.
 
 from .allreduce import AllReduceService
 from .audit import AuditConfig
-from .averager import Averager, BlockingAverager, StepResult
+from .averager import Averager, BlockingAverager, EarlyStart, StepResult
 from .group import Group, Member, partition
 from .matchmaking import Matchmaker
 from .mixing import GridMixer
@@ -43,6 +43,7 @@ __all__ = [
     "AuditConfig",
     "Averager",
     "BlockingAverager",
+    "EarlyStart",
     "GridMixer",
     "Group",
     "Matchmaker",

@@ -49,7 +49,8 @@ class StepResult:
     members: list[PeerID]
     bytes_sent: int = 0
     bytes_received: int = 0
-    matchmaking_s: float = 0.0
+    matchmaking_s: float = 0.0  # forming the group (with an early start: only the wait after the data was in)
+    group_s: float = 0.0  # forming the group, from the start of its matchmaking
     allreduce_s: float = 0.0
     total_s: float = 0.0
     weight_total: float = 0.0
@@ -65,6 +66,32 @@ class StepResult:
     @property
     def averaged(self) -> bool:
         return self.group_size > 1 and not self.not_averaged
+
+
+class EarlyStart:
+    """A round whose matchmaking begins before its tensors hold the data (``Averager.step(start=)``),
+    so that the group is formed by the time they do (hivemind's pre-scheduled steps): from any
+    thread, ``go(weight)`` once the data are in, or ``leave()`` to take no part after all."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._ready: asyncio.Future[tuple[float, float] | None] = loop.create_future()
+
+    def go(self, weight: float) -> None:
+        if not (weight > 0 and weight < float("inf")):
+            raise ValueError(f"weight must be positive and finite, got {weight}")
+        self._loop.call_soon_threadsafe(self._settle, (float(weight), time.perf_counter()))
+
+    def leave(self) -> None:
+        self._loop.call_soon_threadsafe(self._settle, None)
+
+    def _settle(self, value: tuple[float, float] | None) -> None:
+        if not self._ready.done():
+            self._ready.set_result(value)
+
+    async def wait(self) -> tuple[float, float] | None:
+        """The weight ``go`` gave and when (``time.perf_counter``); None once we left."""
+        return await self._ready
 
 
 class Averager:
@@ -156,7 +183,7 @@ class Averager:
     async def step(self, weight: float = 1.0, round_id: str | int | None = None,
                    timeout: float | None = None, expected: int | None = None,
                    on_group: Callable[[], None] | None = None, lock: AbstractContextManager | None = None,
-                   on_write: Callable[[], None] | None = None) -> StepResult:
+                   on_write: Callable[[], None] | None = None, start: EarlyStart | None = None) -> StepResult:
         """Average once. Peers meet by ``round_id`` (default: this averager's step counter, so
         peers that step together meet); ``timeout`` bounds the matchmaking; ``expected`` (peers
         known to come, us included) lets matchmaking stop as soon as they are all there. Under a
@@ -166,7 +193,10 @@ class Averager:
         all-reduce starts. ``lock``: the result is written into the tensors under it, a slice at
         a time (the staged path, even for tensors that share a buffer), each write followed by
         ``on_write()`` under the lock; a round that fails midway leaves every value either ours or
-        the group's average."""
+        the group's average. ``start``: matchmaking begins now, declaring ``weight`` (the most we
+        will average with), and the all-reduce once ``start.go(w)`` says the tensors hold the data
+        (``matchmaking_s`` is then the wait for the group after that, ``group_s`` the whole); with
+        no ``go`` within ``timeout`` of the group, we leave it (a group of ourselves, nothing written)."""
         if not self._started:
             await self.start()
         if not (weight > 0 and weight < float("inf")):
@@ -181,11 +211,23 @@ class Averager:
         group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout, expected, min_size,
                                                  weight=weight)  # declared: the group caps weights by it
         t1 = time.perf_counter()
+        group_s = t1 - t0
         if (latency := self.matchmaker.board.measured_latency) is not None:  # the round's deadline counts it
             self.service.link.observe_latency(latency)
         members = [m.peer_id for m in group.members]
+        if start is not None:
+            # (at most the timeout again: the group's others wait about that long for our data)
+            try:
+                go = await asyncio.wait_for(start.wait(), timeout or self.matchmaking_timeout)
+            except TimeoutError:
+                go = None
+            if go is None:  # we left (a group formed goes on without us)
+                return StepResult(rid, 1, [self.dht.peer_id], group_s=group_s)
+            weight, ready = go  # (the wait for the group counts from the moment the data were in)
+            t0, t1 = ready, max(ready, t1)
         if group.size == 1:
-            return StepResult(rid, 1, members, matchmaking_s=t1 - t0, total_s=t1 - t0, weight_total=weight)
+            return StepResult(rid, 1, members, matchmaking_s=t1 - t0, total_s=t1 - t0, weight_total=weight,
+                              group_s=group_s)
         if on_group is not None:
             on_group()
         results = await self._slices(group, group.rank_of(self.dht.peer_id), weight, lock, on_write)
@@ -193,7 +235,7 @@ class Averager:
         return StepResult(
             rid, group.size, members,
             bytes_sent=sum(r.bytes_sent for r in results), bytes_received=sum(r.bytes_received for r in results),
-            matchmaking_s=t1 - t0, allreduce_s=t2 - t1, total_s=t2 - t0,
+            matchmaking_s=t1 - t0, allreduce_s=t2 - t1, total_s=t2 - t0, group_s=group_s,
             weight_total=min(r.weight_total for r in results),
             failed={k: v for r in results for k, v in r.failed.items()},
             not_averaged=sorted({o for r in results for o in r.not_averaged}), allreduces=results,

@@ -234,7 +234,9 @@ class Owner:
         nc = len(self.ctx.my_chunks)
         ok = sorted([self.ctx.rank] + [r for r, i in self.incoming.items() if i.done == nc])
         part = sorted([r, i.done] for r, i in self.incoming.items() if 0 < i.done < nc)
-        return {"ok": ok, "part": part, "w": self.reducer.min_weight()}
+        # (the weight each contributor's part counted with: a round begun early declared more)
+        counted = [[r, self.ctx.weight if r == self.ctx.rank else self.incoming[r].weight] for r in ok]
+        return {"ok": ok, "part": part, "w": self.reducer.min_weight(), "cw": counted}
 
     # ------------------------------------------------------------------ the replies
     async def run(self) -> None:
@@ -246,6 +248,7 @@ class Owner:
         await self._wait_senders()
         summary = await ctx.compute(self._snapshot)
         res.contributors, res.partial, res.weight = summary["ok"], dict(summary["part"]), summary["w"]
+        res.weights = dict(summary["cw"])
         ctx.t_reduce = max(ctx.t_reduce, time.monotonic() - ctx.t0)
         recips = [i for i in self.incoming.values() if i.state == "complete"]
         await self._broadcast(recips, pack_summary(summary))

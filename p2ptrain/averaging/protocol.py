@@ -14,6 +14,7 @@ stream to j with the header ``{"g": group_id, "from": i, "w": weight, "n": numel
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -56,9 +57,11 @@ def pack_summary(summary: dict) -> bytes:
     return PREFIX.pack(len(body)) + body
 
 
-def parse_summary(body: bytes | bytearray, size: int) -> tuple[list[int], dict[int, int], float]:
+def parse_summary(body: bytes | bytearray,
+                  size: int) -> tuple[list[int], dict[int, int], float, dict[int, float]]:
     """(ranks whose whole part is in the average, rank -> chunks of its part that made it, the
-    smallest weight sum) from an owner's summary in a group of ``size``; raises Drop if malformed."""
+    smallest weight sum, rank -> the weight a contributor's part counted with: empty from an older
+    owner) from an owner's summary in a group of ``size``; raises Drop if malformed."""
     try:
         s = unpack(body)
     except ProtocolError:
@@ -71,7 +74,13 @@ def parse_summary(body: bytes | bytearray, size: int) -> tuple[list[int], dict[i
                 and isinstance(p[1], int) for p in s["part"])
     ):
         raise Drop("malformed result summary")
-    return list(s["ok"]), dict(s["part"]), float(s["w"])
+    counted = s.get("cw", [])
+    if not (isinstance(counted, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and p[0] in rng
+            and isinstance(p[1], (int, float)) and not isinstance(p[1], bool) and 0 <= p[1] < math.inf
+            for p in counted)):
+        raise Drop("malformed result summary: counted weights")
+    return list(s["ok"]), dict(s["part"]), float(s["w"]), {r: float(w) for r, w in counted}
 
 
 class Reader:

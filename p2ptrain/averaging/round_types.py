@@ -55,6 +55,9 @@ class ShardResult:
     contributors: list[int] = field(default_factory=list)  # ranks whose whole part is in the average
     partial: dict[int, int] = field(default_factory=dict)  # rank -> chunks of its part that made it
     weight: float = 0.0  # smallest per-chunk weight sum behind the averaged values
+    #: rank -> the weight the owner counted a contributor's part with, as it reported it (receipts
+    #: credit no more: a round begun early declared the most its members would have)
+    weights: dict[int, float] = field(default_factory=dict)
     error: str | None = None
 
     @property
@@ -78,7 +81,8 @@ class AllReduceResult:
     time_gather: float = 0.0
     buffer_bytes: int = 0  # bytes of the buffers this round allocated (accumulator + chunk buffers)
     #: each member's weight as every member counts it, from the weights declared in matchmaking
-    #: (``group.counted_weight``; 0.0 where none was declared): what contribution receipts credit
+    #: (``group.counted_weight``; 0.0 where none was declared): what contribution receipts credit,
+    #: at most (no more than each shard's owner reports: ``ShardResult.weights``)
     weights: tuple[float, ...] = ()
     aggregation: str = "mean"
 

@@ -135,7 +135,7 @@ class Sender:
             body = bytearray(ln)
             if await reader.readinto(memoryview(body), cfg.stall_timeout) < ln:
                 raise Drop("truncated result summary")
-            res.contributors, res.partial, res.weight = parse_summary(body, ctx.size)
+            res.contributors, res.partial, res.weight, res.weights = parse_summary(body, ctx.size)
             reader.max_bytes = ctx.enc_nbytes(ctx.gcodec, min(ctx.cn, b0 - a0))
             for a, b in chunks:
                 nb = ctx.enc_nbytes(ctx.gcodec, b - a)

@@ -141,6 +141,9 @@ class ContributionBook:
             ar = result.allreduce
             sps = opt.stats.local_sps
             own = ar.weights[ar.rank] if ar is not None and len(ar.weights) > ar.rank else 0.0
+            if ar is not None:  # (no more than we counted for: a round begun early declared the most)
+                own = min([own] + [s.weights[ar.rank] for r in result.allreduces for s in r.shards
+                                   if ar.rank in s.weights])
             try:
                 self.record(result, run, own / sps if sps > 0 else 0.0)
             except Exception:  # noqa: BLE001 - a receipt we cannot make must not stop training

@@ -5,11 +5,12 @@ Gathering signatures without a round trip: after its round each member computes 
 own from the facts its group agreed on, signs it and publishes it in the background (see
 :mod:`.book`); nothing in the round waits for it. Those facts: the members and the weights they
 declared in matchmaking (owner-signed in the DHT, checked by every member), the aggregation rule,
-and each owner's summary of whose whole part its shard's average holds (the same summary goes to
-every sender). Per member the receipt holds one *line*: ``(peer, samples, excluded)``, where
-``samples`` is the weight its part was counted with (declared, capped by the group's weight cap and,
-under a robust rule, at the group's median) times the fraction of the vector whose average holds its
-whole part (0 for an owner this member's audit named), and ``excluded`` says it was dropped or
+and each owner's summary of whose whole part its shard's average holds, with the weight it counted
+each with (the same summary goes to every sender). Per member the receipt holds one *line*:
+``(peer, samples, excluded)``, where ``samples`` is the weight its part was counted with (declared,
+capped by the group's weight cap and, under a robust rule, at the group's median; per shard, no
+more than its owner reports counting it with) times the fraction of the vector whose average holds
+its whole part (0 for an owner this member's audit named), and ``excluded`` says it was dropped or
 missing. Beside the lines, the signer's own view and claims, not agreed: why it excluded whom (a
 class: ``nan``, ``audit``, ``protocol``, ``lost``, ``missing``), its bytes sent and compute time.
 
@@ -195,18 +196,18 @@ def build_receipt(ar: AllReduceResult, run: str, round_id: str, signer: PeerID, 
         med = statistics.median_low(weights)
         weights = [min(w, med) for w in weights]
     total = sum(s.numel for s in shards)
-    covered = [0] * n
+    credit = [0.0] * n  # weight x values, over the shards whose average holds the member's whole part
     missing: set[int] = set()
     for s in shards:
         if s.status == "ok":
             for r in s.contributors:
-                if 0 <= r < n:
-                    covered[r] += s.numel
+                if 0 <= r < n:  # (as declared, but no more than the shard's owner counted it with)
+                    credit[r] += min(weights[r], s.weights.get(r, weights[r])) * s.numel
             missing |= set(range(n)) - set(s.contributors)
     lines, why = [], {}
     for r, peer in enumerate(ar.members):
         cls = exclusion_class(failed[r]) if r in failed else ("missing" if r in missing else None)
-        counted = 0 if cls == "audit" or not total else int(round(weights[r] * covered[r] / total))
+        counted = 0 if cls == "audit" or not total else int(round(credit[r] / total))
         lines.append(Line(peer, counted, cls is not None))
         if cls is not None:
             why[r] = cls
