@@ -12,9 +12,11 @@ N), diloco rounds ``--steps`` local steps; ``target_group_size`` ``--group`` < N
 in mixing-grid cells. Printed per mode and N, with ratios to the first N of the run:
   * per-peer samples/s (mean over peers of samples / training seconds; target >= 0.8 at 64);
   * final test accuracy (mean and min over peers; target: N=64 within 1 point of N=8);
-  * matchmaking time per gradient round (median over every peer's rounds; target <= 1.5x) and
-    the mean group size; and where it goes: over how long a cell's peers (and the whole swarm)
-    reached the round, and how long matchmaking took after a cell's last peer came;
+  * matchmaking time per gradient round (median and p90 over every peer's rounds; target <= 1.5x): the
+    wait for the group from the moment a peer's epoch ended (a diloco round's matchmaking begins
+    before, see ``rounds.begin_early``: the group may be there already), and the mean group size;
+    and where it goes: over how long a cell's peers (and the whole swarm) reached the round, how
+    long matchmaking took after a cell's last peer came, and the whole matchmaking from its start;
   * where a peer's training time goes, per epoch: compute (forward, backward and the emulated
     rest of ``--step-s``), steps that did not end an epoch, and those that did (its round, or a
     state load); and per-peer samples/s from the first epoch's end on (without the start, when
@@ -88,7 +90,7 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                 reports.append(obj)
         if args.verbose:
             for r in sorted(reports, key=lambda r: r["peer"]):
-                rounds = [(e, round(m, 2), g, k) for e, m, g, k, _ in r["rounds"]]
+                rounds = [(e, round(m, 2), g, k) for e, m, g, k, *_ in r["rounds"]]
                 print(r["peer"], r["state_loads"], rounds, file=sys.stderr)
         sps = [r["samples"] / r["train_s"] for r in reports]
         # (from the first epoch's end on: the part a long run is made of, without the start)
@@ -97,16 +99,18 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
         rounds = [x for r in reports for x in r["rounds"]]
         cells: dict[tuple[int, str], list[float]] = {}
         swarm: dict[int, list[float]] = {}
-        for epoch, _, _, key, entered in rounds:
+        for epoch, _, _, key, entered, *_ in rounds:
             cells.setdefault((epoch, key), []).append(entered)
             swarm.setdefault(epoch, []).append(entered)
         # a round's matchmaking time = waiting for the cell's last peer to arrive + forming after it
-        after = [entered + mm - max(cells[epoch, key]) for epoch, mm, _, key, entered in rounds]
+        after = [entered + mm - max(cells[epoch, key]) for epoch, mm, _, key, entered, *_ in rounds]
         spreads = {e: spread_of(out / f"e{e}", args.verbose) for e in range(1, epochs + 1) if (out / f"e{e}").exists()}
         return {"mode": mode, "n": n, "sps": statistics.mean(sps),
                 "steady": statistics.mean(steady) if steady else float("nan"),
                 "acc": statistics.mean(r["accuracy"] for r in reports), "acc_min": min(r["accuracy"] for r in reports),
                 "mm": statistics.median(x[1] for x in rounds) if rounds else float("nan"),
+                "mm90": float(np.percentile([x[1] for x in rounds], 90)) if rounds else float("nan"),
+                "mm_whole": statistics.median(x[5] for x in rounds) if rounds else float("nan"),
                 "group": statistics.mean(x[2] for x in rounds) if rounds else 0.0,
                 "cell_spread": statistics.median(max(v) - min(v) for v in cells.values()) if cells else 0.0,
                 "swarm_spread": statistics.median(max(v) - min(v) for v in swarm.values()) if swarm else 0.0,
@@ -122,24 +126,29 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def ratio(x: float, base: float) -> str:
+    return f"{x / base:.2f}" if base >= 0.001 else "-"  # (a ratio to nothing says nothing)
+
+
 def table(rows: list[dict]) -> None:
     base = rows[0]
     print(f"\n{rows[0]['mode']}: per-peer samples/s, accuracy, matchmaking per round ({loadavg()})")
-    print("| N | samples/s per peer | ratio | accuracy (min) | d acc | matchmaking s | ratio | group | state loads "
-          "| CPU s per peer-epoch: training (ratio), whole run | load (start-end) |")
+    print("| N | samples/s per peer | ratio | accuracy (min) | d acc | matchmaking s (p90) | ratio | group "
+          "| state loads | CPU s per peer-epoch: training (ratio), whole run | load (start-end) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n']} | {r['sps']:.1f} | {r['sps'] / base['sps']:.2f} | {100 * r['acc']:.1f} "
-              f"({100 * r['acc_min']:.1f}) | {100 * (r['acc'] - base['acc']):+.1f} | {r['mm']:.3f} | "
-              f"{r['mm'] / base['mm']:.2f} | {r['group']:.1f} | {r['loads']} | {r['train_cpu']:.3f} "
+              f"({100 * r['acc_min']:.1f}) | {100 * (r['acc'] - base['acc']):+.1f} | {r['mm']:.3f} ({r['mm90']:.3f}) | "
+              f"{ratio(r['mm'], base['mm'])} | {r['group']:.1f} | {r['loads']} | {r['train_cpu']:.3f} "
               f"({r['train_cpu'] / max(base['train_cpu'], 1e-9):.2f}), {r['cpu']:.3f} | "
               f"{r['load'][0]:.0f}-{r['load'][1]:.0f} |")
     print("where the time goes (s): | N | peers of a cell arrive over | the whole swarm arrives over "
-          "| matchmaking after a cell's last arrival (medians) | per peer-epoch: compute | other steps "
+          "| matchmaking after a cell's last arrival (medians) | matchmaking from its start (begun early: "
+          "before the epoch's end) | per peer-epoch: compute | other steps "
           "| epoch-ending steps (rounds, state loads) | samples/s per peer after the first epoch (ratio) |")
     for r in rows:
         print(f"| {r['n']} | {r['cell_spread']:.3f} | {r['swarm_spread']:.3f} | {r['after_last']:.3f} "
-              f"| {r['compute_s']:.2f} | {r['step_s']:.2f} | {r['round_s']:.2f} "
+              f"| {r['mm_whole']:.3f} | {r['compute_s']:.2f} | {r['step_s']:.2f} | {r['round_s']:.2f} "
               f"| {r['steady']:.1f} ({r['steady'] / base['steady']:.2f}) |")
     every = STATE_EVERY[rows[0]["mode"]]
     print("parameter spread after each epoch (* = after a state round):")

@@ -15,7 +15,7 @@ import torch
 from p2ptrain import DecentralizedOptimizer
 from p2ptrain.averaging import StepResult
 from dht import Identity
-from p2ptrain.optim import diloco_step, rounds
+from p2ptrain.optim import diloco_step, rounds, sync_step
 from p2ptrain.optim.progress import PeerReport, SwarmView
 from p2ptrain.averaging.mixing import GridMixer, grid_shape, swarm_size
 from tests.test_optimizer import batch, in_threads, loss_of, make_model, swarm, train  # noqa: F401 (fixture)
@@ -289,4 +289,129 @@ def test_a_diloco_peer_stops_its_inner_phase_early_only_for_a_peer_of_its_own_ce
         step_with(view_with(rep(me, 0), rep(mate, 1), rep(stranger, 0), rep(rest, 1)))
         assert behind == ["load"]  # (our mate is past our round: nobody of our cell is left at our epoch)
     finally:
+        opt.close()
+
+
+def test_a_diloco_round_begins_its_matchmaking_before_the_first_end_in_its_cell(swarm, monkeypatch):  # noqa: F811
+    """A round's matchmaking begins ``early_lead`` before our inner phase ends, or a cell mate's
+    (whose readiness ends ours), once an epoch, declaring the samples of the steps left; and is
+    left when our epoch changes under it (a loaded state) without handing it data."""
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="dlearly",
+                                 mode="diloco", local_steps=10**6, batch_size_per_step=16, target_group_size=2)
+    gen = torch.Generator().manual_seed(0)
+    me = opt.tracker.me.peer
+    others = [Identity().peer_id for _ in range(3)]
+    cell = opt.mixer.members(0, tuple(p.to_bytes() for p in [me, *others]))
+    mate = next(p for p in others if p.to_bytes() in cell)
+    stranger = next(p for p in others if p.to_bytes() not in cell)
+    rest = next(p for p in others if p not in (mate, stranger))
+    begun: list[tuple[int, float]] = []
+    left: list[int] = []
+
+    class Start:
+        def __init__(self, epoch: int):
+            self.epoch = epoch
+
+        def leave(self) -> None:
+            left.append(self.epoch)
+
+    def begin(o, epoch: int, weight: float, view: SwarmView) -> None:
+        begun.append((epoch, weight))
+        o._early = rounds.Early(epoch, rounds.Cell(), 2, Start(epoch), Future())
+
+    monkeypatch.setattr(diloco_step, "begin_early", begin)
+    monkeypatch.setattr(opt, "_outer_step", lambda view: None)
+
+    def step_with(*reports: PeerReport) -> None:
+        view = SwarmView(epoch=0, samples=0, target=64, peers=list(reports))
+        monkeypatch.setattr(opt.tracker, "estimate", lambda: view)
+        loss_of(model, batch(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def rep(peer, eta: float | None = None) -> PeerReport:
+        return PeerReport(peer, 0, 0, 1.0, time.time(), "s", addr=("127.0.0.1", 1), eta=eta)
+
+    lead = rounds.early_lead(opt)
+    assert rounds.EARLY_LEAD <= lead <= opt.matchmaking_timeout / 3
+    try:
+        soon = time.time() + lead / 2
+        step_with(rep(me), rep(mate, time.time() + 60), rep(stranger, soon), rep(rest))
+        assert begun == []  # (our phase, 10**6 steps, and our mate's end far off; a stranger's is not ours)
+        step_with(rep(me), rep(mate, soon), rep(stranger), rep(rest))
+        assert begun == [(0, 16 * 10**6)]  # the samples of the steps left: 2 taken, 10**6 - 2 left, and this one
+        step_with(rep(me), rep(mate, soon), rep(stranger), rep(rest))
+        assert len(begun) == 1 and left == []  # once an epoch
+        opt.epoch = 1  # (as a loaded state leaves it)
+        step_with(rep(me), rep(mate, soon), rep(stranger), rep(rest))
+        assert left == [0] and opt._early is None and len(begun) == 1
+    finally:
+        opt.close()
+
+
+def test_a_round_begun_early_gets_the_data_of_its_epoch_and_a_stale_one_is_left():
+    """``average`` hands an early round of our epoch its samples (the group it formed stays ours)
+    and leaves one of another epoch before it starts the round the usual way."""
+    went: list[float] = []
+    left: list[str] = []
+
+    class Start:
+        def __init__(self, name: str):
+            self.name = name
+
+        def go(self, weight: float) -> None:
+            went.append(weight)
+
+        def leave(self) -> None:
+            left.append(self.name)
+
+    cell = rounds.Cell((b"a", b"b"), 3, "/g2", 2)
+    future: Future = Future()
+    opt = type("Fake", (), {})()
+    opt._early = rounds.Early(3, cell, 2, Start("e3"), future)
+    view = SwarmView(epoch=3, samples=0, target=64)
+    assert rounds.average(opt, 3, 48, view) is future
+    assert went == [48] and left == [] and opt._early is None and opt._cell is cell and opt._last_expected == 2
+    opt._early = rounds.Early(2, cell, 2, Start("e2"), Future())
+    opt._expected = lambda view, epoch: 1  # (nobody else due: no round of a new kind starts)
+    opt.tracker = None
+    alone = rounds.average(opt, 3, 48, SwarmView(epoch=3, samples=0, target=64))
+    assert left == ["e2"] and went == [48] and alone.result() is None
+
+
+def test_a_sync_round_begins_its_matchmaking_when_the_swarm_is_early_lead_from_its_target(swarm, monkeypatch):  # noqa: F811
+    """Sync: once the swarm's estimate puts the target within ``early_lead``, the epoch's round
+    begins (once), declaring more samples than we will have by then."""
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="syncearly",
+                                 mode="sync", target_batch_size=10**6, batch_size_per_step=16)
+    gen = torch.Generator().manual_seed(0)
+    others = [PeerReport(Identity().peer_id, 0, 0, 1.0, time.time(), "s", addr=("127.0.0.1", 1)) for _ in range(3)]
+    begun: list[tuple[int, float]] = []
+
+    def begin(o, epoch: int, weight: float, view: SwarmView) -> None:
+        begun.append((epoch, weight))
+        o._early = rounds.Early(epoch, rounds.Cell(), 4, None, Future())
+
+    monkeypatch.setattr(sync_step, "begin_early", begin)
+    lead = rounds.early_lead(opt)
+
+    def step_at(eta: float) -> None:
+        sps = 1000.0
+        view = SwarmView(epoch=0, samples=10**6 - eta * sps, target=10**6, peers=others, sps=sps)
+        monkeypatch.setattr(opt.tracker, "report", lambda *a, **k: view)
+        loss_of(model, batch(gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        step_at(10 * lead)
+        assert begun == []
+        step_at(lead / 2)
+        assert [e for e, _ in begun] == [0] and begun[0][1] > 2 * opt.local_samples
+        step_at(lead / 4)
+        assert len(begun) == 1
+    finally:
+        opt._early = None
         opt.close()

@@ -499,6 +499,7 @@ def test_a_peer_about_to_skip_a_round_looks_at_the_swarm_again_first():
 
     fake = types.SimpleNamespace(
         delay_updates=False, overlap_outer=False, mode="sync", matchmaking_timeout=5.0, _paused=0.0, mixer=None,
+        _early=None,
         _settled=types.SimpleNamespace(clear=None),
         tracker=types.SimpleNamespace(refresh_now=refresh_now),
         averager=types.SimpleNamespace(step=lambda **kw: kw),

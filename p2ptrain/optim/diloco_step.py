@@ -24,7 +24,8 @@ import torch
 from .catch_up import fall_behind
 from .outer_swap import eager_start, land_overlapped, swap_back, swap_out
 from .progress import SwarmView
-from .rounds import apply_mix, cell_reports, missed_round, others_hold_our_epoch, round_result, state_round_due
+from .rounds import (apply_mix, begin_early, cell_reports, drop_early, early_lead, early_ok, missed_round,
+                     others_hold_our_epoch, round_result, state_round_due)
 from .shared_state import maybe_checkpoint
 from .warmup import warmed_step
 
@@ -55,6 +56,7 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     peer is ready to average (a slow peer joins with the samples it has)."""
     overlap = opt.overlap_outer
     apply_mix(opt, wait=False)
+    drop_early(opt, stale=True)  # (our epoch changed under it: a state loaded)
     opt._inner_steps += 1
     # an inner step changes the parameters, not the shared state (outer parameters and optimizer):
     # the plain lock, so that a peer downloading our state does not make us copy it
@@ -73,6 +75,7 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     # fell behind.
     if view.epoch > opt.epoch + 1 or (view.epoch == opt.epoch + 1 and not overlap
                                       and not any(p.epoch == opt.epoch for p in mates)):
+        drop_early(opt)
         land_outer(opt, wait=True)
         fall_behind(opt, view)
         return
@@ -88,7 +91,14 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     if opt._local_steps_done >= opt.local_steps or others_ready:
         opt._outer_step(view)
     else:
-        opt.tracker.report(opt.epoch, opt.local_samples, opt._sps, eta=inner_eta(opt, bs))
+        eta = inner_eta(opt, bs)
+        opt.tracker.report(opt.epoch, opt.local_samples, opt._sps, eta=eta)
+        # our phase ends at our eta or at the first of our cell mates' (see others_ready): the
+        # round's matchmaking begins early_lead before that, at about the same time on all of them
+        ends = [e for e in (eta, *(p.eta for p in mates if p.epoch == opt.epoch)) if e is not None and e > now]
+        if ends and opt._early is None and early_ok(opt) and min(ends) - now <= early_lead(opt):
+            # (the most samples we will average with: those of the steps left at this batch size)
+            begin_early(opt, opt.epoch, opt.local_samples + (opt.local_steps - opt._local_steps_done) * bs, view)
     if overlap:  # (after the inner step: the next gradients are taken at the merged parameters)
         land_outer(opt, wait=False)
 

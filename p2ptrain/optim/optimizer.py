@@ -51,7 +51,7 @@ from .memory import flat_views
 from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
 from .ranks import PeerRanks, RankFailure, lead
-from .rounds import Cell, apply_mix, average, expected_peers, maybe_average_state, reports_ahead
+from .rounds import Cell, Early, apply_mix, average, drop_early, expected_peers, maybe_average_state, reports_ahead
 from .shared_state import apply_shared_state, checkpoint_state, make_checkpointer, model_extra, shared_state
 from .state_sync import StateSync
 from .stats import CycleRate, OptimizerStats
@@ -284,6 +284,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._load_warnings = LogThrottle(_LOAD_WARN_EVERY)
         self._pending: Future[StepResult | None] | None = None  # delayed update in flight
         self._pending_epoch = -1
+        self._early: Early | None = None  # a round of ours begun before its data (rounds.begin_early)
         self._mixing: Future[StepResult | None] | None = None  # the parameter mix in flight (rounds.start_mix)
         self._mix_bufs: list[torch.Tensor] | None = None
         # held while the state changes; taking it first preserves a version a peer is downloading
@@ -564,6 +565,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        drop_early(self)
         if self._pending is not None:
             try:
                 self._pending.result(timeout=self.matchmaking_timeout + 5)

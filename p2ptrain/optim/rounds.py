@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..averaging import Averager, StepResult
+from ..averaging import Averager, EarlyStart, StepResult
 from .progress import PeerReport, SwarmView
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ log = logging.getLogger("p2ptrain.optim")
 #: seconds the training thread waits for a fresh read of the swarm's progress before skipping a
 #: round that others may come to (a DHT read takes a few ms on a LAN, a few hundred on the internet)
 FRESH_LOOK = 2.0
+#: s: the least time before our epoch's end at which its round's matchmaking begins (begin_early)
+EARLY_LEAD = 0.2
 
 
 def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmView) -> Future[StepResult | None]:
@@ -29,6 +32,13 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
     Alone (no other peer has reported recently) there is nobody to meet: the round is skipped
     rather than waiting out the matchmaking deadline on every epoch.
     """
+    early = opt._early
+    if early is not None and early.epoch == epoch:  # its group is forming (or formed): hand it the data
+        opt._early = None
+        opt._last_expected, opt._cell = early.expected, early.cell
+        early.start.go(samples)
+        return early.future
+    drop_early(opt)
     expected = opt._expected(view, epoch)
     if expected <= 1 and len(view.peers) + len(view.behind) > 1:
         # Others train, but none looks due for this round. The view is up to a refresh period
@@ -46,15 +56,68 @@ def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmVi
         done: Future[StepResult | None] = Future()
         done.set_result(None)
         return done
+    opt._cell = cell = round_cell(opt, view, epoch)
+    return opt._loop.submit(_step(opt, cell, epoch, samples, expected))
+
+
+def round_cell(opt: DecentralizedOptimizer, view: SwarmView, epoch: int) -> Cell:
+    """Round ``epoch``'s cell of the grid (its parameter mix, ``epoch + 1``, spans the groups this
+    one forms, and the dimension mixed turns every epoch), expecting the peers that will come."""
+    coming = frozenset(p.peer.to_bytes() for p in coming_peers(view, epoch, reports_ahead(opt)))
+    return grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch, coming)
+
+
+def _step(opt: DecentralizedOptimizer, cell: Cell, epoch: int, weight: float, expected: int,
+          start: EarlyStart | None = None) -> Coroutine[Any, Any, StepResult]:
     # (delayed updates overlap training with the round: snapshots do not wait for it)
     on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
-    # (round e of the grid; its parameter mix, e + 1, spans the groups this one formed, and the
-    # dimension mixed turns every epoch)
-    coming = frozenset(p.peer.to_bytes() for p in coming_peers(view, epoch, reports_ahead(opt)))
-    opt._cell = cell = grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch, coming)
-    step = opt.averager.step(weight=samples, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
-                             expected=cell.expected if cell.key else expected, on_group=on_group)
-    return opt._loop.submit(step)
+    return opt.averager.step(weight=weight, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
+                             expected=cell.expected if cell.key else expected, on_group=on_group, start=start)
+
+
+@dataclass
+class Early:
+    """A round of ours whose matchmaking began before its epoch ended (``begin_early``)."""
+
+    epoch: int
+    cell: Cell
+    expected: int
+    start: EarlyStart
+    future: Future[StepResult | None]
+
+
+def begin_early(opt: DecentralizedOptimizer, epoch: int, weight: float, view: SwarmView) -> None:
+    """Begin ``epoch``'s round before its data (hivemind's pre-scheduled step): its group forms while
+    our last steps train, and ``average`` hands it the data at the epoch's end. ``weight``: the most
+    samples we will average with (declared in matchmaking). Not when nobody else looks due."""
+    expected = opt._expected(view, epoch)
+    if expected <= 1:
+        return
+    cell = round_cell(opt, view, epoch)
+    start = EarlyStart(opt._loop.loop)
+    opt._early = Early(epoch, cell, expected, start, opt._loop.submit(_step(opt, cell, epoch, weight, expected, start)))
+
+
+def early_ok(opt: DecentralizedOptimizer) -> bool:
+    """Whether our rounds begin their matchmaking before the epoch ends (``begin_early``): those of
+    a peer of one process, but diloco's overlapped rounds (which start in the background anyway)."""
+    return not opt.overlap_outer and opt.ranks is None and opt.fsdp is None
+
+
+def early_lead(opt: DecentralizedOptimizer) -> float:
+    """How long before our epoch's (or inner phase's) end its round's matchmaking begins: 1.5 x the
+    last one's (from its start to its group), at least ``EARLY_LEAD``, at most a third of the timeout."""
+    last = opt.averager.matchmaker.last_stats.get("seconds", EARLY_LEAD)
+    return min(max(EARLY_LEAD, 1.5 * last), opt.matchmaking_timeout / 3)
+
+
+def drop_early(opt: DecentralizedOptimizer, stale: bool = False) -> None:
+    """Leave the round begun early, if any (``stale``: only one of an epoch other than ours): we
+    will not hand it data (we loaded a state, or close). A group it formed goes on without us."""
+    early = opt._early
+    if early is not None and not (stale and early.epoch == opt.epoch):
+        opt._early = None
+        early.start.leave()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from ..averaging import StepResult
 from .catch_up import fall_behind
 from .memory import flat_views
 from .progress import SwarmView
-from .rounds import apply_mix, missed_round, round_result, state_round_due
+from .rounds import (apply_mix, begin_early, drop_early, early_lead, early_ok, missed_round, round_result,
+                     state_round_due)
 from .shared_state import maybe_checkpoint
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
     """Add this batch's gradients (``bs`` samples) to the accumulator; end the epoch when due."""
     apply_mix(opt, wait=False)
     apply_pending(opt, wait=False)
+    drop_early(opt, stale=True)  # (our epoch changed under it: a state loaded)
     if not opt._grad_acc:
         # without delayed updates we accumulate in the buffer that is averaged (zeroed once
         # applied); with them the next epoch accumulates while the last one's round runs
@@ -47,6 +49,7 @@ def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
     if opt.fsdp is not None:  # an FSDP peer's ranks end their epochs at one step (see optim/fsdp.py)
         due = opt.fsdp.end_epoch(due and not behind)
     if behind:
+        drop_early(opt)
         fall_behind(opt, view)
     elif due:
         # the published counts reach the target, or a peer is waiting for us, or peers already
@@ -59,6 +62,10 @@ def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
         # peers published (read now). Ending on the estimate ended fast epochs with a third to
         # a half of the target's samples when a peer's throughput was overestimated.
         opt.tracker.hurry()
+    if not (due or behind) and opt._early is None and early_ok(opt) and view.eta <= early_lead(opt):
+        # the epoch's round begins while we compute its last batches (at the estimate's pace:
+        # twice the samples we would have by then, at most, is what we declare)
+        begin_early(opt, opt.epoch, 2 * (opt.local_samples + opt._sps * (view.eta + early_lead(opt))) + bs, view)
 
 
 def end_sync_epoch(opt: DecentralizedOptimizer, view: SwarmView) -> None:

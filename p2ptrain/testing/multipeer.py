@@ -10,7 +10,8 @@ its state) while another still reports an earlier epoch: one that missed the las
 state then, instead of training that epoch's whole target alone. At the end it prints one JSON
 line per peer: samples, training seconds (and how many of them went to compute, to steps that did
 not end an epoch, and to those that did; when and with how many samples the first epoch ended),
-its rounds (epoch, matchmaking s, group size, cell, wall time it came), its test accuracy, the
+its rounds (epoch, matchmaking s, group size, cell, wall time it came, the whole matchmaking's s: more
+than the first when it began early), its test accuracy, the
 process's CPU seconds per peer, and those spent while its peers trained (from the last one's join
 to the last one's end of training). Logs go to stderr; the child dies with its parent.
 """
@@ -38,7 +39,7 @@ from ..tasks import get_task
 class TimedOptimizer(DecentralizedOptimizer):
     """Records each gradient round's matchmaking time and group size."""
 
-    rounds: list[tuple[int, float, int, str, float]]
+    rounds: list[tuple[int, float, int, str, float, float]]
 
     def _average(self, epoch: int, samples: int, view: SwarmView) -> Future[StepResult | None]:
         entered = time.time()  # (wall clock: peers in other processes arrive at the same cell)
@@ -48,7 +49,7 @@ class TimedOptimizer(DecentralizedOptimizer):
         def done(f: Future[StepResult | None]) -> None:
             result = None if f.cancelled() or f.exception() is not None else f.result()
             if result is not None:
-                self.rounds.append((epoch, result.matchmaking_s, result.group_size, key, entered))
+                self.rounds.append((epoch, result.matchmaking_s, result.group_size, key, entered, result.group_s))
 
         future.add_done_callback(done)
         return future
