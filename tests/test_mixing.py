@@ -232,25 +232,30 @@ def test_a_diloco_mix_moves_the_outer_parameters_and_keeps_the_steps_taken_since
         opt.close()
 
 
+def diloco_in_a_grid_of_four(dht, run_id: str):
+    """A diloco peer with an endless inner phase in a 2 x 2 grid of itself and three made-up peers:
+    (model, optimizer, us, our round-0 cell mate, a peer of the other cell, the last one)."""
+    model = make_model()
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=dht, run_id=run_id,
+                                 mode="diloco", local_steps=10**6, batch_size_per_step=16, target_group_size=2)
+    me = opt.tracker.me.peer
+    others = [Identity().peer_id for _ in range(3)]
+    cell = opt.mixer.members(0, tuple(p.to_bytes() for p in [me, *others]))
+    assert cell is not None and len(cell) == 2  # (a 2 x 2 grid)
+    mate = next(p for p in others if p.to_bytes() in cell)
+    stranger = next(p for p in others if p.to_bytes() not in cell)
+    rest = next(p for p in others if p not in (mate, stranger))
+    return model, opt, me, mate, stranger, rest
+
+
 def test_a_diloco_peer_stops_its_inner_phase_early_only_for_a_peer_of_its_own_cell(swarm, monkeypatch):  # noqa: F811
     """In a grid the cells meet apart: a peer ready elsewhere in the swarm leaves our inner phase
     alone, a ready peer of our cell ends it (it waits for us), and so does one whose published
     estimate of its phase's end has just passed (not long ago: that one stalled). Blocking, a peer of our cell one
     epoch ahead while another is still at ours means our round is open: we join it; once nobody
     of our cell is left at our epoch, it is over and we load the swarm's state."""
-    model = make_model()
-    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="dlcell",
-                                 mode="diloco", local_steps=10**6, batch_size_per_step=16, target_group_size=2)
+    model, opt, me, mate, stranger, rest = diloco_in_a_grid_of_four(swarm(), "dlcell")
     gen = torch.Generator().manual_seed(0)
-    me = opt.tracker.me.peer
-    others = [Identity().peer_id for _ in range(3)]
-    everyone = [me, *others]
-    ids = tuple(p.to_bytes() for p in everyone)
-    cell = opt.mixer.members(0, ids)
-    assert cell is not None and len(cell) == 2  # (a 2 x 2 grid)
-    mate = next(p for p in others if p.to_bytes() in cell)
-    stranger = next(p for p in others if p.to_bytes() not in cell)
-    rest = next(p for p in others if p not in (mate, stranger))
     ended: list[str] = []
     behind: list[str] = []
     monkeypatch.setattr(opt, "_outer_step", lambda view: ended.append("outer"))
@@ -296,16 +301,8 @@ def test_a_diloco_round_begins_its_matchmaking_before_the_first_end_in_its_cell(
     """A round's matchmaking begins ``early_lead`` before our inner phase ends, or a cell mate's
     (whose readiness ends ours), once an epoch, declaring the samples of the steps left; and is
     left when our epoch changes under it (a loaded state) without handing it data."""
-    model = make_model()
-    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="dlearly",
-                                 mode="diloco", local_steps=10**6, batch_size_per_step=16, target_group_size=2)
+    model, opt, me, mate, stranger, rest = diloco_in_a_grid_of_four(swarm(), "dlearly")
     gen = torch.Generator().manual_seed(0)
-    me = opt.tracker.me.peer
-    others = [Identity().peer_id for _ in range(3)]
-    cell = opt.mixer.members(0, tuple(p.to_bytes() for p in [me, *others]))
-    mate = next(p for p in others if p.to_bytes() in cell)
-    stranger = next(p for p in others if p.to_bytes() not in cell)
-    rest = next(p for p in others if p not in (mate, stranger))
     begun: list[tuple[int, float]] = []
     left: list[int] = []
 
@@ -382,7 +379,8 @@ def test_a_round_begun_early_gets_the_data_of_its_epoch_and_a_stale_one_is_left(
 
 def test_a_sync_round_begins_its_matchmaking_when_the_swarm_is_early_lead_from_its_target(swarm, monkeypatch):  # noqa: F811
     """Sync: once the swarm's estimate puts the target within ``early_lead``, the epoch's round
-    begins (once), declaring more samples than we will have by then."""
+    begins (once), declaring more samples than we will have by then; not in epochs shorter than
+    twice the lead (the round would begin as the last one ends)."""
     model = make_model()
     opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht=swarm(), run_id="syncearly",
                                  mode="sync", target_batch_size=10**6, batch_size_per_step=16)
@@ -397,8 +395,7 @@ def test_a_sync_round_begins_its_matchmaking_when_the_swarm_is_early_lead_from_i
     monkeypatch.setattr(sync_step, "begin_early", begin)
     lead = rounds.early_lead(opt)
 
-    def step_at(eta: float) -> None:
-        sps = 1000.0
+    def step_at(eta: float, sps: float = 1000.0) -> None:
         view = SwarmView(epoch=0, samples=10**6 - eta * sps, target=10**6, peers=others, sps=sps)
         monkeypatch.setattr(opt.tracker, "report", lambda *a, **k: view)
         loss_of(model, batch(gen)).backward()
@@ -407,6 +404,8 @@ def test_a_sync_round_begins_its_matchmaking_when_the_swarm_is_early_lead_from_i
 
     try:
         step_at(10 * lead)
+        assert begun == []
+        step_at(lead / 2, sps=10**6 / lead)  # (the whole epoch takes the lead)
         assert begun == []
         step_at(lead / 2)
         assert [e for e, _ in begun] == [0] and begun[0][1] > 2 * opt.local_samples

@@ -96,7 +96,8 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
         # our phase ends at our eta or at the first of our cell mates' (see others_ready): the
         # round's matchmaking begins early_lead before that, at about the same time on all of them
         ends = [e for e in (eta, *(p.eta for p in mates if p.epoch == opt.epoch)) if e is not None and e > now]
-        if ends and opt._early is None and early_ok(opt) and min(ends) - now <= early_lead(opt):
+        phase = opt.local_steps * bs / opt._sps if opt._sps > 0 else 0.0
+        if ends and opt._early is None and early_ok(opt, phase) and min(ends) - now <= early_lead(opt):
             # (the most samples we will average with: those of the steps left at this batch size)
             begin_early(opt, opt.epoch, opt.local_samples + (opt.local_steps - opt._local_steps_done) * bs, view)
     if overlap:  # (after the inner step: the next gradients are taken at the merged parameters)

@@ -62,7 +62,8 @@ def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
         # peers published (read now). Ending on the estimate ended fast epochs with a third to
         # a half of the target's samples when a peer's throughput was overestimated.
         opt.tracker.hurry()
-    if not (due or behind) and opt._early is None and early_ok(opt) and view.eta <= early_lead(opt):
+    epoch_s = view.target / view.sps if view.sps > 0 else 0.0
+    if not (due or behind) and opt._early is None and early_ok(opt, epoch_s) and view.eta <= early_lead(opt):
         # the epoch's round begins while we compute its last batches (at the estimate's pace:
         # twice the samples we would have by then, at most, is what we declare)
         begin_early(opt, opt.epoch, 2 * (opt.local_samples + opt._sps * (view.eta + early_lead(opt))) + bs, view)
