@@ -64,8 +64,8 @@ def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
         opt.tracker.hurry()
     epoch_s = view.target / view.sps if view.sps > 0 else 0.0
     if not (due or behind) and opt._early is None and early_ok(opt, epoch_s) and view.eta <= early_lead(opt):
-        # the epoch's round begins while we compute its last batches (at the estimate's pace:
-        # twice the samples we would have by then, at most, is what we declare)
+        # the epoch's round begins while we compute its last batches, declaring the most we will
+        # average with: twice the samples we would have by its end at our pace
         begin_early(opt, opt.epoch, 2 * (opt.local_samples + opt._sps * (view.eta + early_lead(opt))) + bs, view)
 
 
