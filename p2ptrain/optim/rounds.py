@@ -109,8 +109,12 @@ def early_ok(opt: DecentralizedOptimizer, epoch_s: float) -> bool:
 
 def early_lead(opt: DecentralizedOptimizer) -> float:
     """How long before our epoch's (or inner phase's) end its round's matchmaking begins: 1.5 x the
-    last one's (from its start to its group), at least ``EARLY_LEAD``, at most a third of the timeout."""
-    last = opt.averager.matchmaker.last_stats.get("seconds", EARLY_LEAD)
+    last one's (from its start to its group), at least ``EARLY_LEAD``, at most a third of the timeout
+    (that third before our first round: at 64 peers a 0.2 s guess left 35 of the first round's 64
+    peers waiting 0.3-0.7 s for their group)."""
+    last = opt.averager.matchmaker.last_stats.get("seconds")
+    if last is None:  # (no round yet to go by: the swarm's first rounds meet everyone at once)
+        return opt.matchmaking_timeout / 3
     return min(max(EARLY_LEAD, 1.5 * last), opt.matchmaking_timeout / 3)
 
 
