@@ -24,7 +24,7 @@ import torch
 from .catch_up import fall_behind
 from .outer_swap import eager_start, land_overlapped, swap_back, swap_out
 from .progress import SwarmView
-from .rounds import (apply_mix, begin_early, cell_reports, drop_early, early_lead, early_ok, missed_round,
+from .rounds import (apply_mix, begin_early, cell_reports, drop_early, early_due, missed_round,
                      others_hold_our_epoch, round_result, state_round_due)
 from .shared_state import maybe_checkpoint
 from .warmup import warmed_step
@@ -97,7 +97,7 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
         # round's matchmaking begins early_lead before that, at about the same time on all of them
         ends = [e for e in (eta, *(p.eta for p in mates if p.epoch == opt.epoch)) if e is not None and e > now]
         phase = opt.local_steps * bs / opt._sps if opt._sps > 0 else 0.0
-        if ends and opt._early is None and early_ok(opt, phase) and min(ends) - now <= early_lead(opt):
+        if ends and early_due(opt, phase, min(ends) - now):
             # (the most samples we will average with: those of the steps left at this batch size)
             begin_early(opt, opt.epoch, opt.local_samples + (opt.local_steps - opt._local_steps_done) * bs, view)
     if overlap:  # (after the inner step: the next gradients are taken at the merged parameters)

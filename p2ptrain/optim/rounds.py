@@ -98,13 +98,17 @@ def begin_early(opt: DecentralizedOptimizer, epoch: int, weight: float, view: Sw
     opt._early = Early(epoch, cell, expected, start, opt._loop.submit(_step(opt, cell, epoch, weight, expected, start)))
 
 
-def early_ok(opt: DecentralizedOptimizer, epoch_s: float) -> bool:
-    """Whether our rounds begin their matchmaking before the epoch ends (``begin_early``): those of
-    a peer of one process, but diloco's overlapped rounds (which start in the background anyway),
-    in epochs of ``epoch_s`` at least twice ``early_lead`` (in shorter ones a round would begin as
-    the last one ends, before the cell's views hold its mates: diloco at 64 peers, 0.5 s phases,
-    formed groups of 2.6-2.7 of 4 that way, against 3.1-3.5)."""
-    return not opt.overlap_outer and opt.ranks is None and opt.fsdp is None and epoch_s >= 2 * early_lead(opt)
+def early_due(opt: DecentralizedOptimizer, epoch_s: float, left_s: float) -> bool:
+    """Whether our epoch's round begins its matchmaking now (``begin_early``), ``left_s`` before the
+    epoch's expected end: once that is within ``early_lead``, and not yet begun. Only for a peer of
+    one process, but not diloco's overlapped rounds (which start in the background anyway), and only
+    in epochs of ``epoch_s`` at least twice the lead (in shorter ones a round would begin as the
+    last one ends, before the cell's views hold its mates: diloco at 64 peers, 0.5 s phases, formed
+    groups of 2.6-2.7 of 4 that way, against 3.1-3.5)."""
+    if opt._early is not None or opt.overlap_outer or opt.ranks is not None or opt.fsdp is not None:
+        return False
+    lead = early_lead(opt)
+    return epoch_s >= 2 * lead and left_s <= lead
 
 
 def early_lead(opt: DecentralizedOptimizer) -> float:

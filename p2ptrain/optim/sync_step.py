@@ -18,7 +18,7 @@ from ..averaging import StepResult
 from .catch_up import fall_behind
 from .memory import flat_views
 from .progress import SwarmView
-from .rounds import (apply_mix, begin_early, drop_early, early_lead, early_ok, missed_round, round_result,
+from .rounds import (apply_mix, begin_early, drop_early, early_due, early_lead, missed_round, round_result,
                      state_round_due)
 from .shared_state import maybe_checkpoint
 
@@ -63,7 +63,7 @@ def sync_step(opt: DecentralizedOptimizer, bs: int) -> None:
         # a half of the target's samples when a peer's throughput was overestimated.
         opt.tracker.hurry()
     epoch_s = view.target / view.sps if view.sps > 0 else 0.0
-    if not (due or behind) and opt._early is None and early_ok(opt, epoch_s) and view.eta <= early_lead(opt):
+    if not (due or behind) and early_due(opt, epoch_s, view.eta):
         # the epoch's round begins while we compute its last batches, declaring the most we will
         # average with: twice the samples we would have by its end at our pace
         begin_early(opt, opt.epoch, 2 * (opt.local_samples + opt._sps * (view.eta + early_lead(opt))) + bs, view)
