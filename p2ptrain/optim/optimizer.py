@@ -52,7 +52,8 @@ from .options import TrainerOptions
 from .progress import PeerReport, ProgressTracker, SwarmView
 from .ranks import PeerRanks, RankFailure, lead
 from .rounds import Cell, Early, apply_mix, average, drop_early, expected_peers, maybe_average_state, reports_ahead
-from .shared_state import apply_shared_state, checkpoint_state, make_checkpointer, model_extra, shared_state
+from .shared_state import (apply_shared_state, checkpoint_state, load_torch_state_dict, make_checkpointer, model_extra,
+                           shared_state, torch_state_dict)
 from .state_sync import StateSync
 from .stats import CycleRate, OptimizerStats
 from .sync_step import end_sync_epoch, round_over, sync_step
@@ -405,30 +406,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"inner": self.inner.state_dict(), "epoch": self.epoch, "mode": self.mode}
-        if self.outer_optimizer is not None:
-            sd["outer"] = self.outer_optimizer.state_dict()
-            sd["outer_params"] = [t.clone() for t in self._outer]
-        if self.scheduler is not None:
-            sd["scheduler"] = self.scheduler.state_dict()
-        return sd
+        return torch_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("mode", self.mode) != self.mode:
-            raise ValueError(f"this state was saved in {state_dict.get('mode')!r} mode, not {self.mode!r}")
-        with self._state_lock:
-            self.inner.load_state_dict(state_dict["inner"])
-            self.epoch = int(state_dict.get("epoch", 0))
-            if self.outer_optimizer is not None and "outer" in state_dict:
-                for dst, src in zip(self._outer, state_dict["outer_params"], strict=True):
-                    dst.copy_(src)
-                self.outer_optimizer.load_state_dict(state_dict["outer"])
-            if self.scheduler is not None and "scheduler" in state_dict:
-                self.scheduler.load_state_dict(state_dict["scheduler"])
-            self._version += 1
-        self.tracker.report(self.epoch, self.local_samples, self._sps)
-        if self.ranks is not None:
-            lead(self, force=True)
+        load_torch_state_dict(self, state_dict)
 
     # ------------------------------------------------------------------ the step
 

@@ -1,5 +1,6 @@
 """The shared state: what every member of a group holds identically after a round, as served to
-joiners and saved in checkpoints, and how a loaded one is put in place."""
+joiners and saved in checkpoints, and how a loaded one is put in place; and the optimizer's own
+``state_dict`` / ``load_state_dict`` (torch's face of a peer's state)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..checkpoint.autosave import Checkpointer
 from ..gil import short_gil_waits
 from .adopt import optimizer_state
 from .outer_swap import outer_holders
+from .ranks import lead
 from .rounds import apply_mix
 from .options import TrainerOptions
 
@@ -136,3 +138,34 @@ def maybe_checkpoint(opt: DecentralizedOptimizer) -> None:
     extra = [t.detach().to("cpu", copy=True) for t in opt._model_extra()]
     # (the save only reads the state: the plain lock, which makes no copy for peers downloading it)
     ck.maybe_save(opt._applied, live, lambda: opt._checkpoint_state(extra), opt._state_lock.raw)
+
+
+def torch_state_dict(opt: DecentralizedOptimizer) -> dict[str, Any]:
+    """``opt.state_dict()``: the torch optimizer's face of this peer's state (inner optimizer,
+    epoch, mode; diloco's outer parameters and optimizer; the scheduler)."""
+    sd: dict[str, Any] = {"inner": opt.inner.state_dict(), "epoch": opt.epoch, "mode": opt.mode}
+    if opt.outer_optimizer is not None:
+        sd["outer"] = opt.outer_optimizer.state_dict()
+        sd["outer_params"] = [t.clone() for t in opt._outer]
+    if opt.scheduler is not None:
+        sd["scheduler"] = opt.scheduler.state_dict()
+    return sd
+
+
+def load_torch_state_dict(opt: DecentralizedOptimizer, state_dict: dict[str, Any]) -> None:
+    """``opt.load_state_dict(state_dict)``: put back what :func:`torch_state_dict` gave."""
+    if state_dict.get("mode", opt.mode) != opt.mode:
+        raise ValueError(f"this state was saved in {state_dict.get('mode')!r} mode, not {opt.mode!r}")
+    with opt._state_lock:
+        opt.inner.load_state_dict(state_dict["inner"])
+        opt.epoch = int(state_dict.get("epoch", 0))
+        if opt.outer_optimizer is not None and "outer" in state_dict:
+            for dst, src in zip(opt._outer, state_dict["outer_params"], strict=True):
+                dst.copy_(src)
+            opt.outer_optimizer.load_state_dict(state_dict["outer"])
+        if opt.scheduler is not None and "scheduler" in state_dict:
+            opt.scheduler.load_state_dict(state_dict["scheduler"])
+        opt._version += 1
+    opt.tracker.report(opt.epoch, opt.local_samples, opt._sps)
+    if opt.ranks is not None:
+        lead(opt, force=True)
