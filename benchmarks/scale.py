@@ -13,8 +13,8 @@ in mixing-grid cells. Printed per mode and N, with ratios to the first N of the 
   * per-peer samples/s (mean over peers of samples / training seconds; target >= 0.8 at 64);
   * final test accuracy (mean and min over peers; target: N=64 within 1 point of N=8);
   * matchmaking time per gradient round (median and p90 over every peer's rounds; target <= 1.5x): the
-    wait for the group from the moment a peer's epoch ended (a diloco round's matchmaking begins
-    before, see ``rounds.begin_early``: the group may be there already), and the mean group size;
+    wait for the group from the moment a peer's epoch ended (a round's matchmaking begins before,
+    see ``rounds.begin_early``: the group may be there already), and the mean group size;
     and where it goes: over how long a cell's peers (and the whole swarm) reached the round, how
     long matchmaking took after a cell's last peer came, and the whole matchmaking from its start;
   * where a peer's training time goes, per epoch: compute (forward, backward and the emulated
