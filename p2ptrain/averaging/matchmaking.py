@@ -259,7 +259,10 @@ class Matchmaker(JoinProtocol):
                     if now >= next_read and len(reads) < _READS_IN_FLIGHT:
                         if self._closed:
                             return None
-                        if polls % _SCHEMA_CHECK_EVERY == 0 and (schema_task is None or schema_task.done()):
+                        # (again a few polls on while nobody is seen: the first read may have come
+                        # before the others' summaries landed)
+                        check = polls % _SCHEMA_CHECK_EVERY == 0 or (polls == 3 and not candidates)
+                        if check and (schema_task is None or schema_task.done()):
                             schema_task = self._tasks.spawn(self.board.check_schemas(rnd, deadline))
                         polls += 1
                         reads.add(self._tasks.spawn(self.board.read(rnd, deadline), awaited=True))
