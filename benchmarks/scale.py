@@ -15,8 +15,9 @@ in mixing-grid cells. Printed per mode and N, with ratios to the first N of the 
   * matchmaking time per gradient round (median and p90 over every peer's rounds; target <= 1.5x): the
     wait for the group from the moment a peer's epoch ended (a round's matchmaking begins before,
     see ``rounds.begin_early``: the group may be there already), and the mean group size;
-    and where it goes: over how long a cell's peers (and the whole swarm) reached the round, how
-    long matchmaking took after a cell's last peer came, and the whole matchmaking from its start;
+    and where it goes: over how long a cell's peers (and the whole swarm) ended the epoch and began
+    its round, how long matchmaking took after a cell's last peer began (in s and in DHT read
+    latencies: a loaded box slows every round trip), and the whole matchmaking from its start;
   * where a peer's training time goes, per epoch: compute (forward, backward and the emulated
     rest of ``--step-s``), steps that did not end an epoch, and those that did (its round, or a
     state load); and per-peer samples/s from the first epoch's end on (without the start, when
@@ -88,6 +89,10 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                 left = args.timeout - (time.monotonic() - t0)
                 _, _, obj = kids.wait_for(lambda _n, e: "peer" in e, timeout=max(60.0, left))
                 reports.append(obj)
+        if args.dump:
+            with open(args.dump, "a") as f:
+                for r in reports:
+                    f.write(json.dumps({"mode": mode, "n": n, "peer": r["peer"], "rounds": r["rounds"]}) + "\n")
         if args.verbose:
             for r in sorted(reports, key=lambda r: r["peer"]):
                 rounds = [(e, round(m, 2), g, k) for e, m, g, k, *_ in r["rounds"]]
@@ -102,8 +107,13 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
         for epoch, _, _, key, entered, *_ in rounds:
             cells.setdefault((epoch, key), []).append(entered)
             swarm.setdefault(epoch, []).append(entered)
-        # a round's matchmaking time = waiting for the cell's last peer to arrive + forming after it
-        after = [entered + mm - max(cells[epoch, key]) for epoch, mm, _, key, entered, *_ in rounds]
+        # the matchmaking's own time: from the moment the cell's last peer began its round (they begin
+        # before their epoch's end, each by its own estimate) to our group, in s and in DHT latencies
+        began: dict[tuple[int, str], list[float]] = {}
+        for epoch, _, _, key, _, _, phases in rounds:
+            began.setdefault((epoch, key), []).append(phases["started"])
+        after = [(ph["started"] + whole - max(began[e, k]), ph.get("dht_latency") or float("nan"))
+                 for e, _, _, k, _, whole, ph in rounds]
         spreads = {e: spread_of(out / f"e{e}", args.verbose) for e in range(1, epochs + 1) if (out / f"e{e}").exists()}
         return {"mode": mode, "n": n, "sps": statistics.mean(sps),
                 "steady": statistics.mean(steady) if steady else float("nan"),
@@ -114,7 +124,11 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
                 "group": statistics.mean(x[2] for x in rounds) if rounds else 0.0,
                 "cell_spread": statistics.median(max(v) - min(v) for v in cells.values()) if cells else 0.0,
                 "swarm_spread": statistics.median(max(v) - min(v) for v in swarm.values()) if swarm else 0.0,
-                "after_last": statistics.median(after) if after else float("nan"),
+                "begin_spread": statistics.median(max(v) - min(v) for v in began.values()) if began else 0.0,
+                "after_last": statistics.median(a for a, _ in after) if after else float("nan"),
+                "after_last90": float(np.percentile([a for a, _ in after], 90)) if after else float("nan"),
+                "after_trips": statistics.median(a / lat for a, lat in after) if after else float("nan"),
+                "latency": statistics.median(lat for _, lat in after) if after else float("nan"),
                 "loads": sum(r["state_loads"] for r in reports), "spreads": spreads,
                 **{k: statistics.mean(r.get(k, 0.0) for r in reports) / epochs
                    for k in ("compute_s", "step_s", "round_s")},
@@ -142,12 +156,15 @@ def table(rows: list[dict]) -> None:
               f"{ratio(r['mm'], base['mm'])} | {r['group']:.1f} | {r['loads']} | {r['train_cpu']:.3f} "
               f"({r['train_cpu'] / max(base['train_cpu'], 1e-9):.2f}), {r['cpu']:.3f} | "
               f"{r['load'][0]:.0f}-{r['load'][1]:.0f} |")
-    print("where the time goes (s): | N | peers of a cell arrive over | the whole swarm arrives over "
-          "| matchmaking after a cell's last arrival (medians) | matchmaking from its start (begun early: "
-          "before the epoch's end) | per peer-epoch: compute | other steps "
-          "| epoch-ending steps (rounds, state loads) | samples/s per peer after the first epoch (ratio) |")
+    print("where the time goes (s): | N | a cell's peers end their epoch over | the whole swarm over "
+          "| a cell's peers begin its round over (medians) | matchmaking after the cell's last began (p90; ratio) "
+          "| the same in DHT read latencies (latency s) | matchmaking from its start (begun early: before the "
+          "epoch's end) | per peer-epoch: compute | other steps | epoch-ending steps (rounds, state loads) "
+          "| samples/s per peer after the first epoch (ratio) |")
     for r in rows:
-        print(f"| {r['n']} | {r['cell_spread']:.3f} | {r['swarm_spread']:.3f} | {r['after_last']:.3f} "
+        print(f"| {r['n']} | {r['cell_spread']:.3f} | {r['swarm_spread']:.3f} | {r['begin_spread']:.3f} "
+              f"| {r['after_last']:.3f} ({r['after_last90']:.3f}; {ratio(r['after_last'], base['after_last'])}) "
+              f"| {r['after_trips']:.1f} ({r['latency']:.4f}) "
               f"| {r['mm_whole']:.3f} | {r['compute_s']:.2f} | {r['step_s']:.2f} | {r['round_s']:.2f} "
               f"| {r['steady']:.1f} ({r['steady'] / base['steady']:.2f}) |")
     every = STATE_EVERY[rows[0]["mode"]]
@@ -174,6 +191,8 @@ def main() -> None:
                     help="sync: the round runs while the next epoch's batches are computed (delay_updates)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one N's run may take (default 900)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--dump", help="append every peer's rounds here (JSON lines: epoch, matchmaking s, group, "
+                    "cell, epoch end, whole matchmaking s, its start, its phases)")
     ap.add_argument("--verbose", action="store_true",
                     help="print every peer's rounds (epoch, matchmaking s, group, cell) and distances")
     args = ap.parse_args()

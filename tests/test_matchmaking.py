@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from dht import DHTConfig, DHTError, DHTNode, Host, Identity, RPCError
+from dht import Contact, DHTConfig, DHTError, DHTNode, Host, Identity, RPCError
 from p2ptrain.averaging.claims import parse_entry
 from p2ptrain.averaging.group import Group, Member
 from p2ptrain.averaging.join import JOIN_METHOD
@@ -454,6 +454,48 @@ async def test_a_round_takes_about_two_round_trips_on_a_slow_link(swarm, monkeyp
         starts = await asyncio.gather(*(timed(m, 1.5 * rtt if i == 3 else 0.0) for i, m in enumerate(mms)))
     seen = [(starts[i] + mms[i].last_stats["marks"]["all_seen"] - starts[3]) / rtt for i in range(3)]
     assert max(seen) < 0.9, f"the others saw the last peer {seen} round trips after it started"
+
+
+async def test_entries_go_straight_to_the_mates_so_a_cell_away_from_its_keys_holders_meets_sooner(swarm, monkeypatch):
+    """Two peers of a 12-node swarm meet under a key whose 8 holders they are not (a mixing-grid
+    cell in a large swarm). Told of each other as ``mates``, each writes its entry to the other
+    too: the first sees the late one half a round trip after it started (not at a read's answer,
+    a round trip or more later), and the late one, finding the first's entry on its own node,
+    plans at once, before its first read of the holders comes back."""
+    make, mm = swarm
+    peers = await make(11)
+    everyone = {n.peer_id: Contact(n.peer_id, (n.multiaddrs[0].host, n.multiaddrs[0].port)) for n in peers}
+    round_id = "cell"
+    holders = {c.peer_id for c in DHTNode.nearest(f"{PREFIX}/avg/{SCHEMA.hash}/{round_id}", everyone.values(), 8)}
+    a, b = [n for n in peers if n.peer_id not in holders][:2]  # (3 of the 11 hold no copy)
+    mma, mmb = mm(a), mm(b)
+    assert mma.round_key(round_id) == f"{PREFIX}/avg/{SCHEMA.hash}/{round_id}"
+    rtt = 0.5
+    for node in peers:
+        node.config = dataclasses.replace(node.config, rpc_timeout=4 * rtt)
+    call = Host.call
+
+    async def slow_call(self, *args, **kwargs):
+        await asyncio.sleep(rtt / 2)  # the emulated link, not a synchronisation
+        result = await call(self, *args, **kwargs)
+        await asyncio.sleep(rtt / 2)
+        return result
+
+    monkeypatch.setattr(Host, "call", slow_call)
+
+    async def form(m: Matchmaker, mate: Contact, delay: float) -> float:
+        await asyncio.sleep(delay)  # the scenario: the second peer ends its epoch later
+        start = time.monotonic()
+        await m.form_group(round_id, timeout=8.0, expected=2, mates=[mate])
+        return start
+
+    async with asyncio.timeout(12):
+        sa, sb = await asyncio.gather(form(mma, everyone[b.peer_id], 0.0), form(mmb, everyone[a.peer_id], 1.5 * rtt))
+    assert mma.last_stats["group_size"] == mmb.last_stats["group_size"] == 2
+    seen = (sa + mma.last_stats["marks"]["all_seen"] - sb) / rtt
+    assert seen < 0.9, f"the first saw the late peer {seen:.2f} round trips after it started"
+    assert mmb.last_stats["marks"]["planned"] < 0.5 * rtt, mmb.last_stats["marks"]
+    assert mma.last_stats["after_last"] < mma.last_stats["seconds"] - rtt  # (counted from the late one's arrival)
 
 
 async def test_the_wait_for_an_expected_straggler_follows_the_arrival_spread_of_recent_rounds(swarm):

@@ -414,3 +414,47 @@ def test_a_sync_round_begins_its_matchmaking_when_the_swarm_is_early_lead_from_i
     finally:
         opt._early = None
         opt.close()
+
+
+def test_a_rounds_mates_are_its_cells_peers_that_come_and_can_be_dialed():
+    """The peers a round's entry goes to directly (``Cell.mates``): those of its grid cell that
+    are expected to come and serve at an address; the next dimension's cell (the parameter mix)
+    draws its own from the same reports."""
+    ids = [Identity().peer_id for _ in range(16)]
+    me = ids[0]
+    reports = [PeerReport(p, 0, 0, 1.0, time.time(), "s", addr=None if i == 5 else ("127.0.0.1", 1000 + i))
+               for i, p in enumerate(ids)]
+    late = ids[7].to_bytes()  # (at an older epoch: loading the state, it will not come)
+    view = SwarmView(epoch=3, samples=0, target=64, peers=[r for r in reports if r.peer != ids[7]],
+                     behind=[PeerReport(ids[7], 1, 0, 1.0, time.time(), "s", addr=("127.0.0.1", 1007))])
+    opt = type("Fake", (), {})()
+    opt.mixer = GridMixer(me.to_bytes(), 4)
+    opt.delay_updates = opt.overlap_outer = False
+    for k in (3, 4):
+        cell = rounds.round_cell(opt, view, k)
+        members = opt.mixer.members(k, tuple(p.peer.to_bytes() for p in view.training))
+        assert len(members) == 4 and me.to_bytes() in members
+        want = [p for p in members if p != late and p != ids[5].to_bytes()]
+        assert [c.peer_id.to_bytes() for c in cell.mates] == want
+        assert all(c.addr == ("127.0.0.1", 1000 + ids.index(c.peer_id)) for c in cell.mates)
+        mix = rounds.grid_cell(opt, cell.peers, k + 1, cell.coming, cell.contacts)
+        assert {c.peer_id.to_bytes() for c in mix.mates} <= set(opt.mixer.members(k + 1, cell.peers))
+    small = SwarmView(epoch=3, samples=0, target=64, peers=reports[:4])  # (one group holds it: no grid)
+    assert rounds.round_cell(opt, small, 3).mates == ()
+
+
+def test_the_early_lead_follows_the_time_to_a_group_after_its_last_member_came():
+    """A round begins ``early_lead`` before its epoch's end: 1.5 x the last round's time to its
+    group counted from its last member's arrival, not from our own start (which counts the wait
+    for mates that began later, and made peers that began early begin earlier still)."""
+    stats: dict = {}
+    opt = type("Fake", (), {})()
+    opt.matchmaking_timeout = 6.0
+    opt.averager = type("A", (), {"matchmaker": type("M", (), {"last_stats": stats})()})()
+    assert rounds.early_lead(opt) == 2.0  # (before the first round: a third of the timeout)
+    stats.update(seconds=1.2, after_last=0.3)
+    assert abs(rounds.early_lead(opt) - 0.45) < 1e-9
+    stats.update(after_last=0.01)
+    assert rounds.early_lead(opt) == rounds.EARLY_LEAD
+    stats.update(after_last=5.0)
+    assert rounds.early_lead(opt) == 2.0

@@ -84,6 +84,9 @@ class Board:
         # The schema summary only explains mismatches: publish it without waiting for it.
         self._spawn(self._publish_summary(rnd))
         self._spawn(self._store_entry(rnd, deadline))
+        holders = {c.peer_id for c in rnd.holders}
+        if mates := [c for c in rnd.mates if c.peer_id not in holders]:
+            self._spawn(self._store_at(rnd, mates, deadline))
         # We know fewer peers than a key has holders: each is one (and writes to us if it knows us),
         # and a lookup would ask them only. Nor is one needed while recent lookups found the
         # holders our table named (a lookup asks ~k peers: most of a round's RPCs in a large swarm).
@@ -120,6 +123,15 @@ class Board:
             return
         except DHTError as e:
             log.warning("could not register for round %s: %s", rnd.round_id, e)
+
+    async def _store_at(self, rnd: MatchRound, mates: list[Contact], deadline: float) -> None:
+        """Our entry straight to the peers expected in our group (not holders of the key): it shows
+        in their nodes' ``local`` view half a round trip after it left, without a read."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._store(rnd, mates)
+        except (TimeoutError, DHTError):
+            pass
 
     async def _store(self, rnd: MatchRound, holders: list[Contact] | None) -> None:
         assert rnd.entry_value is not None

@@ -9,12 +9,15 @@ One round, seen from one peer (``Matchmaker.form_group``):
    to *explain* such a mismatch (a warning, once per peer, and ``mismatches()``). The entry goes out
    in the background, at once to the key's holders as our routing table knows them (no lookup
    first: it lands half a round trip later), and to any others a full lookup then finds (none
-   where we know fewer peers than a key's 8 holders: they all are, and we are one).
+   where we know fewer peers than a key's 8 holders: they all are, and we are one); and to the
+   caller's ``mates``, the peers it expects in our group (a mixing-grid cell's others), which in a
+   large swarm hold no copy: it lands on their nodes, where their gathers watch for it.
 2. **Gather.** Read the key every 50 ms, backing off, reads overlapping (up to 4 in flight: on a
    slow link a read that just missed the others' entries must not cost a whole round trip more);
-   the first asks every holder we know, later ones 2 of them. Once it answered, entries written to
-   our own node (a holder of the key, as every peer of a small swarm is) count as they land,
-   without a read (reads still find those of writers that do not know us yet).
+   the first asks every holder we know, later ones 2 of them. Once it answered (or at once, when
+   they hold every peer expected), entries written to our own node (a holder of the key, as every
+   peer of a small swarm is, or a mate) count as they land, without a read (reads still find those
+   of writers that do not know us yet).
    Stop once at least ``min_group_size`` peers are present and the set has not grown for the
    *settle window* ``max(100 ms, 3 x measured DHT read latency, 2 x mean gap between the recent
    arrivals)`` (capped at a fifth of the timeout), or at once when the caller's ``expected`` peers
@@ -55,9 +58,10 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from typing import Any
 
-from dht import DHTNode, PeerID, TaskGroup
+from dht import Contact, DHTNode, PeerID, TaskGroup
 
 from ..addresses import Reach
 from .board import Board
@@ -164,7 +168,8 @@ class Matchmaker(JoinProtocol):
         await self.close()
 
     async def form_group(self, round_id: str | int, timeout: float, expected: int | None = None,
-                         min_size: int | None = None, weight: float | None = None) -> Group:
+                         min_size: int | None = None, weight: float | None = None,
+                         mates: Sequence[Contact] = ()) -> Group:
         """Meet the peers averaging the same round and schema; at most ``timeout`` seconds.
 
         ``expected``: how many peers (us included) the caller knows will come, e.g. from the
@@ -173,6 +178,8 @@ class Matchmaker(JoinProtocol):
         ``min_size``: this round's smallest acceptable group (default ``min_group_size``; at most
         ``target_group_size``): a peer that cannot join one that large returns a group of itself.
         ``weight``: the samples we will average with, declared in our entry (``group.weight_cap``).
+        ``mates``: peers the caller expects in our group (a cell of the mixing grid): our entry goes
+        to them too, besides the key's holders, so that it lands where they watch for it.
         """
         if self._closed:
             raise RuntimeError("matchmaker is closed")
@@ -191,6 +198,7 @@ class Matchmaker(JoinProtocol):
         least = self.min_group_size if min_size is None else max(1, min(min_size, self.target_group_size))
         self._note_spreads()
         rnd = MatchRound(round_id, self.round_key(round_id), least, timeout)
+        rnd.mates = [c for c in mates if c.peer_id != me.peer_id and c.dialable]
         self._rounds[round_id] = rnd
         self._rounds.move_to_end(round_id)
         while len(self._rounds) > _KEPT_ROUNDS:
@@ -219,9 +227,13 @@ class Matchmaker(JoinProtocol):
             rnd.set_state("done")
             if not self._closed:  # (a closed board writes nothing)
                 self._tasks.spawn(self.board.mark_done(rnd))
+            now = loop.time()
+            last = max([started] + [rnd.seen_at.get(m.peer_id, started) for m in group.members])
             self.last_stats = {
-                "round": round_id, "group_size": group.size, "seconds": loop.time() - started,
+                "round": round_id, "group_size": group.size, "seconds": now - started,
+                "after_last": now - last,  # (from the moment the group's last member showed up)
                 "attempts": attempts, "dht_latency": self.latency, "marks": dict(rnd.marks),
+                "started": time.time() - (now - started),
             }
         if group.size == 1:
             log.info("round %s: nobody to average with within %.1f s; keeping our own tensors", round_id, timeout)
@@ -298,18 +310,20 @@ class Matchmaker(JoinProtocol):
                                 continue
                             if peer in failed:  # (counted above when done: a refusing leader is done)
                                 continue
-                            grew = grew or peer not in candidates
+                            if peer not in candidates:
+                                grew = True
+                                rnd.seen_at.setdefault(peer, now)
                             candidates[peer] = entry
                     if grew:
                         last_growth = now
                         period = max(_FIRST_POLL, self.latency)
                         next_read = min(next_read, now + period)
-                    if not answered:
+                    n = len(candidates) + 1
+                    if not answered and (expected is None or n < expected):
                         # (``expected`` comes from a view of the swarm up to a refresh old: a read of the
                         # holders, a round trip, also finds peers that came with us, whom it may miss)
                         continue
                     rnd.mark("first_read")
-                    n = len(candidates) + 1
                     if expected is not None and n >= expected:
                         rnd.mark("all_seen")
                     arrivals = [

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from dht import Contact
 
 from ..averaging import Averager, EarlyStart, StepResult
 from .progress import PeerReport, SwarmView
@@ -64,7 +66,8 @@ def round_cell(opt: DecentralizedOptimizer, view: SwarmView, epoch: int) -> Cell
     """Round ``epoch``'s cell of the grid (its parameter mix, ``epoch + 1``, spans the groups this
     one forms, and the dimension mixed turns every epoch), expecting the peers that will come."""
     coming = frozenset(p.peer.to_bytes() for p in coming_peers(view, epoch, reports_ahead(opt)))
-    return grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch, coming)
+    contacts = {p.peer.to_bytes(): Contact(p.peer, p.addr, relays=p.relays) for p in view.training if p.reach}
+    return grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch, coming, contacts)
 
 
 def _step(opt: DecentralizedOptimizer, cell: Cell, epoch: int, weight: float, expected: int,
@@ -72,7 +75,8 @@ def _step(opt: DecentralizedOptimizer, cell: Cell, epoch: int, weight: float, ex
     # (delayed updates overlap training with the round: snapshots do not wait for it)
     on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
     return opt.averager.step(weight=weight, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
-                             expected=cell.expected if cell.key else expected, on_group=on_group, start=start)
+                             expected=cell.expected if cell.key else expected, on_group=on_group, start=start,
+                             mates=cell.mates)
 
 
 @dataclass
@@ -113,10 +117,13 @@ def early_due(opt: DecentralizedOptimizer, epoch_s: float, left_s: float) -> boo
 
 def early_lead(opt: DecentralizedOptimizer) -> float:
     """How long before our epoch's (or inner phase's) end its round's matchmaking begins: 1.5 x the
-    last one's (from its start to its group), at least ``EARLY_LEAD``, at most a third of the timeout
-    (that third before our first round: at 64 peers a 0.2 s guess left 35 of the first round's 64
-    peers waiting 0.3-0.7 s for their group)."""
-    last = opt.averager.matchmaker.last_stats.get("seconds")
+    last one's time to its group from the moment its last member showed up, at least ``EARLY_LEAD``,
+    at most a third of the timeout (that third before our first round: at 64 peers a 0.2 s guess
+    left 35 of the first round's 64 peers waiting 0.3-0.7 s for their group). Not from our own
+    start: a peer that began early waited for its mates, and began earlier still the next round
+    (a cell's peers then began up to a second apart)."""
+    stats = opt.averager.matchmaker.last_stats
+    last = stats.get("after_last", stats.get("seconds"))
     if last is None:  # (no round yet to go by: the swarm's first rounds meet everyone at once)
         return opt.matchmaking_timeout / 3
     return min(max(EARLY_LEAD, 1.5 * last), opt.matchmaking_timeout / 3)
@@ -135,22 +142,29 @@ def drop_early(opt: DecentralizedOptimizer, stale: bool = False) -> None:
 class Cell:
     """Where a round of ours met: the peers its grid was drawn for, the round's index, its
     cell's key (``""``: the whole swarm under one key, no grid), how many of the peers expected
-    to come it holds (None: not known), and those peers."""
+    to come it holds (None: not known), and those peers; where the peers serve (their reports'
+    addresses), and of those the cell's others expected to come, told of our arrival directly."""
 
     peers: tuple[bytes, ...] = ()
     k: int = 0
     key: str = ""
     expected: int | None = None
     coming: frozenset[bytes] | None = None
+    contacts: Mapping[bytes, Contact] = field(default_factory=dict, compare=False)
+    mates: tuple[Contact, ...] = ()
 
 
 def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int,
-              coming: frozenset[bytes] | None = None) -> Cell:
+              coming: frozenset[bytes] | None = None, contacts: Mapping[bytes, Contact] | None = None) -> Cell:
     """The cell of round ``k`` in a grid drawn for ``peers`` (no grid without a mixer), expecting
-    those of ``coming`` (default: all) it holds."""
+    those of ``coming`` (default: all) it holds; its mates are those of them in ``contacts`` (none
+    without a grid: the whole swarm, whose size no peer's writes may grow with)."""
+    contacts = contacts or {}
+    members = opt.mixer.members(k, peers) if opt.mixer is not None else None
+    mates = tuple(contacts[p] for p in members or () if p in contacts and (coming is None or p in coming))
     if opt.mixer is None:
-        return Cell(peers, k)
-    return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers, coming), coming)
+        return Cell(peers, k, contacts=contacts)
+    return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers, coming), coming, contacts, mates)
 
 
 def cell_reports(opt: DecentralizedOptimizer, view: SwarmView, k: int) -> list[PeerReport]:
@@ -284,7 +298,7 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
     dims = len(opt.mixer.shape(len(cell.peers))) if due and cell.key and opt.mixer is not None else 1
     averaged = False
     for k in range(cell.k + 1, cell.k + 1 + dims):  # (from the dimension after the gradient round's)
-        here = grid_cell(opt, cell.peers, k, cell.coming) if cell.key else cell
+        here = grid_cell(opt, cell.peers, k, cell.coming, cell.contacts) if cell.key else cell
         averaged = _state_round(opt, averager, f"{'s' if due else 'm'}{epoch}{here.key}", here) or averaged
     return averaged
 
@@ -305,9 +319,9 @@ def start_mix(opt: DecentralizedOptimizer, epoch: int, cell: Cell) -> None:
     else:
         torch._foreach_copy_(bufs, params)
     averager = state_averager(opt, "mix", [(f"p{i}", b) for i, b in enumerate(bufs)])
-    here = grid_cell(opt, cell.peers, cell.k + 1, cell.coming)
+    here = grid_cell(opt, cell.peers, cell.k + 1, cell.coming, cell.contacts)
     step = averager.step(weight=1.0, round_id=f"m{epoch}{here.key}", timeout=opt.matchmaking_timeout,
-                         expected=here.expected)
+                         expected=here.expected, mates=here.mates)
     opt._mixing = opt._loop.submit(step)
 
 
@@ -361,7 +375,7 @@ def _state_round(opt: DecentralizedOptimizer, averager: Averager, round_id: str,
 
     step = averager.step(weight=1.0, round_id=round_id, timeout=opt.matchmaking_timeout,
                          expected=cell.expected if cell.key else opt._last_expected, on_group=opt._settled.clear,
-                         lock=opt._state_lock, on_write=written)
+                         lock=opt._state_lock, on_write=written, mates=cell.mates)
     future = opt._loop.submit(step)
     try:
         result = round_result(opt, future)

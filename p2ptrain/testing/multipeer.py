@@ -39,7 +39,7 @@ from ..tasks import get_task
 class TimedOptimizer(DecentralizedOptimizer):
     """Records each gradient round's matchmaking time and group size."""
 
-    rounds: list[tuple[int, float, int, str, float, float]]
+    rounds: list[tuple[int, float, int, str, float, float, dict[str, Any]]]
 
     def _average(self, epoch: int, samples: int, view: SwarmView) -> Future[StepResult | None]:
         entered = time.time()  # (wall clock: peers in other processes arrive at the same cell)
@@ -49,7 +49,10 @@ class TimedOptimizer(DecentralizedOptimizer):
         def done(f: Future[StepResult | None]) -> None:
             result = None if f.cancelled() or f.exception() is not None else f.result()
             if result is not None:
-                self.rounds.append((epoch, result.matchmaking_s, result.group_size, key, entered, result.group_s))
+                st = self.averager.matchmaker.last_stats  # (this round's: a peer's rounds run one at a time)
+                phases = {k: st[k] for k in ("started", "marks", "dht_latency", "after_last") if k in st}
+                self.rounds.append((epoch, result.matchmaking_s, result.group_size, key, entered, result.group_s,
+                                    phases))
 
         future.add_done_callback(done)
         return future
