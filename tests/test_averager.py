@@ -155,16 +155,8 @@ async def test_views_of_one_buffer_are_averaged_in_it_and_others_a_slice_at_a_ti
         await asyncio.gather(a0.close(), a1.close())
 
 
-async def test_an_early_start_forms_the_group_first_and_averages_once_the_data_are_in(nodes):
-    """``step(start=...)``: matchmaking runs before the data (the tensors are not touched), the
-    all-reduce once every member said ``go`` with its weight; the wait for the group after that is
-    nothing when it formed before. A peer that leaves instead keeps its tensors and does not hang."""
-    peers = await nodes(3)
-    loop = asyncio.get_running_loop()
-    tensors = [torch.full((64,), -1.0) for _ in peers]  # (placeholders: an average of these is a bug)
-    fast = AllReduceConfig(join_timeout=1.0)  # (the members of a group the leaver formed wait this long for it)
-    avgs = [Averager(nd, "early", [t], codec="none", target_group_size=8, allreduce_config=fast)
-            for nd, t in zip(peers, tensors)]
+def hook_formed(avgs: list[Averager]) -> list[asyncio.Event]:
+    """An event per averager, set once its matchmaking formed a group."""
     formed = [asyncio.Event() for _ in avgs]
     for avg, event in zip(avgs, formed):
         form = avg.matchmaker.form_group
@@ -175,6 +167,20 @@ async def test_an_early_start_forms_the_group_first_and_averages_once_the_data_a
             return group
 
         avg.matchmaker.form_group = formed_then_set
+    return formed
+
+
+async def test_an_early_start_forms_the_group_first_and_averages_once_the_data_are_in(nodes):
+    """``step(start=...)``: matchmaking runs before the data (the tensors are not touched), the
+    all-reduce once every member said ``go`` with its weight; the wait for the group after that is
+    nothing when it formed before. A peer that leaves instead keeps its tensors and does not hang."""
+    peers = await nodes(3)
+    loop = asyncio.get_running_loop()
+    tensors = [torch.full((64,), -1.0) for _ in peers]  # (placeholders: an average of these is a bug)
+    fast = AllReduceConfig(join_timeout=1.0)  # (the members of a group the leaver formed wait this long for it)
+    avgs = [Averager(nd, "early", [t], codec="none", target_group_size=8, allreduce_config=fast)
+            for nd, t in zip(peers, tensors)]
+    formed = hook_formed(avgs)
     try:
         async with asyncio.timeout(30):
             starts = [EarlyStart(loop) for _ in avgs]
@@ -215,6 +221,40 @@ async def test_an_early_start_forms_the_group_first_and_averages_once_the_data_a
             assert torch.equal(tensors[2], kept)
             with pytest.raises(ValueError, match="weight"):
                 EarlyStart(loop).go(float("nan"))
+    finally:
+        await asyncio.gather(*(a.close() for a in avgs))
+
+
+async def test_a_member_that_leaves_a_round_begun_early_tells_the_others_who_go_on_at_once(nodes):
+    """A member whose data never come (it loaded a state meanwhile) leaves the group it formed early
+    and tells the others: they average without it at once, instead of waiting ``join_timeout`` (5 s)
+    for its parts; its shard is the one part left unaveraged."""
+    peers = await nodes(3)
+    loop = asyncio.get_running_loop()
+    tensors = [torch.full((64,), float(i)) for i in range(3)]
+    avgs = [Averager(nd, "leaves", [t], codec="none", target_group_size=8) for nd, t in zip(peers, tensors)]
+    formed = hook_formed(avgs)
+    try:
+        async with asyncio.timeout(30):
+            starts = [EarlyStart(loop) for _ in avgs]
+            steps = [asyncio.create_task(a.step(weight=1.0, round_id="r", expected=3, start=s))
+                     for a, s in zip(avgs, starts)]
+            await asyncio.gather(*(e.wait() for e in formed))
+            starts[2].leave()
+            t0 = loop.time()
+            for s in starts[:2]:
+                s.go(1.0)
+            results = await asyncio.gather(*steps[:2])
+            waited = loop.time() - t0
+            assert (await steps[2]).group_size == 1 and torch.equal(tensors[2], torch.full((64,), 2.0))
+        assert waited < AllReduceConfig().join_timeout / 2, waited
+        for r, t, own in zip(results, tensors, (0.0, 1.0)):
+            leaver = r.members.index(peers[2].peer_id)
+            assert r.group_size == 3 and set(r.failed) <= {leaver}, r.failed
+            for shard in r.allreduce.shards:  # (the stayers' shards averaged, the leaver's not)
+                value = own if shard.owner == leaver else 0.5
+                assert shard.status == ("failed" if shard.owner == leaver else "ok")
+                assert bool((t[shard.start:shard.end] == value).all()), (shard, t)
     finally:
         await asyncio.gather(*(a.close() for a in avgs))
 

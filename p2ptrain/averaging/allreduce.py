@@ -20,18 +20,19 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from dht import Host, PeerID, Stream, TaskGroup, usable_cpus
+from dht import DHTError, Host, PeerID, Stream, TaskGroup, usable_cpus
 
 from ..compression import Codec, CompressionError, get_codec
 from ..compression.base import abs_max
 from ..deadlines import ROUND, LinkMeter
 from .audit import AUDIT_PROTOCOL, AuditConfig, audit_round
 from .audit import serve as serve_audit
-from .group import Group
+from .group import Group, Member
 from .ledger import Ledger
 from .robust import MIN_ROBUST_GROUP, check_aggregation, check_codec
 from .protocol import PROTOCOL
@@ -47,6 +48,9 @@ POOL_IDLE = 60.0
 
 #: streams one peer may have waiting for rounds that have not started here (see _on_stream)
 MAX_WAITING_PER_PEER = 4
+LEFT_METHOD = "p2ptrain.ar.left"  # a member tells the others it takes no part in rounds (leave)
+MAX_LEFT_GROUPS = 256  # group ids one leave notice may name (a slice each)
+LEFT_TIMEOUT = 5.0  # s: telling a member we left is best effort
 
 
 def _noop() -> None:
@@ -78,6 +82,8 @@ class AllReduceService:
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._waiting_by_peer: collections.Counter[PeerID] = collections.Counter()  # streams waiting, per sender
         self._finished: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        #: members that said they left a round not started here yet (``leave``), per group id
+        self._left: collections.OrderedDict[bytes, set[PeerID]] = collections.OrderedDict()
         self._tasks = TaskGroup("all-reduce service", log=log)  # rounds and stream handlers, while they run
         self._closed = False
         # One shard-sized accumulator kept between rounds: a fresh 100+ MB tensor costs a page
@@ -169,6 +175,7 @@ class AllReduceService:
         self.resources.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce")
         self.host.on_stream(PROTOCOL, self._on_stream)
         self.host.on_stream(AUDIT_PROTOCOL, self._on_audit_stream)
+        self.host.on_request(LEFT_METHOD, self._on_left)
 
     async def __aenter__(self) -> AllReduceService:
         await self.start()
@@ -184,6 +191,7 @@ class AllReduceService:
         self._closed = True
         self.host.off_stream(PROTOCOL)
         self.host.off_stream(AUDIT_PROTOCOL)
+        self.host.off_request(LEFT_METHOD, self._on_left)
         for rnd in list(self._rounds.values()):
             rnd.abort("all-reduce service closing")
         await self._tasks.close()
@@ -256,7 +264,7 @@ class AllReduceService:
                 return
             rnd = self._rounds.get(gid)
             if rnd is None:
-                if gid in self._finished:
+                if gid in self._finished:  # (or left: see leave)
                     stream.reset("round already finished")
                     return
                 peer = stream.peer_id
@@ -274,6 +282,9 @@ class AllReduceService:
                 self._waiting_by_peer[peer] += 1
                 try:
                     rnd = await asyncio.wait_for(asyncio.shield(fut), self.accept_wait)
+                    if rnd is None:
+                        stream.reset("this member left the round")
+                        return
                 except TimeoutError:
                     if self._waiting.get(gid) is fut:
                         del self._waiting[gid]
@@ -285,6 +296,48 @@ class AllReduceService:
                     if not self._waiting_by_peer[peer]:
                         del self._waiting_by_peer[peer]
             await rnd.serve_sender(stream)
+
+    # ------------------------------------------------------------------ leaving a round
+    def leave(self, group: Group, gids: Sequence[bytes]) -> None:
+        """We take no part in the rounds ``gids`` of ``group`` after all (a round begun early whose
+        data never came): their streams to us are refused at once, and the other members are told,
+        so that they stop waiting for our parts instead of sitting out ``join_timeout``."""
+        if self._closed:
+            return
+        for gid in gids:
+            self._finished[gid] = None
+            waiting = self._waiting.pop(gid, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(None)
+        while len(self._finished) > 1024:
+            self._finished.popitem(last=False)
+        args = {"g": list(gids[:MAX_LEFT_GROUPS])}
+        for m in group.members:
+            if m.peer_id != self.host.peer_id and m.reach:
+                self._tasks.spawn(self._tell_left(m, args))
+
+    async def _tell_left(self, member: Member, args: dict[str, Any]) -> None:
+        try:
+            await self.host.call(member.peer_id, member.addr, LEFT_METHOD, args, timeout=LEFT_TIMEOUT,
+                                 relays=member.relays)
+        except (DHTError, OSError) as e:  # (an older peer answers no such method: it times out as before)
+            log.debug("could not tell %s we left: %s", member.peer_id, e)
+
+    async def _on_left(self, conn: Any, args: Any) -> None:
+        """A member left rounds of ours (untrusted: only its own place in groups it is a member of)."""
+        gids = args.get("g") if isinstance(args, dict) else None
+        if not isinstance(gids, list) or len(gids) > MAX_LEFT_GROUPS or conn.remote_peer is None:
+            raise ValueError("malformed leave notice")
+        for gid in gids:
+            if not isinstance(gid, bytes) or len(gid) > 64:
+                raise ValueError("malformed leave notice")
+            rnd = self._rounds.get(gid)
+            if rnd is not None:
+                rnd.member_left(conn.remote_peer)  # (a peer not in the group is ignored there)
+            elif gid not in self._finished:  # not started here yet: it starts without that member
+                self._left.setdefault(gid, set()).add(conn.remote_peer)
+                while len(self._left) > 1024:
+                    self._left.popitem(last=False)
 
     # ------------------------------------------------------------------ rounds
     async def run(self, group: Group, my_rank: int, flat: torch.Tensor, weight: float = 1.0,
@@ -348,6 +401,8 @@ class AllReduceService:
         if aggregation != "mean" and self.audit.chunks > 0 and group.size >= MIN_ROBUST_GROUP:
             ledger = rnd.ctx.ledger = self._new_ledger(rnd, weight, codec)
         self._rounds[gid] = rnd
+        for peer in self._left.pop(gid, ()):
+            rnd.member_left(peer)
         waiting = self._waiting.pop(gid, None)
         if waiting is not None and not waiting.done():
             waiting.set_result(rnd)

@@ -71,7 +71,8 @@ class StepResult:
 class EarlyStart:
     """A round whose matchmaking begins before its tensors hold the data (``Averager.step(start=)``),
     so that the group is formed by the time they do (hivemind's pre-scheduled steps): from any
-    thread, ``go(weight)`` once the data are in, or ``leave()`` to take no part after all."""
+    thread, ``go(weight)`` once the data are in, or ``leave()`` to take no part after all (a group
+    formed meanwhile is told, and its others average without us at once)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
@@ -197,7 +198,8 @@ class Averager:
         the group's average. ``start``: matchmaking begins now, declaring ``weight`` (the most we
         will average with), and the all-reduce once ``start.go(w)`` says the tensors hold the data
         (``matchmaking_s`` is then the wait for the group after that, ``group_s`` the whole); with
-        no ``go`` within ``timeout`` of the group, we leave it (a group of ourselves, nothing written).
+        no ``go`` within ``timeout`` of the group, we leave it (a group of ourselves, nothing written;
+        its others are told, see ``AllReduceService.leave``).
         ``mates``: peers expected in our group, told of our arrival directly; ``ready_at``: when our
         data will be in, declared to them (see ``Matchmaker.form_group``)."""
         if not self._started:
@@ -225,7 +227,10 @@ class Averager:
                 go = await asyncio.wait_for(start.wait(), timeout or self.matchmaking_timeout)
             except TimeoutError:
                 go = None
-            if go is None:  # we left (a group formed goes on without us)
+            if go is None:  # we left: the group's others go on without us, told so at once
+                if group.size > 1:
+                    slices = -(-self.schema.numel // self._slice_numel)
+                    self.service.leave(group, [slice_group(group, k).group_id for k in range(slices)])
                 return StepResult(rid, 1, [self.dht.peer_id], group_s=group_s)
             weight, ready = go  # (the wait for the group counts from the moment the data were in)
             t0, t1 = ready, max(ready, t1)

@@ -310,6 +310,14 @@ class Owner:
                          ctx.group.group_id.hex()[:8], j, why)
             self.changed.set()
 
+    def left(self, j: int) -> None:
+        """``j`` said it left the round before sending anything (``AllReduceService.leave``): stop
+        waiting for its part of our shard."""
+        if j in self.expected and j not in self.incoming and j not in self.rejected:
+            self.rejected.add(j)
+            self.ctx.fail(j, "left the round before sending its part")
+            self.changed.set()
+
     def abort(self, reason: str) -> None:
         """Reset every stream whose exchange did not finish (finished ones are left alone: the
         remote may still be reading what we wrote before our EOF)."""

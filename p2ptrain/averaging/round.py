@@ -69,6 +69,15 @@ class Round:
             return
         await self.owner.serve(stream, rank)
 
+    def member_left(self, peer: PeerID) -> None:
+        """``peer`` (a member, or ignored) left the round before its data were in."""
+        try:
+            j = self.ctx.group.rank_of(peer)
+        except KeyError:
+            return
+        if self.owner is not None and j != self.ctx.rank:
+            self.owner.left(j)
+
     def _on_disconnect(self, peer: PeerID) -> None:
         """The last connection to ``peer`` closed. If it is a member that has not opened its
         stream to us yet, it never will: this catches the member that dies after our own
