@@ -92,7 +92,8 @@ def run(mode: str, n: int, args: argparse.Namespace) -> dict:
         if args.dump:
             with open(args.dump, "a") as f:
                 for r in reports:
-                    f.write(json.dumps({"mode": mode, "n": n, "peer": r["peer"], "rounds": r["rounds"]}) + "\n")
+                    f.write(json.dumps({"mode": mode, "n": n, "peer": r["peer"], "rounds": r["rounds"],
+                                        "ends": r.get("ends", [])}) + "\n")
         if args.verbose:
             for r in sorted(reports, key=lambda r: r["peer"]):
                 rounds = [(e, round(m, 2), g, k) for e, m, g, k, *_ in r["rounds"]]
@@ -192,7 +193,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one N's run may take (default 900)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--dump", help="append every peer's rounds here (JSON lines: epoch, matchmaking s, group, "
-                    "cell, epoch end, whole matchmaking s, its start, its phases)")
+                    "cell, epoch end, whole matchmaking s, its start, its phases) and epoch-ending steps' seconds")
     ap.add_argument("--verbose", action="store_true",
                     help="print every peer's rounds (epoch, matchmaking s, group, cell) and distances")
     args = ap.parse_args()

@@ -497,7 +497,6 @@ async def test_entries_go_straight_to_the_mates_so_a_cell_away_from_its_keys_hol
     seen = (sa + mma.last_stats["marks"]["all_seen"] - sb) / rtt
     assert seen < 0.9, f"the first saw the late peer {seen:.2f} round trips after it started"
     assert mmb.last_stats["marks"]["planned"] < 0.5 * rtt, mmb.last_stats["marks"]
-    assert mma.last_stats["after_last"] < mma.last_stats["seconds"] - rtt  # (counted from the late one's arrival)
     assert mmb.arrived(round_id)[a.peer_id].ready_at == sa + 100.0  # (what a mate declared, on our node)
     assert set(mmb.arrived(round_id)) == {a.peer_id}
 

@@ -497,20 +497,3 @@ def test_a_rounds_mates_are_its_cells_peers_that_come_and_can_be_dialed():
         assert {c.peer_id.to_bytes() for c in mix.mates} <= set(opt.mixer.members(k + 1, cell.peers))
     small = SwarmView(epoch=3, samples=0, target=64, peers=reports[:4])  # (one group holds it: no grid)
     assert rounds.round_cell(opt, small, 3).mates == ()
-
-
-def test_the_early_lead_follows_the_time_to_a_group_after_its_last_member_came():
-    """A round begins ``early_lead`` before its epoch's end: 1.5 x the last round's time to its
-    group counted from its last member's arrival, not from our own start (which counts the wait
-    for mates that began later, and made peers that began early begin earlier still)."""
-    stats: dict = {}
-    opt = type("Fake", (), {})()
-    opt.matchmaking_timeout = 6.0
-    opt.averager = type("A", (), {"matchmaker": type("M", (), {"last_stats": stats})()})()
-    assert rounds.early_lead(opt) == 2.0  # (before the first round: a third of the timeout)
-    stats.update(seconds=1.2, after_last=0.3)
-    assert abs(rounds.early_lead(opt) - 0.45) < 1e-9
-    stats.update(after_last=0.01)
-    assert rounds.early_lead(opt) == rounds.EARLY_LEAD
-    stats.update(after_last=5.0)
-    assert rounds.early_lead(opt) == 2.0

@@ -238,10 +238,8 @@ class Matchmaker(JoinProtocol):
             if not self._closed:  # (a closed board writes nothing)
                 self._tasks.spawn(self.board.mark_done(rnd))
             now = loop.time()
-            last = max([started] + [rnd.seen_at.get(m.peer_id, started) for m in group.members])
             self.last_stats = {
                 "round": round_id, "group_size": group.size, "seconds": now - started,
-                "after_last": now - last,  # (from the moment the group's last member showed up)
                 "attempts": attempts, "dht_latency": self.latency, "marks": dict(rnd.marks),
                 "started": time.time() - (now - started),
             }
@@ -320,9 +318,7 @@ class Matchmaker(JoinProtocol):
                                 continue
                             if peer in failed:  # (counted above when done: a refusing leader is done)
                                 continue
-                            if peer not in candidates:
-                                grew = True
-                                rnd.seen_at.setdefault(peer, now)
+                            grew = grew or peer not in candidates
                             candidates[peer] = entry
                     if grew:
                         last_growth = now

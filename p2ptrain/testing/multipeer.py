@@ -50,7 +50,7 @@ class TimedOptimizer(DecentralizedOptimizer):
             result = None if f.cancelled() or f.exception() is not None else f.result()
             if result is not None:
                 st = self.averager.matchmaker.last_stats  # (this round's: a peer's rounds run one at a time)
-                phases = {k: st[k] for k in ("started", "marks", "dht_latency", "after_last") if k in st}
+                phases = {k: st[k] for k in ("started", "marks", "dht_latency") if k in st}
                 self.rounds.append((epoch, result.matchmaking_s, result.group_size, key, entered, result.group_s,
                                     phases))
 
@@ -83,6 +83,7 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
         batches = task.batches(bs, seed=1, rank=index, world=world)
         samples, epoch, t_start = 0, 0, time.perf_counter()
         spent = {"compute_s": 0.0, "step_s": 0.0, "round_s": 0.0}  # where the training time goes
+        ends: list[tuple[int, float]] = []  # each epoch-ending step: the epoch it ended, its seconds
         while opt.epoch < cfg["epochs"]:
             t0 = time.perf_counter()
             task.loss(model, next(batches)).backward()
@@ -93,6 +94,8 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
             t2 = time.perf_counter()
             spent["compute_s"] += t1 - t0
             spent["round_s" if opt.epoch != epoch else "step_s"] += t2 - t1
+            if opt.epoch != epoch:
+                ends.append((epoch, round(t2 - t1, 4)))
             samples += bs
             if opt.epoch != epoch:
                 if epoch == 0:  # (the first epoch's end: where the run's steady part starts)
@@ -101,7 +104,7 @@ def run_peer(index: int, cfg: dict[str, Any], dht: DHT, report: dict[str, Any]) 
                 folder = out / f"e{epoch}"
                 folder.mkdir(parents=True, exist_ok=True)
                 flat(model).numpy().tofile(folder / f"p{index}.f32")
-        report.update(spent, samples=samples, train_s=time.perf_counter() - t_start, rounds=opt.rounds,
+        report.update(spent, samples=samples, train_s=time.perf_counter() - t_start, rounds=opt.rounds, ends=ends,
                       state_loads=opt.stats.state_loads, cpu_trained=time.process_time())
         opt.finish_round()
         opt.drain(timeout=cfg.get("linger_s", 60.0))  # (stragglers load our state before we leave)
