@@ -14,8 +14,6 @@ import torch
 
 from p2ptrain import DecentralizedOptimizer
 from p2ptrain.averaging import StepResult
-from p2ptrain.averaging.claims import Entry
-from p2ptrain.averaging.group import Member
 from dht import Identity
 from p2ptrain.optim import diloco_step, rounds, sync_step
 from p2ptrain.optim.progress import PeerReport, SwarmView
@@ -315,11 +313,8 @@ def test_a_diloco_round_begins_its_matchmaking_before_the_first_end_in_its_cell(
         def leave(self) -> None:
             left.append(self.epoch)
 
-    said: list[float | None] = []
-
-    def begin(o, epoch: int, weight: float, view: SwarmView, ready_at: float | None = None) -> None:
+    def begin(o, epoch: int, weight: float, view: SwarmView) -> None:
         begun.append((epoch, weight))
-        said.append(ready_at)
         o._early = rounds.Early(epoch, rounds.Cell(), 2, Start(epoch), Future())
 
     monkeypatch.setattr(diloco_step, "begin_early", begin)
@@ -343,63 +338,12 @@ def test_a_diloco_round_begins_its_matchmaking_before_the_first_end_in_its_cell(
         assert begun == []  # (our phase, 10**6 steps, and our mate's end far off; a stranger's is not ours)
         step_with(rep(me), rep(mate, soon), rep(stranger), rep(rest))
         assert begun == [(0, 16 * 10**6)]  # the samples of the steps left: 2 taken, 10**6 - 2 left, and this one
-        assert said == [soon]  # (declared in our entry: when our data will be in)
         step_with(rep(me), rep(mate, soon), rep(stranger), rep(rest))
         assert len(begun) == 1 and left == []  # once an epoch
         opt.epoch = 1  # (as a loaded state leaves it)
         step_with(rep(me), rep(mate, soon), rep(stranger), rep(rest))
         assert left == [0] and opt._early is None and len(begun) == 1
     finally:
-        opt.close()
-
-
-def test_a_mates_entry_on_our_node_tells_when_its_data_are_in_sooner_than_its_report(swarm, monkeypatch):  # noqa: F811
-    """A cell mate that began its round early wrote its entry to our node, with the time its data
-    will be in: our round begins by that time, and our inner phase ends once it has come, though
-    the mate's progress report (the view) does not say it yet. A stranger's entry, or one of
-    another epoch's round, changes nothing."""
-    model, opt, me, mate, stranger, rest = diloco_in_a_grid_of_four(swarm(), "dlentry")
-    gen = torch.Generator().manual_seed(0)
-    begun: list[float | None] = []
-    ended: list[str] = []
-    entries: dict[str, dict] = {}
-
-    def begin(o, epoch: int, weight: float, view: SwarmView, ready_at: float | None = None) -> None:
-        begun.append(ready_at)
-        o._early = rounds.Early(epoch, rounds.Cell(), 2, None, Future())
-
-    monkeypatch.setattr(diloco_step, "begin_early", begin)
-    monkeypatch.setattr(opt, "_outer_step", lambda view: ended.append("outer"))
-    monkeypatch.setattr(opt.averager.matchmaker, "arrived", lambda round_id: entries.get(round_id, {}))
-    reports = [PeerReport(p, 0, 0, 1.0, time.time(), "s", addr=("127.0.0.1", 1)) for p in (me, mate, stranger, rest)]
-    view = SwarmView(epoch=0, samples=0, target=64, peers=reports)
-    monkeypatch.setattr(opt.tracker, "estimate", lambda: view)
-    ours = rounds.round_id(opt, view, 0)
-
-    def entry(peer, ready_at: float) -> Entry:
-        return Entry(Member(peer, ("127.0.0.1", 1)), time.time(), 5.0, False, ready_at)
-
-    def step() -> None:
-        loss_of(model, batch(gen)).backward()
-        opt.step()
-        opt.zero_grad()
-
-    try:
-        lead = rounds.early_lead(opt)
-        soon = time.time() + lead / 2
-        entries[ours] = {stranger: entry(stranger, soon)}
-        entries[rounds.round_id(opt, view, 1)] = {mate: entry(mate, soon)}
-        step()
-        assert begun == [] and ended == []
-        entries[ours] = {stranger: entry(stranger, soon), mate: entry(mate, soon)}
-        step()
-        assert begun == [soon] and ended == []
-        opt._early = None
-        entries[ours] = {mate: entry(mate, time.time() - 0.01)}  # (its data are in: it waits for ours)
-        step()
-        assert ended == ["outer"]
-    finally:
-        opt._early = None
         opt.close()
 
 

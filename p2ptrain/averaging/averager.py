@@ -185,7 +185,7 @@ class Averager:
                    timeout: float | None = None, expected: int | None = None,
                    on_group: Callable[[], None] | None = None, lock: AbstractContextManager | None = None,
                    on_write: Callable[[], None] | None = None, start: EarlyStart | None = None,
-                   mates: Sequence[Contact] = (), ready_at: float | None = None) -> StepResult:
+                   mates: Sequence[Contact] = ()) -> StepResult:
         """Average once. Peers meet by ``round_id`` (default: this averager's step counter, so
         peers that step together meet); ``timeout`` bounds the matchmaking; ``expected`` (peers
         known to come, us included) lets matchmaking stop as soon as they are all there. Under a
@@ -200,8 +200,7 @@ class Averager:
         (``matchmaking_s`` is then the wait for the group after that, ``group_s`` the whole); with
         no ``go`` within ``timeout`` of the group, we leave it (a group of ourselves, nothing written;
         its others are told, see ``AllReduceService.leave``).
-        ``mates``: peers expected in our group, told of our arrival directly; ``ready_at``: when our
-        data will be in, declared to them (see ``Matchmaker.form_group``)."""
+        ``mates``: peers expected in our group, told of our arrival directly (``Matchmaker.form_group``)."""
         if not self._started:
             await self.start()
         if not (weight > 0 and weight < float("inf")):
@@ -214,8 +213,7 @@ class Averager:
             # a pair cannot outvote a hostile member: see robust.py (a 2-peer swarm still pairs up)
             min_size = max(self.matchmaker.min_group_size, MIN_ROBUST_GROUP)
         group = await self.matchmaker.form_group(rid, timeout or self.matchmaking_timeout, expected, min_size,
-                                                 weight=weight, mates=mates,  # (weight declared: a cap)
-                                                 ready_at=ready_at)
+                                                 weight=weight, mates=mates)  # (declared: caps weights)
         t1 = time.perf_counter()
         group_s = t1 - t0
         if (latency := self.matchmaker.board.measured_latency) is not None:  # the round's deadline counts it

@@ -78,8 +78,6 @@ class Board:
         it lands."""
         now_wall = time.time()
         rnd.entry_value = {"v": _VERSION, "m": me.to_wire(), "t": now_wall, "w": float(timeout), "d": False}
-        if rnd.ready_at is not None:
-            rnd.entry_value["e"] = float(rnd.ready_at)
         rnd.entry_expiration = now_wall + timeout + _LINGER
         known = self.node.nearest_known(rnd.key)
         rnd.holders = known[:_HOLDERS]
@@ -199,11 +197,8 @@ class Board:
     def local(self, rnd: MatchRound) -> dict[PeerID, Entry]:
         """The entries our own node holds (no RPC): on a holder of the round's key (every peer of a
         small swarm), a peer's entry shows here as soon as its write lands."""
-        return self.local_at(rnd.key)
-
-    def local_at(self, key: str) -> dict[PeerID, Entry]:
-        """As ``local``, for a round's key, whether or not we take part in it yet."""
-        return _parsed(self.node.local_owned(key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES))
+        values = self.node.local_owned(rnd.key, _MEMBER_SUBKEY, max_size=_MAX_ENTRY_BYTES)
+        return _parsed(values)
 
     async def registered(self, rnd: MatchRound, deadline: float) -> dict[PeerID, Member]:
         return {p: e.member for p, e in (await self.read(rnd, deadline)).items()}

@@ -32,7 +32,6 @@ class Entry:
     arrived: float  # unix time, as the peer declared it
     wait: float  # seconds the peer waits from its arrival
     done: bool  # the peer has its group (or gave up): not a candidate any more
-    ready_at: float | None = None  # unix time its data will be in, as it declared it (None: not said)
 
 
 def parse_entry(value: object, owner: PeerID) -> Entry | None:
@@ -51,11 +50,7 @@ def parse_entry(value: object, owner: PeerID) -> Entry | None:
             return None
     if not 0 <= wait <= 86_400 or not isinstance(done, bool):
         return None
-    ready = value.get("e")
-    if ready is not None and (isinstance(ready, bool) or not isinstance(ready, (int, float))
-                              or not math.isfinite(ready)):
-        return None
-    return Entry(member, float(arrived), float(wait), done, None if ready is None else float(ready))
+    return Entry(member, float(arrived), float(wait), done)
 
 
 def join_reply_group(reply: object, me: PeerID, leader: PeerID) -> Group | None:

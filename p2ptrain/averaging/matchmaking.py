@@ -152,13 +152,6 @@ class Matchmaker(JoinProtocol):
         """Peer id (base58) -> a sentence explaining how its schema differs from ours."""
         return self.board.mismatches()
 
-    def arrived(self, round_id: str | int) -> dict[PeerID, Entry]:
-        """The other peers' entries for a round that our node holds (no RPC; before we take part in
-        it too): those of our mates, who write theirs to us, and of any peer if we hold the key."""
-        entries = self.board.local_at(self.round_key(round_id))
-        entries.pop(self.node.peer_id, None)
-        return entries
-
     async def close(self) -> None:
         self._closed = self.board.closed = True
         JoinDispatcher.unregister(self.node.host, self)
@@ -176,7 +169,7 @@ class Matchmaker(JoinProtocol):
 
     async def form_group(self, round_id: str | int, timeout: float, expected: int | None = None,
                          min_size: int | None = None, weight: float | None = None,
-                         mates: Sequence[Contact] = (), ready_at: float | None = None) -> Group:
+                         mates: Sequence[Contact] = ()) -> Group:
         """Meet the peers averaging the same round and schema; at most ``timeout`` seconds.
 
         ``expected``: how many peers (us included) the caller knows will come, e.g. from the
@@ -187,8 +180,6 @@ class Matchmaker(JoinProtocol):
         ``weight``: the samples we will average with, declared in our entry (``group.weight_cap``).
         ``mates``: peers the caller expects in our group (a cell of the mixing grid): our entry goes
         to them too, besides the key's holders, so that it lands where they watch for it.
-        ``ready_at``: when our data will be in (unix time; a round begun early), declared in our
-        entry: a mate that sees it there (``arrived``) may end its own work then too.
         """
         if self._closed:
             raise RuntimeError("matchmaker is closed")
@@ -208,7 +199,6 @@ class Matchmaker(JoinProtocol):
         self._note_spreads()
         rnd = MatchRound(round_id, self.round_key(round_id), least, timeout)
         rnd.mates = [c for c in mates if c.peer_id != me.peer_id and c.dialable]
-        rnd.ready_at = ready_at
         self._rounds[round_id] = rnd
         self._rounds.move_to_end(round_id)
         while len(self._rounds) > _KEPT_ROUNDS:

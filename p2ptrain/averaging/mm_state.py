@@ -48,7 +48,6 @@ class MatchRound:
         self.settle = MIN_SETTLE  # the last settle window used while gathering
         self.holders: list[Contact] = []  # peers that store the round's key (routing table, then lookups)
         self.mates: list[Contact] = []  # peers expected in our group: our entry goes to them too
-        self.ready_at: float | None = None  # unix time our data will be in (declared in our entry)
         self.reads = 0
         self.looked_up = asyncio.Event()  # the full lookup of the key is over: rnd.holders is its answer
         self.started = time.monotonic()

@@ -24,7 +24,7 @@ import torch
 from .catch_up import fall_behind
 from .outer_swap import eager_start, land_overlapped, swap_back, swap_out
 from .progress import SwarmView
-from .rounds import (apply_mix, begin_early, cell_reports, drop_early, early_due, mates_ready_at, missed_round,
+from .rounds import (apply_mix, begin_early, cell_reports, drop_early, early_due, missed_round,
                      others_hold_our_epoch, round_result, state_round_due)
 from .shared_state import maybe_checkpoint
 from .warmup import warmed_step
@@ -87,9 +87,7 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
     # phase should be over by its own estimate is taken as ready: its ready report would reach
     # us a notice or a poll later; not long after, though: by then it stalled or died)
     now = time.time()
-    said = mates_ready_at(opt, view, opt.epoch, mates)  # (by mates that began the round already)
-    others_ready = any(due(t, now) for t in said) or any(
-        p.epoch > opt.epoch or (p.epoch == opt.epoch and (p.ready or due(p.eta, now))) for p in mates)
+    others_ready = any(p.epoch > opt.epoch or (p.epoch == opt.epoch and (p.ready or due(p.eta, now))) for p in mates)
     if opt._local_steps_done >= opt.local_steps or others_ready:
         opt._outer_step(view)
     else:
@@ -97,12 +95,11 @@ def diloco_step(opt: DecentralizedOptimizer, bs: int) -> None:
         opt.tracker.report(opt.epoch, opt.local_samples, opt._sps, eta=eta)
         # our phase ends at our eta or at the first of our cell mates' (see others_ready): the
         # round's matchmaking begins early_lead before that, at about the same time on all of them
-        ends = [e for e in (eta, *said, *(p.eta for p in mates if p.epoch == opt.epoch)) if e is not None and e > now]
+        ends = [e for e in (eta, *(p.eta for p in mates if p.epoch == opt.epoch)) if e is not None and e > now]
         phase = opt.local_steps * bs / opt._sps if opt._sps > 0 else 0.0
         if ends and early_due(opt, phase, min(ends) - now):
             # (the most samples we will average with: those of the steps left at this batch size)
-            begin_early(opt, opt.epoch, opt.local_samples + (opt.local_steps - opt._local_steps_done) * bs, view,
-                        ready_at=min(ends))
+            begin_early(opt, opt.epoch, opt.local_samples + (opt.local_steps - opt._local_steps_done) * bs, view)
     if overlap:  # (after the inner step: the next gradients are taken at the merged parameters)
         land_outer(opt, wait=False)
 

@@ -71,12 +71,12 @@ def round_cell(opt: DecentralizedOptimizer, view: SwarmView, epoch: int) -> Cell
 
 
 def _step(opt: DecentralizedOptimizer, cell: Cell, epoch: int, weight: float, expected: int,
-          start: EarlyStart | None = None, ready_at: float | None = None) -> Coroutine[Any, Any, StepResult]:
+          start: EarlyStart | None = None) -> Coroutine[Any, Any, StepResult]:
     # (delayed updates overlap training with the round: snapshots do not wait for it)
     on_group = None if opt.delay_updates and opt.mode == "sync" else opt._settled.clear
     return opt.averager.step(weight=weight, round_id=f"e{epoch}{cell.key}", timeout=opt.matchmaking_timeout,
                              expected=cell.expected if cell.key else expected, on_group=on_group, start=start,
-                             mates=cell.mates, ready_at=ready_at)
+                             mates=cell.mates)
 
 
 @dataclass
@@ -90,33 +90,16 @@ class Early:
     future: Future[StepResult | None]
 
 
-def begin_early(opt: DecentralizedOptimizer, epoch: int, weight: float, view: SwarmView,
-                ready_at: float | None = None) -> None:
+def begin_early(opt: DecentralizedOptimizer, epoch: int, weight: float, view: SwarmView) -> None:
     """Begin ``epoch``'s round before its data (hivemind's pre-scheduled step): its group forms while
     our last steps train, and ``average`` hands it the data at the epoch's end. ``weight``: the most
-    samples we will average with, ``ready_at`` when (unix time), both declared in matchmaking. Not
-    when nobody else looks due."""
+    samples we will average with (declared in matchmaking). Not when nobody else looks due."""
     expected = opt._expected(view, epoch)
     if expected <= 1:
         return
     cell = round_cell(opt, view, epoch)
     start = EarlyStart(opt._loop.loop)
-    step = _step(opt, cell, epoch, weight, expected, start, ready_at)
-    opt._early = Early(epoch, cell, expected, start, opt._loop.submit(step))
-
-
-def round_id(opt: DecentralizedOptimizer, view: SwarmView, epoch: int) -> str:
-    """Round ``epoch``'s id: its grid cell's key (as ``round_cell`` draws it) after the epoch."""
-    key = opt.mixer.key(epoch, tuple(p.peer.to_bytes() for p in view.training)) if opt.mixer is not None else ""
-    return f"e{epoch}{key}"
-
-
-def mates_ready_at(opt: DecentralizedOptimizer, view: SwarmView, epoch: int, mates: list[PeerReport]) -> list[float]:
-    """When the ``mates`` that began ``epoch``'s round already said their data will be in (their
-    entries, written to our node directly: sooner than their next progress report reaches us)."""
-    ids = {p.peer for p in mates}
-    entries = opt.averager.matchmaker.arrived(round_id(opt, view, epoch))
-    return [e.ready_at for peer, e in entries.items() if peer in ids and e.ready_at is not None]
+    opt._early = Early(epoch, cell, expected, start, opt._loop.submit(_step(opt, cell, epoch, weight, expected, start)))
 
 
 def early_due(opt: DecentralizedOptimizer, epoch_s: float, left_s: float) -> bool:
