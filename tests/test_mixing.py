@@ -152,6 +152,39 @@ def test_peers_in_different_groups_converge_without_a_state_round(swarm):  # noq
             o.close()
 
 
+def test_a_state_round_walks_every_dimension_of_the_grid_and_leaves_one_model(swarm, monkeypatch):  # noqa: F811
+    """Eight peers in groups of two (a 2 x 2 x 2 grid) that start apart: a state round averages
+    along the three dimensions in turn, their groups formed at once (each dimension's all-reduce
+    waits for the one before), and every peer ends with the same model."""
+    models = [make_model(seed=i) for i in range(8)]
+    opts = [DecentralizedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), dht=swarm(), run_id="walk",
+                                   target_batch_size=128, batch_size_per_step=16, target_group_size=2,
+                                   average_state_every=1, matchmaking_timeout=5.0)
+            for m in models]
+    began: dict[str, list[float]] = defaultdict(list)
+    step = rounds._state_step
+
+    def timed(opt, averager, round_id, cell, start):
+        began[round_id].append(time.monotonic())
+        return step(opt, averager, round_id, cell, start)
+
+    monkeypatch.setattr(rounds, "_state_step", timed)
+    try:
+        for o in opts:
+            assert o.wait_for_peers(8, timeout=30) == 8
+        before = spread(models)
+        gens = [torch.Generator().manual_seed(40 + i) for i in range(8)]
+        in_threads(*(lambda i=i: train(opts[i], models[i], gens[i], 1) for i in range(8)))
+        after = spread(models)
+        assert all(o.stats.last_group_size <= 2 for o in opts)
+        state = [r for r in began if r.startswith("s0")]
+        assert len(state) == 4 * 3 and all(len(began[r]) == 2 for r in state)  # (4 cells of 2 per dimension)
+        assert before > 0.5 and after < 1e-5 * before, (before, after)
+    finally:
+        for o in opts:
+            o.close()
+
+
 def held_mix(monkeypatch, release: Future, write) -> None:
     """Mix rounds whose cell comes when ``release`` is set, and then ``write`` each tensor (the mix)."""
     class CellAverage:
