@@ -154,21 +154,20 @@ def test_peers_in_different_groups_converge_without_a_state_round(swarm):  # noq
 
 def test_a_state_round_walks_every_dimension_of_the_grid_and_leaves_one_model(swarm, monkeypatch):  # noqa: F811
     """Eight peers in groups of two (a 2 x 2 x 2 grid) that start apart: a state round averages
-    along the three dimensions in turn, their groups formed at once (each dimension's all-reduce
-    waits for the one before), and every peer ends with the same model."""
+    along the three dimensions in turn, and every peer ends with the same model."""
     models = [make_model(seed=i) for i in range(8)]
     opts = [DecentralizedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), dht=swarm(), run_id="walk",
                                    target_batch_size=128, batch_size_per_step=16, target_group_size=2,
                                    average_state_every=1, matchmaking_timeout=5.0)
             for m in models]
     began: dict[str, list[float]] = defaultdict(list)
-    step = rounds._state_step
+    state_round = rounds._state_round
 
-    def timed(opt, averager, round_id, cell, start):
+    def timed(opt, averager, round_id, cell):
         began[round_id].append(time.monotonic())
-        return step(opt, averager, round_id, cell, start)
+        return state_round(opt, averager, round_id, cell)
 
-    monkeypatch.setattr(rounds, "_state_step", timed)
+    monkeypatch.setattr(rounds, "_state_round", timed)
     try:
         for o in opts:
             assert o.wait_for_peers(8, timeout=30) == 8

@@ -72,12 +72,10 @@ class EarlyStart:
     """A round whose matchmaking begins before its tensors hold the data (``Averager.step(start=)``),
     so that the group is formed by the time they do (hivemind's pre-scheduled steps): from any
     thread, ``go(weight)`` once the data are in, or ``leave()`` to take no part after all (a group
-    formed meanwhile is told, and its others average without us at once). ``patience``: how long
-    after the group formed the step waits for ``go`` (default: its timeout)."""
+    formed meanwhile is told, and its others average without us at once)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, patience: float | None = None):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self.patience = patience
         self._ready: asyncio.Future[tuple[float, float] | None] = loop.create_future()
 
     def go(self, weight: float) -> None:
@@ -224,7 +222,7 @@ class Averager:
         if start is not None:
             # (at most the timeout again: the group's others wait about that long for our data)
             try:
-                go = await asyncio.wait_for(start.wait(), start.patience or timeout or self.matchmaking_timeout)
+                go = await asyncio.wait_for(start.wait(), timeout or self.matchmaking_timeout)
             except TimeoutError:
                 go = None
             if go is None:  # we left: the group's others go on without us, told so at once

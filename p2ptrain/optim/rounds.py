@@ -26,9 +26,6 @@ log = logging.getLogger("p2ptrain.optim")
 FRESH_LOOK = 2.0
 #: s: the least time before our epoch's end at which its round's matchmaking begins (begin_early)
 EARLY_LEAD = 0.2
-#: s: how long a state round's later dimension waits for the ones before it (a large model's
-#: all-reduce over a slow link), its group formed meanwhile (maybe_average_state)
-STATE_PATIENCE = 600.0
 
 
 def average(opt: DecentralizedOptimizer, epoch: int, samples: int, view: SwarmView) -> Future[StepResult | None]:
@@ -298,23 +295,10 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
         named = state_tensors(opt._outer, opt.outer_optimizer.state, due and opt._outer_momentum_in_state)
     averager = state_averager(opt, "state" if due else "mix", named)
     dims = len(opt.mixer.shape(len(cell.peers))) if due and cell.key and opt.mixer is not None else 1
-    # (from the dimension after the gradient round's) every dimension's matchmaking at once, their
-    # all-reduces one after another: each averages what the one before left
-    cells = [grid_cell(opt, cell.peers, k, cell.coming, cell.contacts) if cell.key else cell
-             for k in range(cell.k + 1, cell.k + 1 + dims)]
-    starts = [EarlyStart(opt._loop.loop, STATE_PATIENCE) if len(cells) > 1 else None for _ in cells]
-    futures = [_state_step(opt, averager, f"{'s' if due else 'm'}{epoch}{here.key}", here, start)
-               for here, start in zip(cells, starts)]
     averaged = False
-    try:
-        for start, future in zip(starts, futures):
-            if start is not None:
-                start.go(1.0)
-            averaged = _state_round(opt, future) or averaged
-    finally:
-        for start in starts:  # (the rest, if one raised: a group formed goes on without us)
-            if start is not None:
-                start.leave()
+    for k in range(cell.k + 1, cell.k + 1 + dims):  # (from the dimension after the gradient round's)
+        here = grid_cell(opt, cell.peers, k, cell.coming, cell.contacts) if cell.key else cell
+        averaged = _state_round(opt, averager, f"{'s' if due else 'm'}{epoch}{here.key}", here) or averaged
     return averaged
 
 
@@ -381,21 +365,17 @@ def state_averager(opt: DecentralizedOptimizer, kind: str, named: list[tuple[str
     return held[1]
 
 
-def _state_step(opt: DecentralizedOptimizer, averager: Averager, round_id: str, cell: Cell,
-                start: EarlyStart | None) -> Future[StepResult]:
-    # Only the training thread changes the state, and it waits for the round (_state_round): the
-    # state lock is taken for writing each slice of the average back, not across matchmaking and
-    # the network (a snapshot for a joiner would wait for all of it).
+def _state_round(opt: DecentralizedOptimizer, averager: Averager, round_id: str, cell: Cell) -> bool:
+    # Only the training thread changes the state, and it waits here for the round: the state
+    # lock is taken for writing each slice of the average back, not across matchmaking and the
+    # network (a snapshot for a joiner would wait for all of it).
     def written() -> None:
         opt._version += 1
 
-    return opt._loop.submit(averager.step(
-        weight=1.0, round_id=round_id, timeout=opt.matchmaking_timeout,
-        expected=cell.expected if cell.key else opt._last_expected, on_group=opt._settled.clear,
-        lock=opt._state_lock, on_write=written, mates=cell.mates, start=start))
-
-
-def _state_round(opt: DecentralizedOptimizer, future: Future[StepResult]) -> bool:
+    step = averager.step(weight=1.0, round_id=round_id, timeout=opt.matchmaking_timeout,
+                         expected=cell.expected if cell.key else opt._last_expected, on_group=opt._settled.clear,
+                         lock=opt._state_lock, on_write=written, mates=cell.mates)
+    future = opt._loop.submit(step)
     try:
         result = round_result(opt, future)
     finally:
