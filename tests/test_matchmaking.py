@@ -415,16 +415,9 @@ async def test_close_cancels_and_refuses(swarm):
         await ma.form_group(1, timeout=1.0)
 
 
-async def test_a_round_takes_about_two_round_trips_on_a_slow_link(swarm, monkeypatch):
-    """Every RPC pays an emulated round trip (half each way). Peers that arrive together and expect
-    each other write their entries and read the holders at once (one round trip), then join their
-    leader (one more): ~2 round trips, where a lookup before the write and a read after it took ~4.
-    A peer that comes later is seen by the others as its entry lands on their nodes (they all hold
-    the key), half a round trip after it left, not at the answer of a read (a round trip or more)."""
-    make, mm = swarm
-    peers = await make(4)
-    # long enough that the CPU of ~100 RPCs in one event loop is small against it on a loaded box
-    rtt = 0.5
+def slow_link(monkeypatch, peers: list[DHTNode], rtt: float = 0.5) -> float:
+    """Every RPC pays an emulated round trip of ``rtt`` s (half each way); returns it. Long enough
+    that the CPU of ~100 RPCs in one event loop is small against it on a loaded box."""
     for node in peers:
         node.config = dataclasses.replace(node.config, rpc_timeout=4 * rtt)
     call = Host.call
@@ -436,6 +429,18 @@ async def test_a_round_takes_about_two_round_trips_on_a_slow_link(swarm, monkeyp
         return result
 
     monkeypatch.setattr(Host, "call", slow_call)
+    return rtt
+
+
+async def test_a_round_takes_about_two_round_trips_on_a_slow_link(swarm, monkeypatch):
+    """Every RPC pays an emulated round trip (half each way). Peers that arrive together and expect
+    each other write their entries and read the holders at once (one round trip), then join their
+    leader (one more): ~2 round trips, where a lookup before the write and a read after it took ~4.
+    A peer that comes later is seen by the others as its entry lands on their nodes (they all hold
+    the key), half a round trip after it left, not at the answer of a read (a round trip or more)."""
+    make, mm = swarm
+    peers = await make(4)
+    rtt = slow_link(monkeypatch, peers)
     mms = [mm(n) for n in peers]
     async with asyncio.timeout(10):
         groups = await asyncio.gather(*(m.form_group(1, timeout=8.0, expected=4) for m in mms))
@@ -470,18 +475,7 @@ async def test_entries_go_straight_to_the_mates_so_a_cell_away_from_its_keys_hol
     a, b = [n for n in peers if n.peer_id not in holders][:2]  # (3 of the 11 hold no copy)
     mma, mmb = mm(a), mm(b)
     assert mma.round_key(round_id) == f"{PREFIX}/avg/{SCHEMA.hash}/{round_id}"
-    rtt = 0.5
-    for node in peers:
-        node.config = dataclasses.replace(node.config, rpc_timeout=4 * rtt)
-    call = Host.call
-
-    async def slow_call(self, *args, **kwargs):
-        await asyncio.sleep(rtt / 2)  # the emulated link, not a synchronisation
-        result = await call(self, *args, **kwargs)
-        await asyncio.sleep(rtt / 2)
-        return result
-
-    monkeypatch.setattr(Host, "call", slow_call)
+    rtt = slow_link(monkeypatch, peers)
 
     async def form(m: Matchmaker, mate: Contact, delay: float) -> float:
         await asyncio.sleep(delay)  # the scenario: the second peer ends its epoch later
