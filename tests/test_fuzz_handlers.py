@@ -226,6 +226,8 @@ def _rpc_strategies(target: Target) -> dict[str, st.SearchStrategy]:
         | st.tuples(st.binary(max_size=1100) | JUNK, st.lists(RECORD | JUNK, max_size=6) | JUNK).map(list),
         "p2ptrain.mm.join": ANY | mutated(join) | mutated(join, member | st.just(-1.0) | st.just(1e9)),
         "p2ptrain.state.manifest": ANY | mutated({"key": STATE_KEY}),
+        "p2ptrain.ar.left": ANY | mutated({"g": [os.urandom(16)]},
+                                          st.lists(st.binary(max_size=80) | JUNK, max_size=300) | JUNK),
     }
 
 
@@ -246,7 +248,7 @@ def _stream_strategies(target: Target) -> dict[str, st.SearchStrategy]:
 
 #: every handler a peer registers, and how it is fuzzed (the keys are checked against the host)
 RPC_METHODS = {"autonat.dial", "host.addrs", "ping", "find_node", "find_value", "store", "notice", "p2ptrain.mm.join",
-               "p2ptrain.state.manifest"}
+               "p2ptrain.state.manifest", "p2ptrain.ar.left"}
 STREAM_PROTOCOLS = {"p2ptrain.state.manifest/1", "p2ptrain.state.chunks/1", "p2ptrain/allreduce/1",
                     "p2ptrain/allreduce-audit/1"}
 
