@@ -66,8 +66,8 @@ def round_cell(opt: DecentralizedOptimizer, view: SwarmView, epoch: int) -> Cell
     """Round ``epoch``'s cell of the grid (its parameter mix, ``epoch + 1``, spans the groups this
     one forms, and the dimension mixed turns every epoch), expecting the peers that will come."""
     coming = frozenset(p.peer.to_bytes() for p in coming_peers(view, epoch, reports_ahead(opt)))
-    contacts = {p.peer.to_bytes(): Contact(p.peer, p.addr, relays=p.relays) for p in view.training if p.reach}
-    return grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch, coming, contacts)
+    reach = {p.peer.to_bytes(): p for p in view.training if p.reach}
+    return grid_cell(opt, tuple(p.peer.to_bytes() for p in view.training), epoch, coming, reach)
 
 
 def _step(opt: DecentralizedOptimizer, cell: Cell, epoch: int, weight: float, expected: int,
@@ -141,29 +141,30 @@ def drop_early(opt: DecentralizedOptimizer, stale: bool = False) -> None:
 class Cell:
     """Where a round of ours met: the peers its grid was drawn for, the round's index, its
     cell's key (``""``: the whole swarm under one key, no grid), how many of the peers expected
-    to come it holds (None: not known), and those peers; where the peers serve (their reports'
-    addresses), and of those the cell's others expected to come, told of our arrival directly."""
+    to come it holds (None: not known), and those peers; the reports of the peers that can be
+    dialed, and of those the cell's others expected to come, told of our arrival directly."""
 
     peers: tuple[bytes, ...] = ()
     k: int = 0
     key: str = ""
     expected: int | None = None
     coming: frozenset[bytes] | None = None
-    contacts: Mapping[bytes, Contact] = field(default_factory=dict, compare=False)
+    reach: Mapping[bytes, PeerReport] = field(default_factory=dict, compare=False)
     mates: tuple[Contact, ...] = ()
 
 
 def grid_cell(opt: DecentralizedOptimizer, peers: tuple[bytes, ...], k: int,
-              coming: frozenset[bytes] | None = None, contacts: Mapping[bytes, Contact] | None = None) -> Cell:
+              coming: frozenset[bytes] | None = None, reach: Mapping[bytes, PeerReport] | None = None) -> Cell:
     """The cell of round ``k`` in a grid drawn for ``peers`` (no grid without a mixer), expecting
-    those of ``coming`` (default: all) it holds; its mates are those of them in ``contacts`` (none
-    without a grid: the whole swarm, whose size no peer's writes may grow with)."""
-    contacts = contacts or {}
+    those of ``coming`` (default: all) it holds; its mates are those of them ``reach`` reports an
+    address for (none without a grid: the whole swarm, whose size no peer's writes may grow with)."""
+    reach = reach or {}
     members = opt.mixer.members(k, peers) if opt.mixer is not None else None
-    mates = tuple(contacts[p] for p in members or () if p in contacts and (coming is None or p in coming))
+    mates = tuple(Contact(r.peer, r.addr, relays=r.relays) for p in members or ()
+                  if (r := reach.get(p)) is not None and (coming is None or p in coming))
     if opt.mixer is None:
-        return Cell(peers, k, contacts=contacts)
-    return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers, coming), coming, contacts, mates)
+        return Cell(peers, k, reach=reach)
+    return Cell(peers, k, opt.mixer.key(k, peers), opt.mixer.expected(k, peers, coming), coming, reach, mates)
 
 
 def cell_reports(opt: DecentralizedOptimizer, view: SwarmView, k: int) -> list[PeerReport]:
@@ -297,7 +298,7 @@ def maybe_average_state(opt: DecentralizedOptimizer, epoch: int) -> bool:
     dims = len(opt.mixer.shape(len(cell.peers))) if due and cell.key and opt.mixer is not None else 1
     averaged = False
     for k in range(cell.k + 1, cell.k + 1 + dims):  # (from the dimension after the gradient round's)
-        here = grid_cell(opt, cell.peers, k, cell.coming, cell.contacts) if cell.key else cell
+        here = grid_cell(opt, cell.peers, k, cell.coming, cell.reach) if cell.key else cell
         averaged = _state_round(opt, averager, f"{'s' if due else 'm'}{epoch}{here.key}", here) or averaged
     return averaged
 
@@ -318,7 +319,7 @@ def start_mix(opt: DecentralizedOptimizer, epoch: int, cell: Cell) -> None:
     else:
         torch._foreach_copy_(bufs, params)
     averager = state_averager(opt, "mix", [(f"p{i}", b) for i, b in enumerate(bufs)])
-    here = grid_cell(opt, cell.peers, cell.k + 1, cell.coming, cell.contacts)
+    here = grid_cell(opt, cell.peers, cell.k + 1, cell.coming, cell.reach)
     step = averager.step(weight=1.0, round_id=f"m{epoch}{here.key}", timeout=opt.matchmaking_timeout,
                          expected=here.expected, mates=here.mates)
     opt._mixing = opt._loop.submit(step)
