@@ -170,6 +170,20 @@ def hook_formed(avgs: list[Averager]) -> list[asyncio.Event]:
     return formed
 
 
+async def begin_early(avgs: list[Averager], formed: list[asyncio.Event], round_id: str,
+                      weight: float) -> tuple[list[EarlyStart], list[asyncio.Task]]:
+    """Every averager begins ``round_id`` before its data (``step(start=)``, declaring ``weight``);
+    returns its start and step once each formed its group (``formed``: see ``hook_formed``)."""
+    loop = asyncio.get_running_loop()
+    for e in formed:
+        e.clear()
+    starts = [EarlyStart(loop) for _ in avgs]
+    steps = [asyncio.create_task(a.step(weight=weight, round_id=round_id, expected=len(avgs), start=s))
+             for a, s in zip(avgs, starts)]
+    await asyncio.gather(*(e.wait() for e in formed))
+    return starts, steps
+
+
 async def test_an_early_start_forms_the_group_first_and_averages_once_the_data_are_in(nodes):
     """``step(start=...)``: matchmaking runs before the data (the tensors are not touched), the
     all-reduce once every member said ``go`` with its weight; the wait for the group after that is
@@ -183,10 +197,7 @@ async def test_an_early_start_forms_the_group_first_and_averages_once_the_data_a
     formed = hook_formed(avgs)
     try:
         async with asyncio.timeout(30):
-            starts = [EarlyStart(loop) for _ in avgs]
-            steps = [asyncio.create_task(a.step(weight=100.0, round_id="r", expected=3, start=s))
-                     for a, s in zip(avgs, starts)]
-            await asyncio.gather(*(e.wait() for e in formed))
+            starts, steps = await begin_early(avgs, formed, "r", 100.0)
             assert not any(t.done() for t in steps) and all(bool((t == -1.0).all()) for t in tensors)
             weights = [1.0, 2.0, 5.0]
             for i, (t, s, w) in enumerate(zip(tensors, starts, weights)):
@@ -206,12 +217,7 @@ async def test_an_early_start_forms_the_group_first_and_averages_once_the_data_a
                 torch.testing.assert_close(t, torch.full((64,), mean), rtol=0, atol=1e-6)
 
             # the next round: one peer leaves before handing its data over
-            starts = [EarlyStart(loop) for _ in avgs]
-            for e in formed:
-                e.clear()
-            steps = [asyncio.create_task(a.step(weight=1.0, round_id="r2", expected=3, start=s))
-                     for a, s in zip(avgs, starts)]
-            await asyncio.gather(*(e.wait() for e in formed))
+            starts, steps = await begin_early(avgs, formed, "r2", 1.0)
             starts[2].leave()
             kept = tensors[2].clone()
             for s in starts[:2]:
@@ -236,10 +242,7 @@ async def test_a_member_that_leaves_a_round_begun_early_tells_the_others_who_go_
     formed = hook_formed(avgs)
     try:
         async with asyncio.timeout(30):
-            starts = [EarlyStart(loop) for _ in avgs]
-            steps = [asyncio.create_task(a.step(weight=1.0, round_id="r", expected=3, start=s))
-                     for a, s in zip(avgs, starts)]
-            await asyncio.gather(*(e.wait() for e in formed))
+            starts, steps = await begin_early(avgs, formed, "r", 1.0)
             starts[2].leave()
             t0 = loop.time()
             for s in starts[:2]:
